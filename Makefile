@@ -1,0 +1,49 @@
+# The two commands: `make demo` runs the main job, `make test` runs the tests.
+# Both create .venv from the committed, pinned requirements.lock when it is missing.
+PYTHON ?= python3.11
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: venv test test-slow test-all lint format demo airflow bench-quality bench-goodput-sim clean
+
+venv: $(STAMP)
+
+$(STAMP): requirements.lock pyproject.toml
+	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "error: $(PYTHON) not found (Python 3.11 is required)"; exit 1; }
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -r requirements.lock
+	$(BIN)/pip install --quiet --no-deps -e .
+	@touch $(STAMP)
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: $(STAMP)
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+test: $(STAMP) lint
+	$(BIN)/python -m pytest -q
+
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -q -m slow || [ $$? -eq 5 ]
+
+test-all: test test-slow
+
+demo: $(STAMP)
+	$(BIN)/python -m diloco_airflow.demo
+
+airflow: $(STAMP)
+	$(BIN)/python -m diloco_airflow.local_airflow serve
+
+bench-quality: $(STAMP)
+	$(BIN)/diloco bench quality --quick --json runs/bench_quality.json
+
+bench-goodput-sim: $(STAMP)
+	$(BIN)/diloco bench goodput-sim --json runs/bench_goodput_sim.json
+
+clean:
+	rm -rf runs airflow_home .pytest_cache .ruff_cache
