@@ -1,0 +1,216 @@
+"""`diloco`: a thin command line over the library.
+
+    diloco init    --store URL --name NAME [--config FILE] [--set key=value ...]
+    diloco island  --store URL --experiment NAME --island NAME
+    diloco merge   --store URL --experiment NAME [--follow]
+    diloco eval    --store URL --experiment NAME [--version N]
+    diloco status  --store URL --experiment NAME [--json]
+    diloco stop    --store URL --experiment NAME [--island NAME]
+    diloco bench   quality | goodput-sim | chaos  [...]
+
+Every error a user can cause (a bad config, name or URL, an unreachable store, a corrupt object)
+ends with one line on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+
+from training.config import ConfigError, ExperimentConfig, load_config, parse_config, with_overrides
+
+log = logging.getLogger("diloco")
+
+
+def _parse_value(text: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def _open(store_url: str, experiment: str):
+    from training.store.experiment import ExperimentStore
+    from training.store.objectstore import open_store
+
+    store = open_store(store_url)
+    store.check()
+    return ExperimentStore(store, experiment)
+
+
+def _load(args) -> tuple[ExperimentConfig, object]:
+    estore = _open(args.store, args.experiment)
+    return parse_config(estore.read_config()), estore
+
+
+def cmd_init(args) -> int:
+    from training.merge import initial_version
+
+    cfg = load_config(args.config) if args.config else None
+    base = cfg.model_dump(mode="json") if cfg else {}
+    base["name"] = args.name
+    base["store_url"] = args.store
+    cfg = parse_config(base)
+    overrides = {}
+    for item in args.set or []:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(f"--set expects key=value, got {item!r}")
+        overrides[key] = _parse_value(value)
+    cfg = with_overrides(cfg, overrides)
+    estore = _open(cfg.store_url, cfg.name)
+    estore.write_config(json.loads(cfg.to_json()))
+    created = initial_version(cfg, estore)
+    state = "created version 0" if created == 0 else "already initialized"
+    print(f"experiment {cfg.name} in {cfg.store_url}: {state}")
+    return 0
+
+
+def cmd_island(args) -> int:
+    from training.island import Island
+
+    cfg, estore = _load(args)
+    info = Island(cfg, args.island, estore).run(max_steps=args.max_steps)
+    print(json.dumps(info))
+    return 0
+
+
+def cmd_merge(args) -> int:
+    from training.merge import Merger
+
+    cfg, estore = _load(args)
+    merger = Merger(cfg, estore)
+    while True:
+        for r in merger.merge_all():
+            if r.version is not None:
+                print(f"version {r.version}: applied {len(r.applied)}", flush=True)
+            for pg, why in r.quarantined.items():
+                print(f"quarantined {pg}: {why}", flush=True)
+        if not args.follow or estore.stop_requested(None) and _all_done(cfg, estore):
+            return 0
+        time.sleep(args.poll)
+
+
+def _all_done(cfg: ExperimentConfig, estore) -> bool:
+    return set(estore.done()) >= {i.name for i in cfg.islands}
+
+
+def cmd_eval(args) -> int:
+    from training.evaluate import evaluate_version
+
+    cfg, estore = _load(args)
+    out = evaluate_version(cfg, estore, args.version)
+    print(json.dumps(out))
+    return 0
+
+
+def cmd_status(args) -> int:
+    from training.status import collect_status, format_status
+
+    cfg, estore = _load(args)
+    status = collect_status(cfg, estore)
+    print(json.dumps(status, indent=1) if args.json else format_status(status))
+    return 0
+
+
+def cmd_stop(args) -> int:
+    estore = _open(args.store, args.experiment)
+    estore.request_stop(args.island)
+    print(f"stop requested for {args.island or 'all islands'} of {args.experiment}")
+    return 0
+
+
+def cmd_bench(args, rest: list[str]) -> int:
+    if args.bench == "quality":
+        from training.bench import quality
+
+        return quality.main(rest)
+    if args.bench == "goodput-sim":
+        from training.bench import goodput_sim
+
+        return goodput_sim.main(rest)
+    if args.bench == "chaos":
+        from training.bench import chaos
+
+        return chaos.main(rest)
+    raise ConfigError(f"unknown benchmark {args.bench!r}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="diloco", description="Decoupled DiLoCo training pipeline")
+    p.add_argument("-v", "--verbose", action="store_true")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def with_store(sp, experiment=True):
+        sp.add_argument(
+            "--store", required=True, help="file:///path, gs://bucket/prefix, memory://x"
+        )
+        if experiment:
+            sp.add_argument("--experiment", required=True)
+        return sp
+
+    sp = with_store(sub.add_parser("init", help="create an experiment"), experiment=False)
+    sp.add_argument("--name", required=True)
+    sp.add_argument(
+        "--config", help="JSON config file (fields of training.config.ExperimentConfig)"
+    )
+    sp.add_argument("--set", action="append", metavar="KEY=VALUE", help="e.g. outer.lr=0.5")
+    sp.set_defaults(fn=cmd_init)
+
+    sp = with_store(sub.add_parser("island", help="run one island until stopped"))
+    sp.add_argument("--island", required=True)
+    sp.add_argument("--max-steps", type=int, default=None)
+    sp.set_defaults(fn=cmd_island)
+
+    sp = with_store(sub.add_parser("merge", help="apply committed pseudo-gradients"))
+    sp.add_argument("--follow", action="store_true", help="keep merging until the run ends")
+    sp.add_argument("--poll", type=float, default=1.0)
+    sp.set_defaults(fn=cmd_merge)
+
+    sp = with_store(sub.add_parser("eval", help="held-out loss of a global version"))
+    sp.add_argument("--version", type=int, default=None)
+    sp.set_defaults(fn=cmd_eval)
+
+    sp = with_store(sub.add_parser("status", help="versions, islands, staleness, losses"))
+    sp.add_argument("--json", action="store_true")
+    sp.set_defaults(fn=cmd_status)
+
+    sp = with_store(sub.add_parser("stop", help="ask islands to stop"))
+    sp.add_argument("--island", default=None)
+    sp.set_defaults(fn=cmd_stop)
+
+    sp = sub.add_parser("bench", help="benchmarks: quality, goodput-sim, chaos")
+    sp.add_argument("bench", choices=["quality", "goodput-sim", "chaos"])
+    sp.set_defaults(fn=None)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if rest and args.command != "bench":
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
+    from training.store.objectstore import StoreError
+
+    try:
+        if args.command == "bench":
+            return cmd_bench(args, rest)
+        return args.fn(args)
+    except (ConfigError, StoreError, ValueError, RuntimeError) as err:
+        msg = str(err).splitlines()[0] if str(err) else type(err).__name__
+        print(f"diloco {args.command}: error: {msg}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

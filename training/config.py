@@ -1,0 +1,268 @@
+"""One typed, validated experiment config.
+
+Every process (island, merge, eval, the Airflow DAG's Params form) builds an `ExperimentConfig`
+from the same fields; `diloco init` writes it as `config.json` next to the run. Models are frozen
+and reject unknown keys, so a typo in a config file or a DAG trigger is an error, not a default.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+NAME_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
+
+OuterMethod = Literal["dp", "sync", "nesterov", "delayed_nesterov", "decoupled"]
+Codec = Literal["fp32", "bf16", "int8", "int4"]
+Backend = Literal["local", "tpu_vm", "gke"]
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used; the message is one line naming the problem."""
+
+
+def check_name(kind: str, value: str) -> str:
+    """Experiment and island names: lowercase letters, digits and '-', at most 63 characters."""
+    if not isinstance(value, str) or not NAME_RE.match(value):
+        why = "must match [a-z0-9][a-z0-9-]{0,62}"
+        if isinstance(value, str) and ("/" in value or "\\" in value or ".." in value):
+            why = "must not contain path separators or '..'"
+        raise ValueError(f"invalid {kind} name {value!r}: {why}")
+    return value
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+# (d_model, n_layers, n_heads, d_ff, vocab_size, max_seq_len)
+PRESETS: dict[str, tuple[int, int, int, int, int, int]] = {
+    "tiny": (128, 2, 4, 512, 256, 64),
+    "small": (384, 8, 6, 1536, 256, 256),
+    "125m": (768, 12, 12, 3072, 50304, 1024),
+    "1b": (2048, 18, 16, 8192, 50304, 2048),
+    "12b": (5120, 38, 40, 20480, 50304, 4096),
+}
+
+
+class ModelConfig(_Frozen):
+    """A decoder-only transformer; `preset` sets every size, explicit fields override it."""
+
+    preset: Literal["tiny", "small", "125m", "1b", "12b"] = "tiny"
+    d_model: int | None = Field(None, gt=0)
+    n_layers: int | None = Field(None, gt=0)
+    n_heads: int | None = Field(None, gt=0)
+    d_ff: int | None = Field(None, gt=0)
+    vocab_size: int | None = Field(None, gt=1)
+    max_seq_len: int | None = Field(None, gt=0)
+
+    def dims(self) -> dict[str, int]:
+        d, n_layers, heads, ff, vocab, seq = PRESETS[self.preset]
+        out = dict(
+            d_model=self.d_model or d,
+            n_layers=self.n_layers or n_layers,
+            n_heads=self.n_heads or heads,
+            d_ff=self.d_ff or ff,
+            vocab_size=self.vocab_size or vocab,
+            max_seq_len=self.max_seq_len or seq,
+        )
+        if out["d_model"] % out["n_heads"]:
+            raise ConfigError(
+                f"model: d_model {out['d_model']} is not divisible by n_heads {out['n_heads']}"
+            )
+        return out
+
+    def param_count(self) -> int:
+        """Exact parameter count of `training.model.Transformer` for these dims (tied head)."""
+        m = self.dims()
+        d, f = m["d_model"], m["d_ff"]
+        per_layer = 4 * d * d + 2 * d * f + 2 * d  # qkv + out, mlp up + down, two RMSNorm scales
+        return m["vocab_size"] * d + m["max_seq_len"] * d + m["n_layers"] * per_layer + d
+
+
+class DataConfig(_Frozen):
+    source: str = "builtin:pydoc"
+    seq_len: int = Field(64, gt=0)
+    batch_size: int = Field(16, gt=0)
+    eval_fraction: float = Field(0.05, gt=0, lt=0.5)
+    eval_batches: int = Field(8, gt=0)
+    num_shards: int | None = Field(None, gt=0, description="default: number of islands")
+
+
+class InnerConfig(_Frozen):
+    """AdamW on each island; H inner steps between publishes of a fragment."""
+
+    lr: float = Field(3e-3, gt=0)
+    warmup_steps: int = Field(20, ge=0)
+    weight_decay: float = Field(0.1, ge=0)
+    b1: float = Field(0.9, gt=0, lt=1)
+    b2: float = Field(0.95, gt=0, lt=1)
+    grad_clip: float = Field(1.0, gt=0)
+    H: int = Field(30, gt=0)
+    dylu: bool = True
+    tau: int = Field(0, ge=0, description="overlap steps between publish and adopting the merge")
+    alpha: float = Field(0.0, ge=0, lt=1, description="blend: theta <- a*theta + (1-a)*global")
+
+
+class OuterConfig(_Frozen):
+    method: OuterMethod = "decoupled"
+    lr: float = Field(0.7, gt=0)
+    momentum: float = Field(0.9, ge=0, lt=1)
+    nesterov: bool = True
+    delay_period: int | None = Field(None, gt=0, description="Delayed Nesterov N; default M")
+    quorum: int = Field(1, gt=0, description="K: minimum islands per fragment merge")
+    grace_gamma: float = Field(0.5, ge=0, lt=1)
+    max_grace_s: float = Field(30.0, ge=0)
+    max_staleness: int = Field(16, gt=0, description="drop contributions older than this")
+    rda: bool = True
+    token_weighting: bool = True
+    clip_multiplier: float = Field(5.0, gt=1, description="clip norms above k x running median")
+
+
+class FragmentConfig(_Frozen):
+    count: int = Field(1, gt=0)
+    strategy: Literal["strided", "balanced"] = "strided"
+
+
+class IslandConfig(_Frozen):
+    name: str
+    speed: float = Field(1.0, gt=0, description="relative speed (DyLU; virtual clock in benches)")
+    backend: Backend = "local"
+    hardware: dict[str, Any] = Field(default_factory=dict)
+    shard: int | None = Field(None, ge=0)
+    max_tokens: int | None = Field(None, gt=0)
+
+    _name = field_validator("name")(lambda cls, v: check_name("island", v))
+
+
+class ChaosConfig(_Frozen):
+    """Fault injection; everything off by default. Every injected event is recorded in metrics."""
+
+    kill_mtbi_s: float | None = Field(None, gt=0, description="SIGKILL islands, mean seconds")
+    max_kills: int = Field(0, ge=0)
+    stall_island: str | None = None
+    stall_after_s: float = Field(30.0, ge=0)
+    slow_island: str | None = None
+    slow_factor: float = Field(1.0, ge=1)
+    storage_error_rate: float = Field(0.0, ge=0, lt=1)
+    storage_latency_s: float = Field(0.0, ge=0)
+    kill_merge_at: str | None = None
+    seed: int = 0
+
+
+class ExperimentConfig(_Frozen):
+    name: str
+    store_url: str = "file://./runs/store"
+    seed: int = 0
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    inner: InnerConfig = InnerConfig()
+    outer: OuterConfig = OuterConfig()
+    fragments: FragmentConfig = FragmentConfig()
+    codec: Codec = "int8"
+    error_feedback: bool = True
+    islands: tuple[IslandConfig, ...] = (
+        IslandConfig(name="island-0"),
+        IslandConfig(name="island-1"),
+    )
+    token_budget: int = Field(2_000_000, gt=0, description="total tokens merged, all islands")
+    eval_every_versions: int = Field(5, gt=0)
+    heartbeat_s: float = Field(5.0, gt=0)
+    chaos: ChaosConfig = ChaosConfig()
+
+    _name = field_validator("name")(lambda cls, v: check_name("experiment", v))
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ExperimentConfig:
+        names = [i.name for i in self.islands]
+        if not names:
+            raise ValueError("islands: at least one island is required")
+        if len(set(names)) != len(names):
+            raise ValueError(f"islands: duplicate names {sorted(names)}")
+        dims = self.model.dims()
+        if self.data.seq_len > dims["max_seq_len"]:
+            raise ValueError(
+                f"data.seq_len {self.data.seq_len} exceeds the model's max_seq_len "
+                f"{dims['max_seq_len']}"
+            )
+        if self.fragments.count > dims["n_layers"]:
+            raise ValueError(
+                f"fragments.count {self.fragments.count} exceeds the model's "
+                f"{dims['n_layers']} transformer blocks"
+            )
+        return self
+
+    @property
+    def num_shards(self) -> int:
+        return self.data.num_shards or len(self.islands)
+
+    def island(self, name: str) -> IslandConfig:
+        for isl in self.islands:
+            if isl.name == name:
+                return isl
+        raise ConfigError(f"island {name!r} is not in experiment {self.name!r}")
+
+    def shard_of(self, name: str) -> int:
+        isl = self.island(name)
+        shard = isl.shard if isl.shard is not None else [i.name for i in self.islands].index(name)
+        if shard >= self.num_shards:
+            raise ConfigError(f"island {name!r}: shard {shard} >= num_shards {self.num_shards}")
+        return shard
+
+    def inner_steps(self, name: str) -> int:
+        """H for this island: DyLU scales it with the island's speed."""
+        if not self.inner.dylu:
+            return self.inner.H
+        top = max(i.speed for i in self.islands)
+        return max(1, int(self.inner.H * self.island(name).speed / top))
+
+    def to_json(self) -> str:
+        return json.dumps(self.model_dump(mode="json"), indent=2, sort_keys=True)
+
+
+def _one_line(err: ValidationError) -> str:
+    first = err.errors()[0]
+    loc = ".".join(str(p) for p in first["loc"]) or "config"
+    msg = first["msg"].removeprefix("Value error, ")
+    more = f" (+{err.error_count() - 1} more)" if err.error_count() > 1 else ""
+    return f"{loc}: {msg}{more}"
+
+
+def parse_config(data: dict[str, Any]) -> ExperimentConfig:
+    """Validate a dict; raise ConfigError with one line naming the first problem."""
+    try:
+        return ExperimentConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(f"invalid config: {_one_line(err)}") from None
+    except ValueError as err:
+        raise ConfigError(f"invalid config: {err}") from None
+
+
+def load_config(path: str | Path) -> ExperimentConfig:
+    try:
+        text = Path(path).read_text()
+    except OSError as err:
+        raise ConfigError(f"cannot read config {path}: {err.strerror}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"config {path} is not valid JSON: {err}") from None
+    return parse_config(data)
+
+
+def with_overrides(cfg: ExperimentConfig, overrides: dict[str, Any]) -> ExperimentConfig:
+    """Apply dotted overrides (`{"outer.lr": 0.5, "islands": [...]}`) and re-validate."""
+    data = cfg.model_dump(mode="json")
+    for dotted, value in overrides.items():
+        node = data
+        *parents, leaf = dotted.split(".")
+        for key in parents:
+            if not isinstance(node.get(key), dict):
+                raise ConfigError(f"invalid config: unknown field {dotted!r}")
+            node = node[key]
+        node[leaf] = value
+    return parse_config(data)

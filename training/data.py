@@ -1,0 +1,448 @@
+"""Training data: built-in corpus, byte tokenizer, fsspec sources, island shards, resumable batches.
+
+Sources (`load_corpus(source)`):
+- `"builtin:pydoc"`: English prose shipped with CPython, no download. The language reference topics
+  (`pydoc_data.topics`) plus the docstrings of the stdlib's pure-Python modules (parsed with `ast`,
+  never imported). Each topic and each module is one document.
+- any fsspec URL or glob of text files (`file:///x/*.txt`, `gs://b/*.txt`, `memory://...`): each file
+  is one document, tokenized as UTF-8 bytes.
+- pre-tokenized shards: `*.npy` or raw little-endian `*.u16.bin` / `*.u32.bin` (uint16 / uint32).
+
+Documents are joined with `DOC_SEPARATOR`. Text sources split train / eval per document by a stable
+hash of the document id; array sources hold out the last `eval_fraction` of each file's tokens.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import hashlib
+import os
+import sysconfig
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import numpy as np
+
+VOCAB_SIZE = 256
+BUILTIN_SOURCE = "builtin:pydoc"
+DOC_SEPARATOR = "\n\n"
+CURSOR_VERSION = 1
+
+_SKIP_DIRS = frozenset(
+    {
+        "test",
+        "tests",
+        "idlelib",
+        "site-packages",
+        "dist-packages",
+        "lib2to3",
+        "tkinter",
+        "turtledemo",
+        "ensurepip",
+        "pydoc_data",
+        "__pycache__",
+    }
+)
+_DEFS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+_BIN_DTYPES = {".u16.bin": np.uint16, ".u32.bin": np.uint32}
+_FINGERPRINT_SPAN = 1 << 20
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenizer
+
+
+def encode(text: str) -> np.ndarray:
+    """UTF-8 bytes of `text` as uint16 token ids (0..255)."""
+    return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.uint16)
+
+
+def decode(ids: Any) -> str:
+    """Inverse of `encode`; invalid UTF-8 becomes U+FFFD."""
+    arr = np.asarray(ids).reshape(-1)
+    if arr.size and (arr.min() < 0 or arr.max() >= VOCAB_SIZE):
+        raise ValueError(f"byte tokenizer ids must be in [0, {VOCAB_SIZE}), got max {arr.max()}")
+    return arr.astype(np.uint8).tobytes().decode("utf-8", errors="replace")
+
+
+# ---------------------------------------------------------------------------------------------
+# Built-in corpus
+
+
+def _stdlib_sources() -> list[tuple[str, Path]]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(
+            d for d in dirnames if d not in _SKIP_DIRS and not d.startswith(("config-", "."))
+        )
+        for filename in filenames:
+            if filename.endswith(".py"):
+                path = Path(dirpath) / filename
+                found.append((path.relative_to(root).as_posix(), path))
+    return sorted(found)
+
+
+def _collect_docstrings(body: list[ast.stmt], out: list[str]) -> None:
+    for node in body:
+        if isinstance(node, _DEFS):
+            doc = ast.get_docstring(node)
+            if doc:
+                out.append(doc)
+        for field in ("body", "orelse", "finalbody", "handlers", "cases"):
+            children = getattr(node, field, None)
+            if children:
+                _collect_docstrings(children, out)
+
+
+def _module_text(path: Path) -> str:
+    try:
+        tree = ast.parse(path.read_bytes())
+    except (SyntaxError, ValueError, OSError):
+        return ""
+    parts: list[str] = []
+    doc = ast.get_docstring(tree)
+    if doc:
+        parts.append(doc)
+    _collect_docstrings(tree.body, parts)
+    return DOC_SEPARATOR.join(parts)
+
+
+@functools.cache
+def builtin_documents() -> tuple[tuple[str, str], ...]:
+    """The `builtin:pydoc` corpus as (document id, text) pairs, in a fixed order."""
+    from pydoc_data.topics import topics
+
+    docs = [(f"topic/{name}", topics[name].strip()) for name in sorted(topics)]
+    for relpath, path in _stdlib_sources():
+        text = _module_text(path).strip()
+        if text:
+            docs.append((f"module/{relpath}", text))
+    return tuple((doc_id, text) for doc_id, text in docs if text)
+
+
+# ---------------------------------------------------------------------------------------------
+# Corpus loading
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """Train / eval token streams of one source."""
+
+    train: np.ndarray
+    eval: np.ndarray
+    vocab_size: int
+    source: str
+    fingerprint: str
+    train_documents: int = 0
+    eval_documents: int = 0
+
+
+def _stable_unit(doc_id: str) -> float:
+    """A number in [0, 1) that depends only on `doc_id`."""
+    digest = hashlib.sha256(doc_id.encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "big") / 2.0**64
+
+
+def fingerprint(tokens: np.ndarray) -> str:
+    """Short sha256 of the token count and the first and last 1M tokens (dtype-independent)."""
+    h = hashlib.sha256()
+    h.update(f"n={len(tokens)};".encode())
+    h.update(np.ascontiguousarray(tokens[:_FINGERPRINT_SPAN], dtype="<u4").tobytes())
+    h.update(np.ascontiguousarray(tokens[-_FINGERPRINT_SPAN:], dtype="<u4").tobytes())
+    return h.hexdigest()[:16]
+
+
+def _join(docs: list[np.ndarray], dtype: type) -> np.ndarray:
+    if not docs:
+        return np.zeros(0, dtype=dtype)
+    sep = encode(DOC_SEPARATOR).astype(dtype)
+    pieces: list[np.ndarray] = []
+    for doc in docs:
+        pieces.extend((doc.astype(dtype, copy=False), sep))
+    return np.concatenate(pieces)
+
+
+def _split_documents(
+    docs: list[tuple[str, np.ndarray]], eval_fraction: float
+) -> tuple[np.ndarray, np.ndarray, int, int]:
+    """Hash split by document id; if either side ends up empty, hold out each document's tail."""
+    train = [toks for doc_id, toks in docs if _stable_unit(doc_id) >= eval_fraction]
+    held = [toks for doc_id, toks in docs if _stable_unit(doc_id) < eval_fraction]
+    if eval_fraction > 0 and (not train or not held):
+        cuts = [len(toks) - int(round(len(toks) * eval_fraction)) for _, toks in docs]
+        train = [toks[:cut] for (_, toks), cut in zip(docs, cuts, strict=True)]
+        held = [toks[cut:] for (_, toks), cut in zip(docs, cuts, strict=True)]
+    return _join(train, np.uint16), _join(held, np.uint16), len(train), len(held)
+
+
+def _expand(source: str) -> tuple[fsspec.AbstractFileSystem, list[str]]:
+    fs, _, paths = fsspec.core.get_fs_token_paths(source, mode="rb")
+    files = sorted(p for p in paths if not fs.isdir(p))
+    if not files:
+        raise ValueError(f"data source {source!r} matches no files")
+    return fs, files
+
+
+def _array_dtype(path: str, dtype: str | None) -> np.dtype:
+    if dtype is not None:
+        resolved = np.dtype(dtype)
+    else:
+        suffix = next((s for s in _BIN_DTYPES if path.endswith(s)), None)
+        if suffix is None:
+            raise ValueError(
+                f"{path}: raw .bin shards need a dtype suffix (.u16.bin / .u32.bin) or dtype="
+            )
+        resolved = np.dtype(_BIN_DTYPES[suffix])
+    if resolved not in (np.dtype(np.uint16), np.dtype(np.uint32)):
+        raise ValueError(f"{path}: token arrays must be uint16 or uint32, got {resolved}")
+    return resolved.newbyteorder("<")
+
+
+def _load_array(fs: fsspec.AbstractFileSystem, path: str, dtype: str | None) -> np.ndarray:
+    with fs.open(path, "rb") as f:
+        if path.endswith(".npy"):
+            arr = np.load(f, allow_pickle=False)
+        else:
+            raw = f.read()
+            wire = _array_dtype(path, dtype)
+            if len(raw) % wire.itemsize:
+                raise ValueError(f"{path}: {len(raw)} bytes is not a multiple of {wire.itemsize}")
+            arr = np.frombuffer(raw, dtype=wire)
+    if arr.dtype.kind != "u" or arr.dtype.itemsize not in (2, 4):
+        raise ValueError(f"{path}: token arrays must be uint16 or uint32, got {arr.dtype}")
+    return arr.reshape(-1).astype(arr.dtype.newbyteorder("="), copy=False)
+
+
+def _check_vocab(tokens: np.ndarray, path: str, vocab_size: int) -> None:
+    if tokens.size and int(tokens.max()) >= vocab_size:
+        raise ValueError(
+            f"{path}: max token {int(tokens.max())} does not fit vocab_size {vocab_size}"
+        )
+
+
+def _load_arrays(
+    source: str,
+    fs: fsspec.AbstractFileSystem,
+    files: list[str],
+    eval_fraction: float,
+    vocab_size: int | None,
+    dtype: str | None,
+) -> Corpus:
+    train, held = [], []
+    max_token = -1
+    for path in files:
+        tokens = _load_array(fs, path, dtype)
+        if vocab_size is not None:
+            _check_vocab(tokens, path, vocab_size)
+        if tokens.size:
+            max_token = max(max_token, int(tokens.max()))
+        cut = len(tokens) - int(round(len(tokens) * eval_fraction))
+        train.append(tokens[:cut])
+        held.append(tokens[cut:])
+    out_dtype = np.result_type(*(t.dtype for t in train))
+    train_tokens = np.concatenate(train).astype(out_dtype, copy=False)
+    eval_tokens = np.concatenate(held).astype(out_dtype, copy=False)
+    return Corpus(
+        train=train_tokens,
+        eval=eval_tokens,
+        vocab_size=vocab_size if vocab_size is not None else max_token + 1,
+        source=source,
+        fingerprint=fingerprint(train_tokens),
+        train_documents=len(files),
+        eval_documents=len(files) if eval_tokens.size else 0,
+    )
+
+
+def _read_text_files(
+    fs: fsspec.AbstractFileSystem, files: list[str]
+) -> list[tuple[str, np.ndarray]]:
+    docs = []
+    for path in files:
+        with fs.open(path, "rb") as f:
+            raw = f.read()
+        docs.append((path, np.frombuffer(raw, dtype=np.uint8).astype(np.uint16)))
+    return docs
+
+
+def _is_array_path(path: str) -> bool:
+    return path.endswith((".npy", ".bin"))
+
+
+def load_corpus(
+    source: str = BUILTIN_SOURCE,
+    eval_fraction: float = 0.05,
+    vocab_size: int | None = None,
+    dtype: str | None = None,
+) -> Corpus:
+    """Load `source` and split it into train and held-out eval tokens.
+
+    `vocab_size` is the model's vocabulary: every token must be below it. Without it, text sources
+    report 256 and array sources `max token + 1`. `dtype` ("uint16" / "uint32") overrides the
+    suffix of raw `.bin` shards.
+    """
+    if not 0.0 <= eval_fraction < 1.0:
+        raise ValueError(f"eval_fraction must be in [0, 1), got {eval_fraction}")
+    if vocab_size is not None and vocab_size < 1:
+        raise ValueError(f"vocab_size must be positive, got {vocab_size}")
+    if source == BUILTIN_SOURCE:
+        docs = [(doc_id, encode(text)) for doc_id, text in builtin_documents()]
+    elif source.startswith("builtin:"):
+        raise ValueError(f"unknown built-in corpus {source!r}; known: {BUILTIN_SOURCE!r}")
+    else:
+        fs, files = _expand(source)
+        kinds = {_is_array_path(p) for p in files}
+        if kinds == {True, False}:
+            raise ValueError(f"data source {source!r} mixes text files and token arrays")
+        if kinds == {True}:
+            return _load_arrays(source, fs, files, eval_fraction, vocab_size, dtype)
+        docs = _read_text_files(fs, files)
+    if vocab_size is not None and vocab_size < VOCAB_SIZE:
+        raise ValueError(f"text source {source!r} needs vocab_size >= {VOCAB_SIZE}")
+    train, held, n_train, n_eval = _split_documents(docs, eval_fraction)
+    return Corpus(
+        train=train,
+        eval=held,
+        vocab_size=VOCAB_SIZE,
+        source=source,
+        fingerprint=fingerprint(train),
+        train_documents=n_train,
+        eval_documents=n_eval,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Shards and batches
+
+
+def shard_tokens(train: np.ndarray, shard: int, num_shards: int) -> np.ndarray:
+    """Contiguous slice `shard` of `num_shards` equal slices (the remainder is dropped)."""
+    if num_shards < 1 or not 0 <= shard < num_shards:
+        raise ValueError(f"need 0 <= shard < num_shards, got shard={shard} of {num_shards}")
+    size = len(train) // num_shards
+    return train[shard * size : (shard + 1) * size]
+
+
+def _windows(tokens: np.ndarray, starts: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+    rows = tokens[starts[:, None] + np.arange(seq_len + 1)].astype(np.int32)
+    return rows[:, :-1], rows[:, 1:]
+
+
+class BatchLoader:
+    """Endless, resumable batches of (inputs, targets), int32 of shape (batch_size, seq_len).
+
+    Windows of seq_len + 1 tokens start every seq_len tokens, so each token is a target once per
+    epoch. Each epoch visits the windows in a permutation seeded by (seed, epoch); leftover windows
+    (fewer than a batch) are skipped for that epoch. `state()` is a JSON cursor; a loader built
+    with it continues with exactly the batch the original would have produced next.
+    """
+
+    def __init__(
+        self,
+        tokens: np.ndarray,
+        batch_size: int,
+        seq_len: int,
+        seed: int,
+        cursor: dict | None = None,
+    ):
+        if batch_size < 1 or seq_len < 1:
+            raise ValueError(f"batch_size and seq_len must be positive: {batch_size}, {seq_len}")
+        if seed < 0:
+            raise ValueError(f"seed must be non-negative, got {seed}")
+        self.tokens = tokens
+        self.batch_size = batch_size
+        self.seq_len = seq_len
+        self.seed = seed
+        self.num_windows = max(0, (len(tokens) - 1) // seq_len)
+        self.batches_per_epoch = self.num_windows // batch_size
+        if self.batches_per_epoch == 0:
+            raise ValueError(
+                f"shard of {len(tokens)} tokens is too small for one batch of "
+                f"{batch_size} x {seq_len + 1} tokens"
+            )
+        self.epoch = 0
+        self.position = 0
+        self._order: np.ndarray | None = None
+        if cursor is not None:
+            self._restore(cursor)
+
+    @property
+    def tokens_per_batch(self) -> int:
+        return self.batch_size * self.seq_len
+
+    def _restore(self, cursor: dict) -> None:
+        expected = {
+            "seed": self.seed,
+            "batch_size": self.batch_size,
+            "seq_len": self.seq_len,
+            "num_windows": self.num_windows,
+        }
+        for key, value in expected.items():
+            if cursor.get(key) != value:
+                raise ValueError(
+                    f"data cursor does not match this loader: {key}={cursor.get(key)!r}, "
+                    f"expected {value!r}"
+                )
+        epoch, position = int(cursor["epoch"]), int(cursor["position"])
+        if epoch < 0 or not 0 <= position <= self.batches_per_epoch:
+            raise ValueError(f"invalid data cursor position: epoch={epoch}, position={position}")
+        self.epoch, self.position = epoch, position
+
+    def state(self) -> dict:
+        """JSON-serializable cursor of the next batch."""
+        return {
+            "version": CURSOR_VERSION,
+            "epoch": self.epoch,
+            "position": self.position,
+            "seed": self.seed,
+            "batch_size": self.batch_size,
+            "seq_len": self.seq_len,
+            "num_windows": self.num_windows,
+            "tokens_seen": (self.epoch * self.batches_per_epoch + self.position)
+            * self.tokens_per_batch,
+        }
+
+    def _epoch_order(self) -> np.ndarray:
+        if self._order is None:
+            rng = np.random.default_rng([self.seed, self.epoch])
+            self._order = rng.permutation(self.num_windows)
+        return self._order
+
+    def next_batch(self) -> tuple[np.ndarray, np.ndarray]:
+        if self.position >= self.batches_per_epoch:
+            self.epoch += 1
+            self.position = 0
+            self._order = None
+        lo = self.position * self.batch_size
+        windows = self._epoch_order()[lo : lo + self.batch_size]
+        self.position += 1
+        return _windows(self.tokens, windows * self.seq_len, self.seq_len)
+
+    def __iter__(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        while True:
+            yield self.next_batch()
+
+
+def eval_batches(
+    eval_tokens: np.ndarray, batch_size: int, seq_len: int, max_batches: int
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Fixed eval batches: up to `max_batches` batches of windows spread evenly over the eval set."""
+    if batch_size < 1 or seq_len < 1 or max_batches < 1:
+        raise ValueError("batch_size, seq_len and max_batches must be positive")
+    num_windows = max(0, (len(eval_tokens) - 1) // seq_len)
+    num_batches = min(max_batches, num_windows // batch_size)
+    if num_batches == 0:
+        raise ValueError(
+            f"eval set of {len(eval_tokens)} tokens is too small for one batch of "
+            f"{batch_size} x {seq_len + 1} tokens"
+        )
+    count = num_batches * batch_size
+    starts = (np.arange(count) * num_windows // count) * seq_len
+    return [
+        _windows(eval_tokens, starts[i * batch_size : (i + 1) * batch_size], seq_len)
+        for i in range(num_batches)
+    ]

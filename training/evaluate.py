@@ -1,0 +1,29 @@
+"""Held-out evaluation of global versions."""
+
+from __future__ import annotations
+
+from training.config import ExperimentConfig
+from training.data import eval_batches
+from training.island import corpus_for, loop_for
+
+
+def eval_loss(cfg: ExperimentConfig, params) -> float:
+    """Mean next-token loss of `params` on the held-out split (fixed, deterministic batches)."""
+    corpus = corpus_for(cfg)
+    batches = eval_batches(
+        corpus.eval, cfg.data.batch_size, cfg.data.seq_len, cfg.data.eval_batches
+    )
+    loop = loop_for(cfg)
+    return loop.eval_loss(loop.put_params(params), batches)
+
+
+def evaluate_version(cfg: ExperimentConfig, store, version: int | None = None) -> dict:
+    """Evaluate a committed global version (default: the head) and record it in metrics/eval."""
+    g = store.load_global(store.find_version(version) if version is not None else None)
+    record = dict(
+        version=g.version,
+        loss=eval_loss(cfg, g.params),
+        tokens_merged=int(g.manifest.get("tokens_merged", 0)),
+    )
+    store.append_metric("eval", record)
+    return record

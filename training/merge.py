@@ -1,0 +1,316 @@
+"""The merger: apply every committed, unapplied pseudo-gradient exactly once.
+
+One `merge_once()` is one attempt at one new global version:
+1. read HEAD; re-create the ledger entries of HEAD's `applied` list (a crash after the head
+   compare-and-swap but before the ledger writes is repaired here; by induction every older
+   version's entries exist);
+2. list committed pseudo-gradients, drop those already in the ledger or in quarantine;
+3. validate each (manifest, tree, shapes, dtypes, finiteness, checksum, staleness, replay) and
+   quarantine the bad ones with a reason — the merge goes on without them;
+4. let the outer method decide which contributions to apply now (quorum, grace window, sync);
+5. write the new version (payload first, manifest last) and advance HEAD by compare-and-swap
+   from the head read in step 1. Losing the race publishes nothing: the caller retries from the
+   new head, whose ledger repair (step 1) makes the winner's contributions visible as applied;
+6. write the ledger entries.
+So a contribution is applied at most once (only a version that won the CAS counts, and the next
+attempt reads its `applied` list), and at least once (it stays pending until a version names it).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import jax
+import numpy as np
+
+from training import codecs, model, outer
+from training.config import ExperimentConfig
+from training.island import fragment_names
+from training.pytree import named_to_state, state_to_named
+from training.store.experiment import ExperimentStore, GlobalVersion, PseudoGradRef
+from training.store.objectstore import StoreError
+
+log = logging.getLogger("diloco.merge")
+
+NORM_HISTORY = 64
+
+
+@dataclass
+class Contribution:
+    ref: PseudoGradRef
+    delta: dict[str, np.ndarray]
+    norm: float
+    weight: float
+    staleness: int
+    arrived_at: float
+
+
+@dataclass
+class MergeResult:
+    version: int | None = None  # the version published, if any
+    applied: list[str] = field(default_factory=list)
+    quarantined: dict[str, str] = field(default_factory=dict)
+    waiting_until: float | None = None  # decoupled grace window: try again at this time
+    lost_race: bool = False
+
+
+def initial_version(cfg: ExperimentConfig, store: ExperimentStore) -> int | None:
+    """Create version 0 (fresh parameters, zero outer state); None if the experiment has one."""
+    if store.head() is not None:
+        return None
+    params = {
+        k: np.asarray(v, np.float32) for k, v in model.init_params(cfg.model, cfg.seed).items()
+    }
+    merger = Merger(cfg, store)
+    state = merger.init_outer_state(params)
+    extra = dict(
+        fragment_versions=[0] * cfg.fragments.count,
+        tokens_merged=0,
+        merge_state=dict(norms=[], last_seq={}, sync_s=0.0),
+    )
+    head = store.publish_global(0, params, state, extra, applied=[], expected=None)
+    return None if head is None else 0
+
+
+class Merger:
+    def __init__(
+        self,
+        cfg: ExperimentConfig,
+        store: ExperimentStore,
+        clock: Callable[[], float] = time.time,
+    ):
+        self.cfg = cfg
+        self.store = store
+        self.clock = clock
+        self.frags = fragment_names(cfg)
+        self.frag_of = {n: p for p, names in enumerate(self.frags) for n in names}
+        self.shapes = {k: tuple(v.shape) for k, v in model.abstract_params(cfg.model).items()}
+        self.tx = outer.outer_optimizer(cfg.outer, len(cfg.islands))
+
+    # -- outer state: one serializable flat dict, "f000/0000" per leaf ------------------------
+
+    def _frag_template(self, p: int):
+        shapes = {n: jax.ShapeDtypeStruct(self.shapes[n], np.float32) for n in self.frags[p]}
+        return jax.eval_shape(self.tx.init, shapes)
+
+    def init_outer_state(self, params: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        state = {}
+        for p, names in enumerate(self.frags):
+            state.update(state_to_named(self.tx.init({n: params[n] for n in names}), f"f{p:03d}/"))
+        return state
+
+    # -- validation -------------------------------------------------------------------------
+
+    def _validate(
+        self, ref: PseudoGradRef, head_version: int, merge_state: dict
+    ) -> Contribution | str:
+        """A checked contribution, or the reason to quarantine it."""
+        m = ref.manifest
+        if m.get("experiment") != self.cfg.name:
+            return f"manifest names experiment {m.get('experiment')!r}, not {self.cfg.name!r}"
+        if m.get("island") != ref.island or m.get("fragment") != ref.fragment:
+            return "manifest island/fragment do not match its name"
+        if not 0 <= ref.fragment < len(self.frags):
+            return f"fragment {ref.fragment} out of range (P = {len(self.frags)})"
+        last = merge_state["last_seq"].get(f"{ref.island}/{ref.fragment}")
+        if last is not None and ref.seq <= last:
+            return f"replayed sequence number {ref.seq} (already merged up to {last})"
+        base = m.get("base_version")
+        if not isinstance(base, int) or base < 0 or base > head_version:
+            return f"base_version {base!r} is not a committed version (head {head_version})"
+        staleness = head_version - base
+        if staleness > self.cfg.outer.max_staleness * len(self.frags):
+            return f"stale: base version {base}, head {head_version}"
+        steps, tokens = m.get("steps"), m.get("tokens")
+        if not (isinstance(steps, int) and isinstance(tokens, int) and steps > 0 and tokens > 0):
+            return f"bad steps/tokens in manifest: {steps!r}/{tokens!r}"
+        codec = m.get("codec")
+        if codec not in codecs.CODECS:
+            return f"unknown codec {codec!r}"
+        try:
+            payload = self.store.load_pseudograd(ref)
+            delta = codecs.decode(payload, codec)
+        except (StoreError, ValueError, KeyError) as err:
+            return f"unreadable payload: {err}"
+        names = self.frags[ref.fragment]
+        if sorted(delta) != names:
+            extra = sorted(set(delta) - set(names))[:3]
+            missing = sorted(set(names) - set(delta))[:3]
+            return f"wrong tree for fragment {ref.fragment}: extra {extra}, missing {missing}"
+        for n, v in delta.items():
+            if v.dtype != np.float32:
+                return f"wrong dtype for {n}: {v.dtype}"
+            if tuple(v.shape) != self.shapes[n]:
+                return f"wrong shape for {n}: {tuple(v.shape)}, expected {self.shapes[n]}"
+            if not np.all(np.isfinite(v)):
+                return f"non-finite values in {n}"
+        norm = outer.global_norm(delta)
+        history = merge_state["norms"]
+        if len(history) >= 4:
+            limit = self.cfg.outer.clip_multiplier * float(np.median(history))
+            if norm > 1000 * limit:
+                return f"norm {norm:.3g} is over 1000x the clip limit {limit:.3g}"
+            delta, _ = outer.clip_to(delta, limit)
+        weight = outer.token_weight(tokens, steps) if self.cfg.outer.token_weighting else 1.0
+        return Contribution(ref, delta, norm, weight, staleness, float(m.get("published_at", 0.0)))
+
+    # -- policies ---------------------------------------------------------------------------
+
+    def _active_islands(self) -> set[str]:
+        done = set(self.store.done())
+        return {i.name for i in self.cfg.islands} - done
+
+    def _select(
+        self, by_frag: dict[int, list[Contribution]], merge_state: dict, result: MergeResult
+    ):
+        """Per fragment, the contributions to apply now, as a list of groups (one outer step each)."""
+        method = self.cfg.outer.method
+        plan: dict[int, list[list[Contribution]]] = {}
+        active = self._active_islands()
+        for p, contribs in sorted(by_frag.items()):
+            contribs.sort(key=lambda c: (c.arrived_at, c.ref.island, c.ref.seq))
+            if method in ("nesterov", "delayed_nesterov"):
+                plan[p] = [[c] for c in contribs]
+            elif method == "sync":
+                first: dict[str, Contribution] = {}
+                for c in contribs:
+                    first.setdefault(c.ref.island, c)
+                if active and active <= set(first):
+                    plan[p] = [[first[i] for i in sorted(first)]]
+            else:  # decoupled
+                islands = {c.ref.island for c in contribs}
+                if len(islands) < min(self.cfg.outer.quorum, max(len(active), 1)):
+                    continue
+                deadline = contribs[0].arrived_at + self._grace(contribs, merge_state)
+                if not active <= islands and self.clock() < deadline:
+                    result.waiting_until = min(result.waiting_until or deadline, deadline)
+                    continue
+                plan[p] = [contribs]
+        return plan
+
+    def _grace(self, contribs: list[Contribution], merge_state: dict) -> float:
+        """Grace window: gamma * (tau * step_time - time to quorum - sync time), capped, >= 0."""
+        o = self.cfg.outer
+        step_s = float(np.median([c.ref.manifest.get("step_time_s", 0.0) for c in contribs]))
+        quorum_at = contribs[min(o.quorum, len(contribs)) - 1].arrived_at
+        slack = self.cfg.inner.tau * step_s - (quorum_at - contribs[0].arrived_at)
+        slack -= merge_state.get("sync_s", 0.0)
+        return float(min(o.max_grace_s, max(0.0, o.grace_gamma * slack)))
+
+    # -- one merge --------------------------------------------------------------------------
+
+    def merge_once(self) -> MergeResult:
+        result = MergeResult()
+        started = time.monotonic()
+        head = self.store.head()
+        if head is None:
+            raise RuntimeError(f"experiment {self.cfg.name!r} has no global version: run init")
+        g: GlobalVersion = self.store.load_global(head)
+        self.store.record_applied(g.manifest.get("applied", []), g.version)
+        merge_state = g.manifest["merge_state"]
+        applied = self.store.applied()
+        quarantined = self.store.quarantined()
+        by_frag: dict[int, list[Contribution]] = {}
+        for ref in self.store.list_pseudograds():
+            if ref.id in applied or ref.id in quarantined:
+                continue
+            checked = self._validate(ref, g.version, merge_state)
+            if isinstance(checked, str):
+                self.store.quarantine(ref.id, checked)
+                result.quarantined[ref.id] = checked
+                log.warning("quarantined %s: %s", ref.id, checked)
+                continue
+            by_frag.setdefault(ref.fragment, []).append(checked)
+        plan = self._select(by_frag, merge_state, result)
+        if not plan:
+            return result
+
+        params = dict(g.params)
+        state = dict(g.outer_state)
+        frag_versions = list(g.manifest["fragment_versions"])
+        norms = list(merge_state["norms"])
+        last_seq = dict(merge_state["last_seq"])
+        tokens_merged = int(g.manifest["tokens_merged"])
+        details = []
+        for p, groups in plan.items():
+            names = self.frags[p]
+            frag_params = {n: params[n] for n in names}
+            frag_state = named_to_state(
+                {k[5:]: v for k, v in state.items() if k.startswith(f"f{p:03d}/")},
+                self._frag_template(p),
+            )
+            for group in groups:
+                if self.cfg.outer.method == "sync":
+                    delta = outer.combine([c.delta for c in group], [1.0] * len(group), rda=False)
+                else:
+                    delta = outer.combine(
+                        [c.delta for c in group], [c.weight for c in group], self.cfg.outer.rda
+                    )
+                frag_params, frag_state = outer.apply_outer(self.tx, frag_params, frag_state, delta)
+                for c in group:
+                    result.applied.append(c.ref.id)
+                    norms.append(c.norm)
+                    key = f"{c.ref.island}/{p}"
+                    last_seq[key] = max(last_seq.get(key, -1), c.ref.seq)
+                    tokens_merged += int(c.ref.manifest["tokens"])
+                    details.append(
+                        dict(
+                            id=c.ref.id,
+                            island=c.ref.island,
+                            fragment=p,
+                            weight=c.weight,
+                            norm=c.norm,
+                            staleness=c.staleness,
+                            loss=c.ref.manifest.get("loss"),
+                        )
+                    )
+            params.update(frag_params)
+            state.update(state_to_named(frag_state, f"f{p:03d}/"))
+            frag_versions[p] = g.version + 1
+
+        sync_s = time.monotonic() - started
+        extra = dict(
+            fragment_versions=frag_versions,
+            tokens_merged=tokens_merged,
+            merge_state=dict(
+                norms=norms[-NORM_HISTORY:],
+                last_seq=last_seq,
+                sync_s=0.8 * merge_state.get("sync_s", 0.0) + 0.2 * sync_s,
+            ),
+            contributions=details,
+            merged_at=self.clock(),
+        )
+        new_head = self.store.publish_global(
+            g.version + 1, params, state, extra, applied=result.applied, expected=head
+        )
+        if new_head is None:
+            log.info("lost the head race at version %d; retrying from the new head", g.version + 1)
+            return MergeResult(lost_race=True, quarantined=result.quarantined)
+        self.store.record_applied(result.applied, g.version + 1)
+        result.version = g.version + 1
+        if tokens_merged >= self.cfg.token_budget:
+            self.store.request_stop()
+        self.store.append_metric(
+            "merge",
+            dict(
+                version=result.version,
+                applied=len(result.applied),
+                tokens_merged=tokens_merged,
+                seconds=sync_s,
+                at=self.clock(),
+            ),
+        )
+        return result
+
+    def merge_all(self, max_attempts: int = 20) -> list[MergeResult]:
+        """Merge until nothing is left to apply now (retrying lost races)."""
+        results = []
+        for _ in range(max_attempts):
+            r = self.merge_once()
+            results.append(r)
+            if r.version is None and not r.lost_race:
+                break
+        return results

@@ -1,0 +1,80 @@
+"""What `diloco status` shows: versions, islands, staleness, throughput, last losses."""
+
+from __future__ import annotations
+
+import time
+
+from training.config import ExperimentConfig
+
+
+def collect_status(cfg: ExperimentConfig, store, now: float | None = None) -> dict:
+    now = time.time() if now is None else now
+    head = store.head()
+    manifest = store.load_global(head).manifest if head else {}
+    beats = store.heartbeats()
+    done = store.done()
+    applied = store.applied()
+    quarantined = store.quarantined()
+    pending = [
+        r.id for r in store.list_pseudograds() if r.id not in applied and r.id not in quarantined
+    ]
+    evals = store.read_metrics("eval")
+    islands = []
+    for isl in cfg.islands:
+        hb = beats.get(isl.name, {})
+        base = hb.get("base_version")
+        islands.append(
+            dict(
+                island=isl.name,
+                backend=isl.backend,
+                state="done" if isl.name in done else ("alive" if hb else "not started"),
+                step=hb.get("step"),
+                tokens=hb.get("tokens"),
+                tokens_per_s=hb.get("tokens_per_s"),
+                loss=hb.get("loss"),
+                staleness=(head.version - base) if head and base is not None else None,
+                heartbeat_age_s=(now - hb["time"]) if "time" in hb else None,
+                goodput=hb.get("goodput"),
+            )
+        )
+    return dict(
+        experiment=cfg.name,
+        store=cfg.store_url,
+        head_version=head.version if head else None,
+        tokens_merged=manifest.get("tokens_merged", 0),
+        token_budget=cfg.token_budget,
+        pending=len(pending),
+        applied=len(applied),
+        quarantined=len(quarantined),
+        last_eval=evals[-1] if evals else None,
+        stop_requested=store.stop_requested(None),
+        islands=islands,
+    )
+
+
+def _fmt(value, spec: str = "") -> str:
+    if value is None:
+        return "-"
+    return format(value, spec)
+
+
+def format_status(s: dict) -> str:
+    lines = [
+        f"experiment {s['experiment']}  store {s['store']}",
+        f"head version {_fmt(s['head_version'])}  tokens merged {s['tokens_merged']:,} / "
+        f"{s['token_budget']:,}  applied {s['applied']}  pending {s['pending']}  "
+        f"quarantined {s['quarantined']}" + ("  STOP requested" if s["stop_requested"] else ""),
+    ]
+    if s["last_eval"]:
+        e = s["last_eval"]
+        lines.append(f"last eval: version {e['version']} loss {e['loss']:.4f}")
+    header = f"{'island':16s} {'state':11s} {'step':>7s} {'tokens':>10s} {'tok/s':>8s} {'loss':>7s} {'stale':>5s} {'beat age':>8s} {'goodput':>7s}"
+    lines += ["", header, "-" * len(header)]
+    for i in s["islands"]:
+        lines.append(
+            f"{i['island']:16s} {i['state']:11s} {_fmt(i['step']):>7s} {_fmt(i['tokens'], ','):>10s} "
+            f"{_fmt(i['tokens_per_s'], '.0f'):>8s} {_fmt(i['loss'], '.3f'):>7s} "
+            f"{_fmt(i['staleness']):>5s} {_fmt(i['heartbeat_age_s'], '.0f'):>8s} "
+            f"{_fmt(i['goodput'], '.0%'):>7s}"
+        )
+    return "\n".join(lines)
