@@ -8,13 +8,12 @@ and reject unknown keys, so a typo in a config file or a DAG trigger is an error
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-NAME_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
+from training.names import validate_name
 
 OuterMethod = Literal["dp", "sync", "nesterov", "delayed_nesterov", "decoupled"]
 Codec = Literal["fp32", "bf16", "int8", "int4"]
@@ -23,16 +22,6 @@ Backend = Literal["local", "tpu_vm", "gke"]
 
 class ConfigError(ValueError):
     """A config that cannot be used; the message is one line naming the problem."""
-
-
-def check_name(kind: str, value: str) -> str:
-    """Experiment and island names: lowercase letters, digits and '-', at most 63 characters."""
-    if not isinstance(value, str) or not NAME_RE.match(value):
-        why = "must match [a-z0-9][a-z0-9-]{0,62}"
-        if isinstance(value, str) and ("/" in value or "\\" in value or ".." in value):
-            why = "must not contain path separators or '..'"
-        raise ValueError(f"invalid {kind} name {value!r}: {why}")
-    return value
 
 
 class _Frozen(BaseModel):
@@ -136,7 +125,7 @@ class IslandConfig(_Frozen):
     shard: int | None = Field(None, ge=0)
     max_tokens: int | None = Field(None, gt=0)
 
-    _name = field_validator("name")(lambda cls, v: check_name("island", v))
+    _name = field_validator("name")(lambda cls, v: validate_name("island", v))
 
 
 class ChaosConfig(_Frozen):
@@ -174,7 +163,7 @@ class ExperimentConfig(_Frozen):
     heartbeat_s: float = Field(5.0, gt=0)
     chaos: ChaosConfig = ChaosConfig()
 
-    _name = field_validator("name")(lambda cls, v: check_name("experiment", v))
+    _name = field_validator("name")(lambda cls, v: validate_name("experiment", v))
 
     @model_validator(mode="after")
     def _consistent(self) -> ExperimentConfig:

@@ -1,0 +1,76 @@
+"""Config validation: bad input gets one clear line."""
+
+import json
+
+import pytest
+
+from training.config import ConfigError, ExperimentConfig, load_config, parse_config, with_overrides
+
+
+@pytest.mark.parametrize(
+    "data, fragment",
+    [
+        ({"name": "../etc"}, "path separator"),
+        ({"name": "a/b"}, "path separator"),
+        ({"name": "Exp"}, "uppercase"),
+        ({"name": "ok", "model": {"preset": "huge"}}, "model.preset"),
+        ({"name": "ok", "outer": {"lr": -1}}, "outer.lr"),
+        ({"name": "ok", "typo": 1}, "typo"),
+        ({"name": "ok", "islands": []}, "at least one island"),
+        ({"name": "ok", "islands": [{"name": "a"}, {"name": "a"}]}, "duplicate"),
+        ({"name": "ok", "data": {"seq_len": 4096}}, "max_seq_len"),
+        ({"name": "ok", "fragments": {"count": 3}}, "fragments.count"),
+        ({"name": "ok", "islands": [{"name": "x/y"}]}, "island name"),
+    ],
+)
+def test_invalid_configs_fail_with_one_line(data, fragment):
+    with pytest.raises(ConfigError) as err:
+        parse_config(data)
+    assert fragment in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_round_trip_through_json(tmp_path):
+    cfg = ExperimentConfig(name="exp-1")
+    path = tmp_path / "c.json"
+    path.write_text(cfg.to_json())
+    assert load_config(path) == cfg
+
+
+def test_unreadable_config_file(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read config"):
+        load_config(tmp_path / "missing.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        load_config(bad)
+
+
+def test_overrides_are_validated():
+    cfg = ExperimentConfig(name="exp")
+    assert with_overrides(cfg, {"outer.lr": 0.5}).outer.lr == 0.5
+    with pytest.raises(ConfigError, match="unknown field"):
+        with_overrides(cfg, {"nope.lr": 0.5})
+    with pytest.raises(ConfigError, match="outer.momentum"):
+        with_overrides(cfg, {"outer.momentum": 2})
+
+
+def test_dylu_scales_inner_steps_with_speed():
+    islands = [{"name": "fast", "speed": 1.0}, {"name": "slow", "speed": 0.25}]
+    cfg = parse_config({"name": "e", "islands": islands, "inner": {"H": 40}})
+    # H_m = floor(H * v_m / max v): 40 and 10
+    assert cfg.inner_steps("fast") == 40 and cfg.inner_steps("slow") == 10
+    no_dylu = with_overrides(cfg, {"inner.dylu": False})
+    assert no_dylu.inner_steps("slow") == 40
+
+
+def test_shards_default_to_island_order():
+    cfg = parse_config({"name": "e", "islands": [{"name": "a"}, {"name": "b"}]})
+    assert (cfg.shard_of("a"), cfg.shard_of("b"), cfg.num_shards) == (0, 1, 2)
+    with pytest.raises(ConfigError):
+        cfg.island("c")
+
+
+def test_config_json_is_stable():
+    cfg = ExperimentConfig(name="exp")
+    assert json.loads(cfg.to_json())["outer"]["lr"] == 0.7
