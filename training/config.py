@@ -91,9 +91,9 @@ class InnerConfig(_Frozen):
     b1: float = Field(0.9, gt=0, lt=1)
     b2: float = Field(0.95, gt=0, lt=1)
     grad_clip: float = Field(1.0, gt=0)
-    H: int = Field(30, gt=0)
+    H: int = Field(32, gt=0)
     dylu: bool = True
-    tau: int = Field(0, ge=0, description="overlap steps between publish and adopting the merge")
+    tau: int = Field(2, ge=0, description="overlap steps between publish and adopting the merge")
     alpha: float = Field(0.0, ge=0, lt=1, description="blend: theta <- a*theta + (1-a)*global")
 
 

@@ -139,7 +139,7 @@ class Island:
         )
         self.pending_adopt: dict[int, int] = {}
         self.awaiting: dict[int, str] = {}
-        self._last_step_wall = time.monotonic()
+        self._last_step_at = self.clock()
 
     def _reset_counters(self, fragments) -> None:
         if not hasattr(self, "since"):
@@ -222,8 +222,8 @@ class Island:
             self.params, self.opt_state, inputs, targets
         )
         loss = float(loss)
-        now = time.monotonic()
-        elapsed, self._last_step_wall = now - self._last_step_wall, now
+        now = self.clock()
+        elapsed, self._last_step_at = now - self._last_step_at, now
         self.step_count += 1
         self.tokens += inputs.size
         for s in self.since:
