@@ -1,0 +1,53 @@
+"""Shared builders for tests: a very small experiment on an in-memory store."""
+
+from __future__ import annotations
+
+import uuid
+
+import numpy as np
+
+from training import codecs
+from training.config import parse_config
+from training.merge import initial_version
+from training.store.experiment import ExperimentStore
+from training.store.objectstore import open_store
+
+SMALL_MODEL = {"preset": "tiny", "d_model": 32, "n_heads": 2, "d_ff": 64, "max_seq_len": 32}
+
+
+def small_config(name: str = "exp", islands=("a", "b"), **sections):
+    data = {
+        "name": name,
+        "model": SMALL_MODEL,
+        "data": {"seq_len": 32, "batch_size": 4, "eval_batches": 2},
+        "inner": {"H": 4, "warmup_steps": 1, "tau": 0},
+        "islands": [{"name": i} for i in islands],
+        "codec": "fp32",
+        "token_budget": 10**9,
+    }
+    for key, value in sections.items():
+        if isinstance(value, dict):
+            data[key] = {**data.get(key, {}), **value}
+        else:
+            data[key] = value
+    return parse_config(data)
+
+
+def new_store(cfg, url: str | None = None) -> ExperimentStore:
+    store = ExperimentStore(open_store(url or f"memory://t-{uuid.uuid4().hex[:8]}"), cfg.name)
+    store.write_config(cfg.model_dump(mode="json"))
+    initial_version(cfg, store)
+    return store
+
+
+def publish_delta(store, cfg, island, seq, delta, base_version=0, fragment=0, steps=4, tokens=512):
+    """Publish `delta` (a full or fragment-sized dict of float32 arrays) as a pseudo-gradient."""
+    payload, _ = codecs.encode(delta, cfg.codec)
+    manifest = dict(base_version=base_version, steps=steps, tokens=tokens, loss=1.0,
+                    codec=cfg.codec, step_time_s=1.0, published_at=float(seq))
+    return store.publish_pseudograd(island, seq, fragment, payload, manifest)
+
+
+def random_delta(params, seed, scale=1e-2):
+    rng = np.random.default_rng(seed)
+    return {k: (rng.normal(size=v.shape) * scale).astype(np.float32) for k, v in params.items()}

@@ -1,0 +1,180 @@
+"""The merger: exactly-once application, the FedAvg identity, policies and quarantine."""
+
+import numpy as np
+import pytest
+
+from tests.helpers import new_store, publish_delta, random_delta, small_config
+from training.merge import Merger
+from training.pseudograd import pseudo_gradient
+
+
+def _applied_lists(store):
+    return [v["applied"] for v in store.list_global_versions()]
+
+
+def test_sync_merge_with_outer_sgd_lr1_averages_island_parameters():
+    """End-to-end sign check: islands' params -> pseudo-gradients -> merge == their average."""
+    cfg = small_config(outer={"method": "sync", "lr": 1.0, "momentum": 0.0})
+    store = new_store(cfg)
+    theta = store.load_global().params
+    islands = {i: {k: v + d for k, v in theta.items() for d in [random_delta(theta, n)[k]]}
+               for n, i in enumerate(["a", "b"])}
+    for i, params in islands.items():
+        publish_delta(store, cfg, i, 0, pseudo_gradient(theta, params))
+    r = Merger(cfg, store).merge_once()
+    assert r.version == 1 and len(r.applied) == 2
+    new = store.load_global().params
+    for k in theta:
+        np.testing.assert_allclose(new[k], (islands["a"][k] + islands["b"][k]) / 2, atol=1e-6)
+
+
+def test_sync_waits_for_every_island():
+    cfg = small_config(outer={"method": "sync"})
+    store = new_store(cfg)
+    theta = store.load_global().params
+    publish_delta(store, cfg, "a", 0, random_delta(theta, 0))
+    assert Merger(cfg, store).merge_once().version is None
+    publish_delta(store, cfg, "b", 0, random_delta(theta, 1))
+    assert Merger(cfg, store).merge_once().version == 1
+
+
+def test_each_pseudo_gradient_is_applied_once():
+    cfg = small_config(outer={"method": "nesterov"})
+    store = new_store(cfg)
+    theta = store.load_global().params
+    for seq in range(3):
+        publish_delta(store, cfg, "a", seq, random_delta(theta, seq))
+    merger = Merger(cfg, store)
+    assert len(merger.merge_once().applied) == 3
+    again = merger.merge_once()
+    assert again.version is None and again.applied == []
+    assert sorted(sum(_applied_lists(store), [])) == [f"a/0000000{i}-f000" for i in range(3)]
+
+
+def test_crash_between_head_swap_and_ledger_is_repaired_without_reapplying():
+    cfg = small_config(outer={"method": "nesterov"})
+    store = new_store(cfg)
+    theta = store.load_global().params
+    publish_delta(store, cfg, "a", 0, random_delta(theta, 0))
+    merger = Merger(cfg, store)
+    real_record = store.record_applied
+    store.record_applied = lambda ids, version: None  # the merger "dies" before the ledger
+    assert merger.merge_once().version == 1
+    store.record_applied = real_record
+    assert store.applied() == {}
+    r = merger.merge_once()  # a new attempt repairs the ledger from HEAD first
+    assert r.version is None
+    assert store.applied() == {"a/00000000-f000": 1}
+
+
+def test_two_mergers_racing_from_the_same_head_apply_once():
+    cfg = small_config(outer={"method": "nesterov"})
+    store = new_store(cfg)
+    theta = store.load_global().params
+    publish_delta(store, cfg, "a", 0, random_delta(theta, 0))
+    m1, m2 = Merger(cfg, store), Merger(cfg, store)
+    head = store.head()
+    real_head, real_record = store.head, store.record_applied
+    store.head = lambda: head  # both read the same head before either publishes
+    store.record_applied = lambda ids, version: None  # and both list before any ledger write
+    r1 = m1.merge_once()
+    r2 = m2.merge_once()
+    store.head, store.record_applied = real_head, real_record
+    assert r1.version == 1 and r2.lost_race
+    assert m2.merge_once().version is None  # after the race: nothing left to apply
+    assert sum(_applied_lists(store), []) == ["a/00000000-f000"]
+
+
+def test_decoupled_merges_at_quorum_when_grace_is_zero():
+    cfg = small_config(outer={"method": "decoupled", "quorum": 1}, inner={"tau": 0})
+    store = new_store(cfg)
+    theta = store.load_global().params
+    publish_delta(store, cfg, "a", 0, random_delta(theta, 0))
+    r = Merger(cfg, store, clock=lambda: 0.0).merge_once()
+    assert r.version == 1 and r.applied == ["a/00000000-f000"]
+
+
+def test_decoupled_waits_inside_the_grace_window():
+    # tau 4 steps x step_time 1 s, gamma 0.5: grace = 0.5 * (4 * 1 - 0 - sync) <= 2 s
+    cfg = small_config(outer={"method": "decoupled", "grace_gamma": 0.5}, inner={"tau": 4})
+    store = new_store(cfg)
+    theta = store.load_global().params
+    publish_delta(store, cfg, "a", 0, random_delta(theta, 0))  # published_at 0.0
+    waiting = Merger(cfg, store, clock=lambda: 0.5).merge_once()
+    assert waiting.version is None and 0.5 < waiting.waiting_until <= 2.0
+    assert Merger(cfg, store, clock=lambda: 2.5).merge_once().version == 1
+
+
+def test_token_weights_favor_the_island_with_more_tokens():
+    # weights tokens^2/steps: a = 1000^2/4, b = 100^2/4 -> b's share is 1/101 of the mean
+    cfg = small_config(outer={"method": "decoupled", "lr": 1.0, "momentum": 0.0, "rda": False})
+    store = new_store(cfg)
+    theta = store.load_global().params
+    one = {k: np.ones_like(v) for k, v in theta.items()}
+    publish_delta(store, cfg, "a", 0, one, tokens=1000)
+    publish_delta(store, cfg, "b", 0, {k: -v for k, v in one.items()}, tokens=100)
+    Merger(cfg, store, clock=lambda: 1e9).merge_once()
+    new = store.load_global().params
+    k = "blocks/0/mlp_up/kernel"
+    # delta = (1 * w_a - 1 * w_b) / (w_a + w_b) = (10000 - 100) / 10100 = 0.980198
+    np.testing.assert_allclose(theta[k] - new[k], 9900 / 10100, rtol=1e-5)
+
+
+def _hostile(store, cfg, theta, kind):
+    good = random_delta(theta, 7)
+    if kind == "shape":
+        bad = dict(good, **{"blocks/0/mlp_up/kernel": np.zeros((3, 3), np.float32)})
+        return publish_delta(store, cfg, "a", 0, bad)
+    if kind == "tree":
+        bad = dict(good)
+        bad.pop("blocks/0/mlp_up/kernel")
+        return publish_delta(store, cfg, "a", 0, bad)
+    if kind == "nan":
+        ref = publish_delta(store, cfg, "a", 0, good)
+        payload = {k: v.copy() for k, v in good.items()}
+        payload["blocks/0/mlp_up/kernel"][0, 0] = np.nan
+        from training.store.tensors import encode_tensors
+
+        store.store.write(store._key(ref.payload_key), encode_tensors(payload))
+        return ref
+    raise AssertionError(kind)
+
+
+@pytest.mark.parametrize(
+    "kind, reason",
+    [("shape", "wrong shape"), ("tree", "wrong tree"), ("nan", "unreadable payload")],
+)
+def test_hostile_pseudo_gradients_are_quarantined_and_merging_goes_on(kind, reason):
+    cfg = small_config(outer={"method": "nesterov"})
+    store = new_store(cfg)
+    theta = store.load_global().params
+    bad = _hostile(store, cfg, theta, kind)
+    publish_delta(store, cfg, "b", 0, random_delta(theta, 1))
+    r = Merger(cfg, store).merge_once()
+    assert r.applied == ["b/00000000-f000"]
+    assert reason in store.quarantined()[bad.id]
+
+
+def test_replayed_and_stale_contributions_are_quarantined():
+    cfg = small_config(outer={"method": "nesterov", "max_staleness": 1})
+    store = new_store(cfg)
+    theta = store.load_global().params
+    merger = Merger(cfg, store)
+    for seq in range(3):
+        publish_delta(store, cfg, "a", seq, random_delta(theta, seq), base_version=0)
+        merger.merge_once()
+    # island a's seq 2 was based on version 0 while head was 2: staleness 2 > 1
+    assert "stale" in store.quarantined()["a/00000002-f000"]
+
+
+def test_replayed_sequence_number_is_quarantined():
+    cfg = small_config(outer={"method": "nesterov"})
+    store = new_store(cfg)
+    theta = store.load_global().params
+    merger = Merger(cfg, store)
+    publish_delta(store, cfg, "a", 5, random_delta(theta, 0))
+    merger.merge_once()
+    # island a already merged up to seq 5; a commit with seq 3 appearing later is a replay
+    replay = publish_delta(store, cfg, "a", 3, random_delta(theta, 1), base_version=1)
+    assert merger.merge_once().applied == []
+    assert "replayed sequence number 3" in store.quarantined()[replay.id]
