@@ -43,8 +43,15 @@ def new_store(cfg, url: str | None = None) -> ExperimentStore:
 def publish_delta(store, cfg, island, seq, delta, base_version=0, fragment=0, steps=4, tokens=512):
     """Publish `delta` (a full or fragment-sized dict of float32 arrays) as a pseudo-gradient."""
     payload, _ = codecs.encode(delta, cfg.codec)
-    manifest = dict(base_version=base_version, steps=steps, tokens=tokens, loss=1.0,
-                    codec=cfg.codec, step_time_s=1.0, published_at=float(seq))
+    manifest = dict(
+        base_version=base_version,
+        steps=steps,
+        tokens=tokens,
+        loss=1.0,
+        codec=cfg.codec,
+        step_time_s=1.0,
+        published_at=float(seq),
+    )
     return store.publish_pseudograd(island, seq, fragment, payload, manifest)
 
 

@@ -17,8 +17,10 @@ def test_sync_merge_with_outer_sgd_lr1_averages_island_parameters():
     cfg = small_config(outer={"method": "sync", "lr": 1.0, "momentum": 0.0})
     store = new_store(cfg)
     theta = store.load_global().params
-    islands = {i: {k: v + d for k, v in theta.items() for d in [random_delta(theta, n)[k]]}
-               for n, i in enumerate(["a", "b"])}
+    islands = {
+        i: {k: v + d for k, v in theta.items() for d in [random_delta(theta, n)[k]]}
+        for n, i in enumerate(["a", "b"])
+    }
     for i, params in islands.items():
         publish_delta(store, cfg, i, 0, pseudo_gradient(theta, params))
     r = Merger(cfg, store).merge_once()

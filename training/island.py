@@ -30,6 +30,7 @@ import numpy as np
 from training import codecs, inner, model
 from training.config import ExperimentConfig
 from training.data import BatchLoader, Corpus, load_corpus, shard_tokens
+from training.faults import fault_point
 from training.fragments import assign_fragments, fragments_due, split_by_fragment
 from training.pseudograd import pseudo_gradient
 from training.store.experiment import ExperimentStore
@@ -226,6 +227,7 @@ class Island:
         elapsed, self._last_step_at = now - self._last_step_at, now
         self.step_count += 1
         self.tokens += inputs.size
+        fault_point("island.step")
         for s in self.since:
             s["steps"] += 1
             s["tokens"] += inputs.size

@@ -266,7 +266,9 @@ class LocalBackend(IslandBackend):
 
         log_path = Path(record.get("log_path") or run_dir / LOG_NAME)
         rc = self._exit_code(record)
-        if rc is None and proc is not None and proc.returncode is not None:
+        if rc is None and proc is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=2)  # dead but maybe not reaped yet by the poll above
             rc = proc.returncode  # the wrapper itself was killed (e.g. SIGKILL to the group)
         if rc == 0:
             return BackendStatus(IslandState.SUCCEEDED, "exit code 0")

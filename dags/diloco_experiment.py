@@ -1,0 +1,109 @@
+"""diloco_experiment: create (or join) an experiment, then run its islands until done.
+
+Trigger from the UI (the Params form maps one to one onto training.config.ExperimentConfig) or on
+a schedule (DILOCO_EXPERIMENT_SCHEDULE, cron or preset; the defaults form a valid config).
+Structure only: the work is in plugins/diloco_airflow.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import datetime, timedelta
+
+from airflow.sdk import dag, task, task_group
+from diloco_airflow import operators as ops
+from diloco_airflow.params import experiment_params
+
+RETRY_DELAY = timedelta(seconds=float(os.environ.get("DILOCO_RETRY_DELAY_S", "30")))
+ISLAND_TIMEOUT = timedelta(hours=float(os.environ.get("DILOCO_ISLAND_TIMEOUT_H", "72")))
+ISLAND_RETRIES = int(os.environ.get("DILOCO_ISLAND_RETRIES", "5"))
+
+default_args = {
+    "retries": 2,
+    "retry_delay": RETRY_DELAY,
+    "retry_exponential_backoff": True,
+    "max_retry_delay": timedelta(minutes=30),
+    "execution_timeout": timedelta(minutes=30),
+    "pool": ops.CONTROL_POOL,
+}
+
+
+@dag(
+    dag_id="diloco_experiment",
+    schedule=os.environ.get("DILOCO_EXPERIMENT_SCHEDULE") or None,
+    start_date=datetime(2025, 1, 1),
+    catchup=False,
+    params=experiment_params(),
+    default_args=default_args,
+    tags=["diloco"],
+    render_template_as_native_obj=True,
+    doc_md=__doc__,
+)
+def diloco_experiment():
+    @task
+    def init(params=None) -> dict:
+        return ops.init_experiment(dict(params))
+
+    islands = init()
+
+    @task
+    def select(islands: dict, backend: str) -> list:
+        return islands[backend]
+
+    def island_group(backend: str):
+        label = "{{ island_label }}"
+
+        @task_group(group_id=f"islands_{backend}")
+        def run_island(island: dict):
+            @task(pool=ops.pool_for(backend), map_index_template=label)
+            def provision(island: dict) -> dict:
+                from airflow.sdk import get_current_context
+
+                get_current_context()["island_label"] = island["label"]
+                return ops.provision_island(island)
+
+            @task(
+                pool=ops.pool_for(backend),
+                map_index_template=label,
+                retries=ISLAND_RETRIES,
+            )
+            def launch(island: dict, handle: dict) -> dict:
+                from airflow.sdk import get_current_context
+
+                get_current_context()["island_label"] = island["label"]
+                return ops.launch_island(island, handle)
+
+            @task(pool=ops.pool_for(backend), map_index_template=label)
+            def teardown(island: dict) -> None:
+                from airflow.sdk import get_current_context
+
+                get_current_context()["island_label"] = island["label"]
+                ops.teardown_island(island)
+
+            prov = provision(island)
+            launched = launch(island, prov)
+            wait = ops.IslandWaitOperator(
+                task_id="wait",
+                island=island,
+                pool=ops.pool_for(backend),
+                map_index_template=label,
+                retries=ISLAND_RETRIES,
+                execution_timeout=ISLAND_TIMEOUT,
+            )
+            down = teardown(island).as_teardown(setups=prov)
+            launched >> wait >> down
+
+        return run_island.expand(
+            island=select.override(task_id=f"select_{backend}")(islands, backend)
+        )
+
+    groups = [island_group(b) for b in ops.BACKENDS]
+
+    @task(trigger_rule="all_done")
+    def finalize(params=None) -> dict:
+        return ops.finalize_experiment(params["store_url"], params["experiment_name"])
+
+    groups >> finalize()
+
+
+diloco_experiment()

@@ -1,0 +1,90 @@
+"""Store access for Airflow tasks, sensors and triggers.
+
+`DilocoStoreHook` opens an experiment store from an explicit URL (``file:///...``,
+``gs://bucket/prefix``) or from an Airflow connection (conn type ``diloco_store``: the URL in the
+connection's ``host`` or in its extra as ``store_url``). It is stateless: every call opens what it
+needs, so it is safe in triggers (which may run twice, in another process) and in retried tasks.
+
+Nothing here imports jax or a cloud client at import time.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+try:  # the hook base is only needed inside Airflow; keep the module importable without it
+    from airflow.sdk.bases.hook import BaseHook
+except ImportError:  # pragma: no cover
+    BaseHook = object  # type: ignore[assignment,misc]
+
+REGISTRY_VARIABLE = "diloco_experiments"
+"""Airflow Variable (JSON) naming the running experiments: the merge and maintenance DAGs read it."""
+
+
+def _gcsfs_emulator_guard() -> None:
+    # gcsfs 2026.x stalls against emulators unless this is set before it is imported
+    if os.environ.get("STORAGE_EMULATOR_HOST"):
+        os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+
+
+def open_experiment(store_url: str, experiment: str):
+    """An `ExperimentStore` for one experiment (imports the store lazily)."""
+    _gcsfs_emulator_guard()
+    from training.store.experiment import ExperimentStore
+    from training.store.objectstore import open_store
+
+    return ExperimentStore(open_store(store_url), experiment)
+
+
+def pending_pseudograds(estore) -> list[str]:
+    """Ids of committed pseudo-gradients that are neither applied nor quarantined."""
+    applied = estore.applied()
+    quarantined = estore.quarantined()
+    return [
+        r.id for r in estore.list_pseudograds() if r.id not in applied and r.id not in quarantined
+    ]
+
+
+class DilocoStoreHook(BaseHook):  # type: ignore[misc]
+    """Access to a DiLoCo experiment store, from a URL or an Airflow connection."""
+
+    conn_name_attr = "diloco_conn_id"
+    default_conn_name = "diloco_store_default"
+    conn_type = "diloco_store"
+    hook_name = "DiLoCo store"
+
+    def __init__(self, store_url: str | None = None, diloco_conn_id: str | None = None) -> None:
+        if BaseHook is not object:
+            super().__init__()
+        self.store_url = store_url
+        self.diloco_conn_id = diloco_conn_id
+
+    def get_store_url(self) -> str:
+        if self.store_url:
+            return self.store_url
+        conn_id = self.diloco_conn_id or self.default_conn_name
+        conn = self.get_connection(conn_id)
+        extra: dict[str, Any] = conn.extra_dejson or {}
+        url = extra.get("store_url") or conn.host
+        if not url:
+            raise ValueError(f"connection {conn_id!r} has no store URL (host or extra.store_url)")
+        return url
+
+    def experiment(self, name: str):
+        return open_experiment(self.get_store_url(), name)
+
+    def check(self) -> None:
+        """Fail at once, with the store's own message, when the store is unreachable."""
+        _gcsfs_emulator_guard()
+        from training.store.objectstore import open_store
+
+        store = open_store(self.get_store_url())
+        check = getattr(store, "check", None)
+        if check is not None:
+            check()
+
+    def read_config(self, name: str):
+        from training.config import parse_config
+
+        return parse_config(self.experiment(name).read_config())

@@ -1,0 +1,309 @@
+"""A real Airflow on this machine: start, wait until healthy, REST API v2 helpers, stop.
+
+    python -m diloco_airflow.local_airflow serve      # leaves the UI on localhost:8080
+
+Runs scheduler, triggerer, dag-processor and api-server (LocalExecutor on SQLite) in a
+project-local AIRFLOW_HOME with the project's dags/ and plugins/. Every component leads its own
+process group (setsid), so `stop()` ends it and everything it forked (LocalExecutor workers, task
+processes); island processes of the local backend lead their own groups and are stopped by
+`stop_islands()`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPONENTS = ("scheduler", "triggerer", "dag-processor", "api-server")
+USER, PASSWORD = "admin", "admin"
+POOLS = {"diloco_control": 8, "diloco_local": 4, "diloco_tpu_vm": 16, "diloco_gke": 16}
+
+
+class AirflowError(RuntimeError):
+    pass
+
+
+class LocalAirflow:
+    def __init__(
+        self,
+        home: str | Path | None = None,
+        port: int = 8080,
+        parallelism: int = 4,
+        env: dict[str, str] | None = None,
+        root: Path = ROOT,
+    ) -> None:
+        self.root = Path(root)
+        self.home = Path(home or self.root / "airflow_home").resolve()
+        self.port = port
+        self.parallelism = parallelism
+        self.extra_env = dict(env or {})
+        self.procs: dict[str, subprocess.Popen] = {}
+        self._token: str | None = None
+        self.base = f"http://127.0.0.1:{port}"
+
+    # ------------------------------------------------------------------ processes
+    def env(self) -> dict[str, str]:
+        self.home.mkdir(parents=True, exist_ok=True)
+        secret_file = self.home / "jwt_secret"
+        if not secret_file.exists():
+            secret_file.write_text(secrets.token_urlsafe(32))
+        plugins = str(self.root / "plugins")
+        pythonpath = [str(self.root), plugins, *os.environ.get("PYTHONPATH", "").split(os.pathsep)]
+        env = {
+            **os.environ,
+            "AIRFLOW_HOME": str(self.home),
+            "AIRFLOW__CORE__DAGS_FOLDER": str(self.root / "dags"),
+            # the project's plugins/ goes on PYTHONPATH (importable by every component, the
+            # triggerer included); Airflow's plugin folder stays empty so that it does not exec
+            # each module of the package as a top-level module of its own
+            "AIRFLOW__CORE__PLUGINS_FOLDER": str(self.home / "plugins"),
+            "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+            "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
+            "AIRFLOW__CORE__PARALLELISM": str(self.parallelism),
+            "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": f"{USER}:admin",
+            "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"{self.base}/execution/",
+            "AIRFLOW__API__PORT": str(self.port),
+            "AIRFLOW__API__HOST": "127.0.0.1",
+            "AIRFLOW__API__WORKERS": "1",
+            "AIRFLOW__API_AUTH__JWT_SECRET": secret_file.read_text().strip(),
+            "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "5",
+            "AIRFLOW__DAG_PROCESSOR__MIN_FILE_PROCESS_INTERVAL": "60",
+            "AIRFLOW__SCHEDULER__ENABLE_HEALTH_CHECK": "True",
+            "AIRFLOW__TRIGGERER__DEFAULT_CAPACITY": "100",
+            "AIRFLOW__LOGGING__LOGGING_LEVEL": "INFO",
+            "PYTHONPATH": os.pathsep.join(p for p in dict.fromkeys(pythonpath) if p),
+            "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
+            "PYTHONUNBUFFERED": "1",
+        }
+        env.update(self.extra_env)
+        return env
+
+    def airflow_bin(self) -> list[str]:
+        exe = Path(sys.executable).with_name("airflow")
+        return [str(exe)] if exe.exists() else [sys.executable, "-m", "airflow"]
+
+    def start(self) -> None:
+        env = self.env()
+        logs = self.home / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        with open(logs / "db-migrate.log", "ab") as out:
+            rc = subprocess.call(
+                [*self.airflow_bin(), "db", "migrate"], env=env, stdout=out, stderr=out
+            )
+        if rc:
+            raise AirflowError(f"airflow db migrate failed ({rc}); see {logs / 'db-migrate.log'}")
+        for name in COMPONENTS:
+            args = [*self.airflow_bin(), name]
+            if name == "api-server":
+                args += ["--port", str(self.port), "--host", "127.0.0.1"]
+            out = open(logs / f"{name}.log", "ab")  # noqa: SIM115 - lives as long as the process
+            self.procs[name] = subprocess.Popen(
+                args,
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                cwd=self.root,
+                start_new_session=True,
+            )
+            out.close()
+        (self.home / "pids.json").write_text(json.dumps({n: p.pid for n, p in self.procs.items()}))
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        """SIGINT then SIGTERM each component's process group; SIGKILL what is left."""
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            for p in self.procs.values():
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(p.pid, sig)
+            deadline = time.monotonic() + grace_s / 2
+            while time.monotonic() < deadline and any(
+                _group_alive(p.pid) for p in self.procs.values()
+            ):
+                for p in self.procs.values():
+                    p.poll()
+                time.sleep(0.2)
+        for p in self.procs.values():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(p.pid, signal.SIGKILL)
+            with contextlib.suppress(Exception):
+                p.wait(timeout=5)
+        self.procs.clear()
+        with contextlib.suppress(FileNotFoundError):
+            (self.home / "pids.json").unlink()
+
+    def check_alive(self) -> None:
+        for name, p in self.procs.items():
+            if p.poll() is not None:
+                raise AirflowError(
+                    f"airflow {name} exited with {p.returncode}; see {self.home / 'logs' / name}.log"
+                )
+
+    # ------------------------------------------------------------------ REST API v2
+    def request(self, method: str, path: str, body: Any = None, auth: bool = True) -> Any:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.base + path, data=data, method=method)
+        req.add_header("Content-Type", "application/json")
+        if auth:
+            req.add_header("Authorization", f"Bearer {self.token()}")
+        try:
+            with urllib.request.urlopen(req, timeout=30) as resp:
+                text = resp.read().decode()
+        except urllib.error.HTTPError as err:
+            detail = err.read().decode(errors="replace")[:500]
+            raise AirflowError(f"{method} {path}: HTTP {err.code}: {detail}") from None
+        return json.loads(text) if text else None
+
+    def token(self) -> str:
+        if self._token is None:
+            resp = self.request(
+                "POST", "/auth/token", {"username": USER, "password": self.password()}, auth=False
+            )
+            self._token = resp["access_token"]
+        return self._token
+
+    def password(self) -> str:
+        path = self.home / "simple_auth_manager_passwords.json.generated"
+        try:
+            return json.loads(path.read_text())[USER]
+        except (FileNotFoundError, ValueError, KeyError):
+            return PASSWORD
+
+    def wait_healthy(self, timeout_s: float = 180.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        last = "no answer"
+        while time.monotonic() < deadline:
+            self.check_alive()
+            try:
+                h = self.request("GET", "/api/v2/monitor/health", auth=False)
+                states = {k: (v or {}).get("status") for k, v in h.items()}
+                last = str(states)
+                if all(states.get(k) == "healthy" for k in ("metadatabase", "scheduler")) and (
+                    states.get("triggerer") == "healthy"
+                ):
+                    return
+            except (AirflowError, OSError) as err:
+                last = str(err)
+            time.sleep(1)
+        raise AirflowError(f"airflow not healthy after {timeout_s:.0f}s: {last}")
+
+    def wait_dag(self, dag_id: str, timeout_s: float = 120.0) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                return self.request("GET", f"/api/v2/dags/{dag_id}")
+            except AirflowError:
+                if time.monotonic() > deadline:
+                    errors = self.request("GET", "/api/v2/importErrors")
+                    raise AirflowError(
+                        f"DAG {dag_id} not parsed; import errors: {errors}"
+                    ) from None
+                self.check_alive()
+                time.sleep(1)
+
+    def ensure_pools(self, pools: dict[str, int] = POOLS) -> None:
+        for name, slots in pools.items():
+            body = {"name": name, "slots": slots, "include_deferred": True}
+            try:
+                self.request("POST", "/api/v2/pools", body)
+            except AirflowError as err:
+                if "409" not in str(err):
+                    raise
+                self.request("PATCH", f"/api/v2/pools/{name}", body)
+
+    def unpause(self, dag_id: str) -> None:
+        self.request("PATCH", f"/api/v2/dags/{dag_id}", {"is_paused": False})
+
+    def trigger(self, dag_id: str, conf: dict[str, Any]) -> str:
+        self.unpause(dag_id)
+        run = self.request(
+            "POST", f"/api/v2/dags/{dag_id}/dagRuns", {"logical_date": None, "conf": conf}
+        )
+        return run["dag_run_id"]
+
+    def dag_run(self, dag_id: str, run_id: str) -> dict:
+        return self.request("GET", f"/api/v2/dags/{dag_id}/dagRuns/{_q(run_id)}")
+
+    def task_instances(self, dag_id: str, run_id: str) -> list[dict]:
+        path = f"/api/v2/dags/{dag_id}/dagRuns/{_q(run_id)}/taskInstances?limit=1000"
+        return self.request("GET", path)["task_instances"]
+
+    def wait_run(self, dag_id: str, run_id: str, timeout_s: float, every=None) -> str:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            self.check_alive()
+            state = self.dag_run(dag_id, run_id)["state"]
+            if every:
+                every(state)
+            if state in ("success", "failed"):
+                return state
+            time.sleep(3)
+        raise AirflowError(f"{dag_id} run {run_id} did not finish in {timeout_s:.0f}s")
+
+
+def _q(text: str) -> str:
+    return urllib.parse.quote(text, safe="")
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def stop_islands(runs_root: str | Path) -> list[int]:
+    """Kill the process groups of local islands still running under ``runs_root``."""
+    killed = []
+    for record in Path(runs_root).glob("*/*/process.json"):
+        with contextlib.suppress(ValueError, OSError, KeyError):
+            pgid = int(json.loads(record.read_text())["pgid"])
+            if _group_alive(pgid):
+                os.killpg(pgid, signal.SIGKILL)
+                killed.append(pgid)
+    return killed
+
+
+def serve(port: int = 8080) -> int:
+    af = LocalAirflow(port=port, env={"DILOCO_RUNS_ROOT": str(ROOT / "runs")})
+    af.start()
+    try:
+        af.wait_healthy()
+        af.ensure_pools()
+        print(f"Airflow UI: http://localhost:{port}  user {USER}  password {af.password()}")
+        print(f"AIRFLOW_HOME={af.home}; logs in {af.home / 'logs'}. Ctrl-C stops it.", flush=True)
+        while True:
+            af.check_alive()
+            time.sleep(2)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        af.stop()
+        stop_islands(ROOT / "runs")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] != "serve":
+        print("usage: python -m diloco_airflow.local_airflow serve [--port N]", file=sys.stderr)
+        return 2
+    port = int(argv[argv.index("--port") + 1]) if "--port" in argv else 8080
+    return serve(port)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,389 @@
+"""What the DiLoCo DAG tasks do. The DAG files stay thin: they wire these together.
+
+Heavy imports (the training package, jax, cloud clients) happen inside the functions, at task run
+time, never at DAG parse time.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from airflow.sdk import BaseOperator
+from airflow.sdk.exceptions import AirflowFailException
+
+from diloco_airflow import hooks
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("local", "tpu_vm", "gke")
+
+
+def pool_for(backend: str) -> str:
+    """The pool bounding concurrent islands of one backend (create it with include_deferred)."""
+    return f"diloco_{backend}"
+
+
+CONTROL_POOL = "diloco_control"
+
+
+# ------------------------------------------------------------------ registry of experiments
+def _registry() -> dict[str, dict[str, Any]]:
+    from airflow.sdk import Variable
+
+    try:
+        value = Variable.get(hooks.REGISTRY_VARIABLE, deserialize_json=True)
+    except Exception:  # not set yet
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def registered_experiments() -> list[dict[str, Any]]:
+    return list(_registry().values())
+
+
+def register_experiment(store_url: str, experiment: str, islands: list[dict]) -> None:
+    from airflow.sdk import Variable
+
+    reg = _registry()
+    key = f"{store_url}|{experiment}"
+    entry = reg.get(key) or {"store_url": store_url, "experiment": experiment, "islands": {}}
+    entry["islands"].update({i["name"]: i for i in islands})
+    entry["registered_at"] = entry.get("registered_at") or time.time()
+    reg[key] = entry
+    Variable.set(hooks.REGISTRY_VARIABLE, reg, serialize_json=True)
+
+
+def unregister_experiment(store_url: str, experiment: str) -> None:
+    from airflow.sdk import Variable
+
+    reg = _registry()
+    if reg.pop(f"{store_url}|{experiment}", None) is not None:
+        Variable.set(hooks.REGISTRY_VARIABLE, reg, serialize_json=True)
+
+
+# ------------------------------------------------------------------ experiment setup
+def _project_root() -> str | None:
+    spec = importlib.util.find_spec("training")
+    if spec is None or not spec.origin:
+        return None
+    return str(Path(spec.origin).resolve().parent.parent)
+
+
+def island_command(backend: str, store_url: str, experiment: str, island: str) -> list[str]:
+    args = ["island", "--store", store_url, "--experiment", experiment, "--island", island]
+    if backend == "local":
+        return [sys.executable, "-m", "training.cli", *args]
+    return ["diloco", *args]  # the installed console script on the TPU VM / in the image
+
+
+def backend_kwargs(backend: str) -> dict[str, Any]:
+    """Constructor arguments of a backend, JSON-serializable (they travel to the triggerer)."""
+    if backend == "local":
+        kw: dict[str, Any] = {}
+        if os.environ.get("DILOCO_RUNS_ROOT"):
+            kw["runs_root"] = os.environ["DILOCO_RUNS_ROOT"]
+        root = _project_root()
+        if root:
+            kw["cwd"] = root
+        return kw
+    return {}
+
+
+def island_entry(cfg, isl, ttl_hours: float = 24.0) -> dict[str, Any]:
+    """Everything the island tasks need, JSON-serializable (XCom, trigger kwargs)."""
+    from diloco_airflow.backends import IslandSpec
+
+    env = {}
+    if isl.backend == "local":
+        root = _project_root()
+        if root:
+            parts = [root, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+            env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(parts))
+        for key in ("STORAGE_EMULATOR_HOST", "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "XLA_FLAGS"):
+            if os.environ.get(key):
+                env[key] = os.environ[key]
+    spec = IslandSpec(
+        experiment=cfg.name,
+        island=isl.name,
+        store_url=cfg.store_url,
+        command=island_command(isl.backend, cfg.store_url, cfg.name, isl.name),
+        env=env,
+        hardware=dict(isl.hardware),
+        ttl_hours=ttl_hours,
+    )
+    return {
+        "name": isl.name,
+        "experiment": cfg.name,
+        "store_url": cfg.store_url,
+        "backend": isl.backend,
+        "backend_kwargs": backend_kwargs(isl.backend),
+        "label": f"{isl.name} ({isl.backend})",
+        "heartbeat_s": cfg.heartbeat_s,
+        "spec": spec.to_dict(),
+    }
+
+
+def merge_configs(existing: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """Join: `new` must equal `existing` except for the island list; islands are united.
+
+    Raises ConfigError naming the first field that differs. Existing islands keep their entry.
+    """
+    from training.config import ConfigError
+
+    for key in sorted(set(existing) | set(new)):
+        if key == "islands":
+            continue
+        if existing.get(key) != new.get(key):
+            raise ConfigError(
+                f"experiment {existing.get('name')!r} exists with a different {key!r}: "
+                f"{json.dumps(existing.get(key))[:120]} != {json.dumps(new.get(key))[:120]}"
+            )
+    islands = list(existing.get("islands", []))
+    known = {i["name"] for i in islands}
+    islands += [i for i in new.get("islands", []) if i["name"] not in known]
+    return {**existing, "islands": islands}
+
+
+def init_experiment(params: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    """Validate the form, create (or join) the experiment, return the islands by backend."""
+    from diloco_airflow.params import config_from_params
+    from training.config import ConfigError, parse_config
+
+    cfg = config_from_params(params)
+    hook = hooks.DilocoStoreHook(store_url=cfg.store_url)
+    hook.check()  # unreachable bucket / missing credentials: fail now, with the store's message
+    estore = hook.experiment(cfg.name)
+    wanted = json.loads(cfg.to_json())
+    from training.store.objectstore import ObjectNotFound
+
+    try:
+        existing = estore.read_config()
+    except ObjectNotFound:
+        existing = None
+    if existing:
+        merge_configs(existing, wanted)  # same experiment settings, or a one-line ConfigError
+        cfg_all = parse_config(existing)
+        known = {i.name for i in cfg_all.islands}
+        new = [i.name for i in cfg.islands if i.name not in known]
+        if new:
+            raise ConfigError(
+                f"experiment {cfg.name!r} exists; islands {new} are not in its config "
+                "(joining with new islands needs a config update the store does not offer yet)"
+            )
+        log.info("joining experiment %s with islands %s", cfg.name, [i.name for i in cfg.islands])
+    else:
+        cfg_all = cfg
+        estore.write_config(wanted)
+    from training.merge import initial_version
+
+    created = initial_version(cfg_all, estore)
+    log.info("experiment %s: %s", cfg.name, "created version 0" if created == 0 else "exists")
+    if created == 0:
+        from training.evaluate import evaluate_version
+
+        log.info("initial eval: %s", evaluate_version(cfg_all, estore))
+    # only the islands of this trigger run here; islands of earlier runs keep running there
+    entries = [island_entry(cfg_all, cfg_all.island(i.name)) for i in cfg.islands]
+    register_experiment(cfg.store_url, cfg.name, entries)
+    out: dict[str, list[dict[str, Any]]] = {b: [] for b in BACKENDS}
+    for e in entries:
+        out[e["backend"]].append(e)
+    return out
+
+
+# ------------------------------------------------------------------ island tasks
+def _spec(island: dict[str, Any]):
+    from diloco_airflow.backends import IslandSpec
+
+    return IslandSpec.from_dict(island["spec"])
+
+
+def _backend(island: dict[str, Any]):
+    from diloco_airflow.backends import get_backend
+
+    return get_backend(island["backend"], **island.get("backend_kwargs", {}))
+
+
+def _raise_backend(exc) -> None:
+    if not exc.retryable:
+        raise AirflowFailException(f"permanent backend error: {exc.message}") from exc
+    raise RuntimeError(f"backend error (will retry): {exc.message}") from exc
+
+
+def provision_island(island: dict[str, Any]) -> dict[str, Any]:
+    from diloco_airflow.backends import BackendError
+
+    try:
+        return _backend(island).provision(_spec(island))
+    except BackendError as exc:
+        _raise_backend(exc)
+        raise  # unreachable
+
+
+def _island_done(island: dict[str, Any]) -> bool:
+    return island["name"] in hooks.open_experiment(island["store_url"], island["experiment"]).done()
+
+
+def launch_island(island: dict[str, Any], handle: dict | None = None) -> dict[str, Any]:
+    """Start the island unless it already runs (or is done). Returns the handle."""
+    from diloco_airflow.backends import BackendError, IslandState
+
+    backend, spec = _backend(island), _spec(island)
+    try:
+        if _island_done(island):
+            log.info("island %s is already done", island["name"])
+            return dict(handle or {})
+        st = backend.status(spec, handle or {})
+        if st.state in (IslandState.RUNNING, IslandState.PROVISIONING):
+            log.info("island %s already %s: %s", island["name"], st.state.value, st.message)
+            return dict(handle or {})
+        if st.state.terminal:
+            handle = backend.provision(spec)
+        return backend.launch(spec, handle or {})
+    except BackendError as exc:
+        _raise_backend(exc)
+        raise
+
+
+def teardown_island(island: dict[str, Any]) -> None:
+    from diloco_airflow.backends import BackendError
+
+    try:
+        _backend(island).teardown(_spec(island), {})
+    except BackendError as exc:
+        _raise_backend(exc)
+
+
+class IslandWaitOperator(BaseOperator):
+    """Waits (deferred) until the island is done; fails fast when it is dead.
+
+    On a retry (the island died or stalled) it relaunches the island first; the island process
+    resumes from its checkpoint in the store.
+    """
+
+    template_fields = ("island",)
+
+    def __init__(
+        self,
+        *,
+        island: Any,
+        heartbeat_timeout_s: float | None = None,
+        startup_timeout_s: float = 600.0,
+        poll_s: float = 3.0,
+        **kwargs,
+    ) -> None:
+        super().__init__(**kwargs)
+        self.island = island
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.startup_timeout_s = startup_timeout_s
+        self.poll_s = poll_s
+
+    def execute(self, context):
+        from diloco_airflow.backends import BackendError, IslandState
+        from diloco_airflow.triggers import IslandTrigger
+
+        island = self.island
+        context["island_label"] = island["label"]
+        if _island_done(island):
+            self.log.info("island %s is done", island["name"])
+            return {"status": "done"}
+        backend, spec = _backend(island), _spec(island)
+        try:
+            st = backend.status(spec, {})
+            self.log.info("island %s: %s %s", island["name"], st.state.value, st.message)
+            if st.state not in (IslandState.RUNNING, IslandState.PROVISIONING):
+                self.log.warning("island %s is not running: relaunching it", island["name"])
+                launch_island(island)
+        except BackendError as exc:
+            _raise_backend(exc)
+        timeout = self.heartbeat_timeout_s or max(60.0, 12 * float(island.get("heartbeat_s", 5)))
+        self.defer(
+            trigger=IslandTrigger(
+                spec=island["spec"],
+                backend=island["backend"],
+                backend_kwargs=island.get("backend_kwargs", {}),
+                launched_at=time.time(),
+                heartbeat_timeout_s=timeout,
+                startup_timeout_s=self.startup_timeout_s,
+                poll_s=self.poll_s,
+            ),
+            method_name="execute_complete",
+        )
+
+    def execute_complete(self, context, event: dict[str, Any] | None = None):
+        context["island_label"] = self.island["label"]
+        event = event or {}
+        if event.get("status") == "done":
+            self.log.info("island %s is done", self.island["name"])
+            return event
+        message = event.get("message", f"unexpected event {event!r}")
+        if event.get("retryable", True) is False:
+            raise AirflowFailException(f"island {self.island['name']}: {message}")
+        raise RuntimeError(f"island {self.island['name']}: {message}")
+
+
+# ------------------------------------------------------------------ merge and evaluation
+def merge_experiments(experiments: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    from training.config import parse_config
+    from training.merge import Merger
+
+    out = []
+    for e in experiments:
+        estore = hooks.open_experiment(e["store_url"], e["experiment"])
+        cfg = parse_config(estore.read_config())
+        versions, applied, quarantined = [], 0, 0
+        for r in Merger(cfg, estore).merge_all():
+            if r.version is not None:
+                versions.append(r.version)
+            applied += len(r.applied)
+            quarantined += len(r.quarantined)
+        log.info(
+            "%s: versions %s, applied %d, quarantined %d", cfg.name, versions, applied, quarantined
+        )
+        out.append({**e, "versions": versions, "applied": applied, "quarantined": quarantined})
+    return out
+
+
+def evaluate_if_due(store_url: str, experiment: str, force: bool = False) -> dict | None:
+    """Evaluate the head if `eval_every_versions` passed since the last eval (or at the end)."""
+    from training.config import parse_config
+
+    estore = hooks.open_experiment(store_url, experiment)
+    cfg = parse_config(estore.read_config())
+    head = estore.head()
+    if head is None:
+        return None
+    evals = estore.read_metrics("eval")
+    last = max((int(r["version"]) for r in evals), default=-1)
+    if head.version <= last:
+        return None
+    due = head.version - last >= cfg.eval_every_versions or estore.stop_requested(None)
+    if not (due or force):
+        return None
+    from training.evaluate import evaluate_version
+
+    record = evaluate_version(cfg, estore)
+    log.info("%s: eval %s", experiment, record)
+    return record
+
+
+def finalize_experiment(store_url: str, experiment: str) -> dict[str, Any]:
+    """After the islands: a last merge, a last eval, and drop the experiment from the registry
+    once every island of its config is done."""
+    from training.config import parse_config
+
+    merged = merge_experiments([{"store_url": store_url, "experiment": experiment}])
+    record = evaluate_if_due(store_url, experiment, force=True)
+    estore = hooks.open_experiment(store_url, experiment)
+    cfg = parse_config(estore.read_config())
+    done = set(estore.done())
+    if {i.name for i in cfg.islands} <= done:
+        unregister_experiment(store_url, experiment)
+    return {"merged": merged, "eval": record, "done": sorted(done)}

@@ -1,0 +1,138 @@
+"""The `diloco_experiment` trigger form and its mapping onto `training.config.ExperimentConfig`.
+
+Each Param maps one to one onto a config field (see `FIELD_MAP`); `overrides` takes any other
+field in dotted form (``{"data.batch_size": 8}``). The JSON-schema checks here refuse obviously bad
+input in the UI / REST API (400 with the reason); `config_from_params` then validates the whole
+config with pydantic (`ConfigError`, one line) in the first task.
+
+No training (jax) import here: this module is imported at DAG parse time.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from airflow.sdk import Param
+
+NAME_PATTERN = "^[a-z0-9][a-z0-9-]{0,62}$"
+PRESETS = ["tiny", "small", "125m", "1b", "12b"]
+CODECS = ["fp32", "bf16", "int8", "int4"]
+OUTER_METHODS = ["decoupled", "nesterov", "delayed_nesterov", "sync", "dp"]
+BACKENDS = ["local", "tpu_vm", "gke"]
+
+DEFAULT_ISLANDS = [
+    {"name": "island-0", "speed": 1.0, "backend": "local", "hardware": {}},
+    {"name": "island-1", "speed": 1.0, "backend": "local", "hardware": {}},
+]
+
+ISLAND_SCHEMA = {
+    "type": "object",
+    "required": ["name"],
+    "properties": {
+        "name": {"type": "string", "pattern": NAME_PATTERN},
+        "speed": {"type": "number", "exclusiveMinimum": 0},
+        "backend": {"type": "string", "enum": BACKENDS},
+        "hardware": {"type": "object"},
+        "shard": {"type": ["integer", "null"], "minimum": 0},
+        "max_tokens": {"type": ["integer", "null"], "minimum": 1},
+    },
+    "additionalProperties": False,
+}
+
+# Param name -> dotted config field
+FIELD_MAP: dict[str, str] = {
+    "experiment_name": "name",
+    "store_url": "store_url",
+    "model_preset": "model.preset",
+    "islands": "islands",
+    "H": "inner.H",
+    "fragments": "fragments.count",
+    "codec": "codec",
+    "outer_method": "outer.method",
+    "outer_lr": "outer.lr",
+    "outer_momentum": "outer.momentum",
+    "quorum": "outer.quorum",
+    "token_budget": "token_budget",
+    "eval_every_versions": "eval_every_versions",
+    "heartbeat_s": "heartbeat_s",
+    "chaos": "chaos",
+}
+
+
+def experiment_params() -> dict[str, Param]:
+    """The trigger form. Defaults form a valid config, so the DAG also runs on a schedule."""
+    return {
+        "experiment_name": Param(
+            "diloco-demo",
+            type="string",
+            pattern=NAME_PATTERN,
+            title="Experiment name",
+            description="Lowercase letters, digits, '-'. Same name again = join the experiment.",
+        ),
+        "store_url": Param(
+            "file:///tmp/diloco/store",
+            type="string",
+            minLength=1,
+            title="Store URL",
+            description="file:///abs/path or gs://bucket/prefix",
+        ),
+        "model_preset": Param("tiny", type="string", enum=PRESETS, title="Model preset"),
+        "islands": Param(
+            copy.deepcopy(DEFAULT_ISLANDS),
+            type="array",
+            minItems=1,
+            items=ISLAND_SCHEMA,
+            title="Islands",
+            description='[{"name", "speed", "backend": local|tpu_vm|gke, "hardware": {...}}]',
+        ),
+        "H": Param(30, type="integer", minimum=1, title="H: inner steps per publish"),
+        "fragments": Param(1, type="integer", minimum=1, title="Fragments (P)"),
+        "codec": Param("int8", type="string", enum=CODECS, title="Pseudo-gradient codec"),
+        "outer_method": Param("decoupled", type="string", enum=OUTER_METHODS, title="Outer method"),
+        "outer_lr": Param(0.7, type="number", exclusiveMinimum=0, title="Outer learning rate"),
+        "outer_momentum": Param(0.9, type="number", minimum=0, exclusiveMaximum=1),
+        "quorum": Param(1, type="integer", minimum=1, title="Quorum K"),
+        "token_budget": Param(2_000_000, type="integer", minimum=1, title="Token budget"),
+        "eval_every_versions": Param(5, type="integer", minimum=1),
+        "heartbeat_s": Param(5.0, type="number", exclusiveMinimum=0),
+        "chaos": Param({}, type="object", title="Chaos settings (training.config.ChaosConfig)"),
+        "overrides": Param(
+            {},
+            type="object",
+            title="Other config fields",
+            description='Dotted overrides, e.g. {"data.batch_size": 8, "inner.lr": 0.003}',
+        ),
+    }
+
+
+def config_dict_from_params(params: dict[str, Any]) -> dict[str, Any]:
+    """Build the nested config dict (not yet validated) from the form values."""
+    data: dict[str, Any] = {}
+
+    def put(dotted: str, value: Any) -> None:
+        node = data
+        *parents, leaf = dotted.split(".")
+        for key in parents:
+            node = node.setdefault(key, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"override {dotted!r} conflicts with another field")
+        node[leaf] = value
+
+    for pname, field in FIELD_MAP.items():
+        if pname in params and params[pname] is not None:
+            put(field, copy.deepcopy(params[pname]))
+    for dotted, value in (params.get("overrides") or {}).items():
+        put(dotted, copy.deepcopy(value))
+    return data
+
+
+def config_from_params(params: dict[str, Any]):
+    """Validated `ExperimentConfig` (raises `training.config.ConfigError`, one line)."""
+    from training.config import ConfigError, parse_config
+
+    try:
+        data = config_dict_from_params(params)
+    except ValueError as err:
+        raise ConfigError(f"invalid config: {err}") from None
+    return parse_config(data)

@@ -1,0 +1,177 @@
+"""Triggers (run in the triggerer): async, serializable kwargs only, one event each.
+
+Every blocking store or backend call runs in a thread (`asyncio.to_thread`) so the event loop is
+never blocked. A trigger may run twice (triggerer restart, HA): they only read, never write.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from airflow.triggers.base import BaseTrigger, TriggerEvent
+
+from diloco_airflow import hooks
+
+# how many consecutive failed polls (store or backend unreachable) before giving up
+MAX_POLL_ERRORS = 10
+
+
+class IslandTrigger(BaseTrigger):
+    """Watches one island: its done marker, its backend state and its heartbeat.
+
+    Event payloads: ``{"status": "done"}``; ``{"status": "failed", "message", "retryable"}`` when
+    the island's process is gone without a done marker, its heartbeat stopped for
+    ``heartbeat_timeout_s`` (or none arrived ``startup_timeout_s`` after ``launched_at``), or the
+    backend could not be asked ``MAX_POLL_ERRORS`` times in a row.
+    """
+
+    def __init__(
+        self,
+        spec: dict[str, Any],
+        backend: str,
+        backend_kwargs: dict[str, Any] | None = None,
+        launched_at: float | None = None,
+        heartbeat_timeout_s: float = 120.0,
+        startup_timeout_s: float = 600.0,
+        poll_s: float = 5.0,
+    ) -> None:
+        super().__init__()
+        self.spec = spec
+        self.backend = backend
+        self.backend_kwargs = dict(backend_kwargs or {})
+        self.launched_at = float(launched_at if launched_at is not None else time.time())
+        self.heartbeat_timeout_s = float(heartbeat_timeout_s)
+        self.startup_timeout_s = float(startup_timeout_s)
+        self.poll_s = float(poll_s)
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        return (
+            "diloco_airflow.triggers.IslandTrigger",
+            {
+                "spec": self.spec,
+                "backend": self.backend,
+                "backend_kwargs": self.backend_kwargs,
+                "launched_at": self.launched_at,
+                "heartbeat_timeout_s": self.heartbeat_timeout_s,
+                "startup_timeout_s": self.startup_timeout_s,
+                "poll_s": self.poll_s,
+            },
+        )
+
+    def check(self, estore, backend, spec, now: float) -> dict[str, Any] | None:
+        """One blocking poll: the event payload, or None to keep waiting."""
+        from diloco_airflow.backends import IslandState
+
+        island = spec.island
+        if island in estore.done():
+            return {"status": "done", "island": island}
+        st = backend.status(spec, {})
+        if st.state == IslandState.SUCCEEDED:
+            if island in estore.done():  # marked done just before exiting
+                return {"status": "done", "island": island}
+            return _failed(island, f"island exited without a done marker: {st.message}", True)
+        if st.state.terminal:
+            if island in estore.done():
+                return {"status": "done", "island": island}
+            return _failed(island, f"island {st.state.value}: {st.message}", st.retryable)
+        if st.state != IslandState.RUNNING:
+            return None  # PENDING / PROVISIONING: the execution timeout bounds this
+        beat = estore.heartbeats().get(island) or {}
+        beat_time = float(beat.get("time") or 0.0)
+        if beat_time >= self.launched_at - 1.0:
+            age = now - beat_time
+            if age > self.heartbeat_timeout_s:
+                return _failed(island, f"heartbeat stopped {age:.0f}s ago (process alive)", True)
+        elif now - self.launched_at > self.startup_timeout_s:
+            return _failed(island, f"no heartbeat {now - self.launched_at:.0f}s after launch", True)
+        return None
+
+    async def run(self):
+        from diloco_airflow.backends import IslandSpec, get_backend
+
+        spec = IslandSpec.from_dict(self.spec)
+        errors = 0
+        estore = backend = None
+        while True:
+            try:
+                if estore is None:
+                    estore = await asyncio.to_thread(
+                        hooks.open_experiment, spec.store_url, spec.experiment
+                    )
+                    backend = get_backend(self.backend, **self.backend_kwargs)
+                event = await asyncio.to_thread(self.check, estore, backend, spec, time.time())
+                errors = 0
+            except Exception as exc:  # the store or the cloud API: transient until proven not
+                errors += 1
+                self.log.warning("island %s: poll failed (%d): %s", spec.island, errors, exc)
+                event = None
+                if errors >= MAX_POLL_ERRORS:
+                    event = _failed(spec.island, f"cannot poll the island: {exc}", True)
+            if event is not None:
+                yield TriggerEvent(event)
+                return
+            await asyncio.sleep(self.poll_s)
+
+
+def _failed(island: str, message: str, retryable: bool) -> dict[str, Any]:
+    return {"status": "failed", "island": island, "message": message, "retryable": retryable}
+
+
+class PendingPseudogradTrigger(BaseTrigger):
+    """Fires when any of ``experiments`` has committed, unapplied pseudo-gradients.
+
+    ``experiments``: ``[{"store_url", "experiment"}]``. Payloads: ``{"status": "pending",
+    "experiments": [{"store_url", "experiment", "pending"}]}``, or ``{"status": "idle"}`` after
+    ``idle_timeout_s`` without any (so the merge DAG's next run re-reads the registry).
+    """
+
+    def __init__(
+        self,
+        experiments: list[dict[str, str]],
+        poll_s: float = 5.0,
+        idle_timeout_s: float = 300.0,
+    ) -> None:
+        super().__init__()
+        self.experiments = [
+            {"store_url": e["store_url"], "experiment": e["experiment"]} for e in experiments
+        ]
+        self.poll_s = float(poll_s)
+        self.idle_timeout_s = float(idle_timeout_s)
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        return (
+            "diloco_airflow.triggers.PendingPseudogradTrigger",
+            {
+                "experiments": self.experiments,
+                "poll_s": self.poll_s,
+                "idle_timeout_s": self.idle_timeout_s,
+            },
+        )
+
+    def check(self) -> list[dict[str, Any]]:
+        """One blocking poll of every experiment: those with pending pseudo-gradients."""
+        found = []
+        for e in self.experiments:
+            try:
+                estore = hooks.open_experiment(e["store_url"], e["experiment"])
+                pending = hooks.pending_pseudograds(estore)
+            except Exception as exc:  # one broken experiment must not hide the others
+                self.log.warning("experiment %s: cannot list: %s", e["experiment"], exc)
+                continue
+            if pending:
+                found.append({**e, "pending": len(pending)})
+        return found
+
+    async def run(self):
+        started = time.monotonic()
+        while True:
+            found = await asyncio.to_thread(self.check) if self.experiments else []
+            if found:
+                yield TriggerEvent({"status": "pending", "experiments": found})
+                return
+            if time.monotonic() - started >= self.idle_timeout_s:
+                yield TriggerEvent({"status": "idle"})
+                return
+            await asyncio.sleep(self.poll_s)

@@ -1,0 +1,45 @@
+"""Storage: object stores (file / gs / memory), tensor encoding, the experiment layout."""
+
+from training.store.experiment import (
+    DoubleApply,
+    ExperimentExists,
+    ExperimentStore,
+    GlobalVersion,
+    HeadPointer,
+    PseudoGradRef,
+)
+from training.store.objectstore import (
+    CorruptObject,
+    Generation,
+    ObjectNotFound,
+    ObjectStore,
+    StoreError,
+    StoreUnreachable,
+    TransientStoreError,
+    open_store,
+    retry,
+)
+from training.store.tensors import decode_tensors, encode_tensors, flatten, sha256, unflatten
+
+__all__ = [
+    "CorruptObject",
+    "DoubleApply",
+    "ExperimentExists",
+    "ExperimentStore",
+    "Generation",
+    "GlobalVersion",
+    "HeadPointer",
+    "ObjectNotFound",
+    "ObjectStore",
+    "PseudoGradRef",
+    "StoreError",
+    "StoreUnreachable",
+    "TransientStoreError",
+    "decode_tensors",
+    "encode_tensors",
+    "flatten",
+    "open_store",
+    "retry",
+    "sha256",
+    "unflatten",
+]

@@ -1,0 +1,253 @@
+"""Tensors as bytes: safetensors (never pickle) and flat '/'-joined names."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import struct
+from collections.abc import Mapping
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import safetensors
+
+from training.store.objectstore import CorruptObject
+
+__all__ = [
+    "CorruptObject",
+    "decode_tensors",
+    "encode_tensors",
+    "flatten",
+    "read_tensor",
+    "sha256",
+    "unflatten",
+]
+
+# numpy dtype <-> safetensors dtype code. The brief's set plus int16/int64/uint64/float64/bool.
+_CODES: dict[np.dtype, str] = {
+    np.dtype(np.float32): "F32",
+    np.dtype(ml_dtypes.bfloat16): "BF16",
+    np.dtype(np.float16): "F16",
+    np.dtype(np.float64): "F64",
+    np.dtype(np.int8): "I8",
+    np.dtype(np.uint8): "U8",
+    np.dtype(np.int16): "I16",
+    np.dtype(np.uint16): "U16",
+    np.dtype(np.int32): "I32",
+    np.dtype(np.uint32): "U32",
+    np.dtype(np.int64): "I64",
+    np.dtype(np.uint64): "U64",
+    np.dtype(np.bool_): "BOOL",
+}
+_DTYPES: dict[str, np.dtype] = {code: dtype for dtype, code in _CODES.items()}
+_MAX_HEADER = 100 * 2**20
+
+
+def sha256(data: bytes) -> str:
+    """Hex SHA-256 of `data`."""
+    return hashlib.sha256(data).hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------
+# Names
+
+
+def flatten(tree: Mapping[Any, Any]) -> dict[str, np.ndarray]:
+    """Nested mappings -> {"a/b/0/c": array}. Keys may be str or int (ints become strings).
+
+    Leaves are anything `np.asarray` accepts (numpy and jax arrays, scalars); empty sub-mappings
+    vanish. A key that is empty or contains '/' raises ValueError; so do two keys that become
+    the same name (1 and "1"). Convert NNX state with `nnx.to_pure_dict` first.
+    """
+    flat: dict[str, np.ndarray] = {}
+
+    def visit(node: Mapping[Any, Any], path: str) -> None:
+        for key, value in node.items():
+            if isinstance(key, bool) or not isinstance(key, str | int):
+                raise TypeError(f"key {key!r} under {path or '<root>'!r}: must be str or int")
+            part = str(key)
+            if not part or "/" in part:
+                raise ValueError(f"key {part!r} under {path or '<root>'!r}: empty or contains '/'")
+            name = f"{path}/{part}" if path else part
+            if isinstance(value, Mapping):
+                visit(value, name)
+            elif name in flat:
+                raise ValueError(f"two keys flatten to the same name {name!r}")
+            else:
+                flat[name] = np.asarray(value)
+
+    visit(tree, "")
+    return flat
+
+
+def unflatten(flat: Mapping[str, Any]) -> dict[str, Any]:
+    """{"a/b/0/c": x} -> {"a": {"b": {"0": {"c": x}}}}: the inverse of `flatten` on names.
+
+    All keys come back as strings: "0" stays "0" (a flat name does not record that it was an
+    int). A name that is both a leaf and a prefix of another ("a" and "a/b") raises ValueError.
+    """
+    tree: dict[str, Any] = {}
+    for name, value in flat.items():
+        parts = name.split("/")
+        if not all(parts):
+            raise ValueError(f"invalid tensor name {name!r}: empty segment")
+        node = tree
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ValueError(f"{name!r} nests under the tensor {part!r}")
+            node = child
+        if parts[-1] in node:
+            raise ValueError(f"{name!r} is both a tensor and a prefix of other tensors")
+        node[parts[-1]] = value
+    return tree
+
+
+# ---------------------------------------------------------------------------------------------
+# Encoding
+
+
+def encode_tensors(
+    tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str] | None = None
+) -> bytes:
+    """safetensors bytes for `tensors` (C-contiguous little-endian copies where needed).
+
+    Supported dtypes: float32, bfloat16 (ml_dtypes), float16, float64, int8/16/32/64,
+    uint8/16/32/64, bool. Others raise TypeError. `metadata` must map str to str.
+    """
+    if metadata is not None and not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
+    ):
+        raise TypeError("metadata must map str to str")
+    specs: dict[str, safetensors.TensorSpec] = {}
+    keep_alive: list[np.ndarray] = []  # serialize reads raw pointers into these arrays
+    for name, value in tensors.items():
+        if not isinstance(name, str) or not name or name == "__metadata__":
+            raise ValueError(f"invalid tensor name {name!r}")
+        array = np.asarray(value)
+        if array.dtype.byteorder == ">":
+            array = array.astype(array.dtype.newbyteorder("<"))
+        if array.dtype not in _CODES:
+            raise TypeError(f"tensor {name!r}: unsupported dtype {array.dtype}")
+        if not array.flags.c_contiguous:
+            array = array.copy(order="C")  # (np.ascontiguousarray would make 0-d arrays 1-d)
+        keep_alive.append(array)
+        specs[name] = safetensors.TensorSpec(
+            dtype=array.dtype.name,
+            shape=list(array.shape),
+            data_ptr=array.ctypes.data,
+            data_len=array.nbytes,
+        )
+    return bytes(safetensors.serialize(specs, metadata=dict(metadata) if metadata else None))
+
+
+def _reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    result = dict(pairs)
+    if len(result) != len(pairs):
+        raise ValueError("duplicate keys")
+    return result
+
+
+def _parse_header(data: bytes) -> tuple[dict[str, Any], int]:
+    """The safetensors JSON header and the offset where tensor data starts; CorruptObject if bad."""
+    if len(data) < 8:
+        raise CorruptObject(f"not safetensors: {len(data)} bytes, shorter than the 8-byte header")
+    (length,) = struct.unpack("<Q", data[:8])
+    if length > _MAX_HEADER or length > len(data) - 8:
+        raise CorruptObject(
+            f"not safetensors (or truncated): header length {length} for {len(data)} bytes"
+        )
+    try:
+        header = json.loads(bytes(data[8 : 8 + length]), object_pairs_hook=_reject_duplicate_keys)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise CorruptObject(f"not safetensors: invalid JSON header ({exc})") from None
+    if not isinstance(header, dict):
+        raise CorruptObject("not safetensors: header is not a JSON object")
+    return header, 8 + length
+
+
+def _tensor_layout(name: str, info: Any) -> tuple[np.dtype, tuple[int, ...], int, int]:
+    """(dtype, shape, begin, end) of one header entry; CorruptObject if inconsistent."""
+    if not isinstance(info, dict):
+        raise CorruptObject(f"tensor {name!r}: header entry is not an object")
+    dtype = _DTYPES.get(info.get("dtype"))
+    if dtype is None:
+        raise CorruptObject(f"tensor {name!r}: unsupported dtype {info.get('dtype')!r}")
+    shape, offsets = info.get("shape"), info.get("data_offsets")
+    if not (isinstance(shape, list) and all(_is_count(d) for d in shape)):
+        raise CorruptObject(f"tensor {name!r}: invalid shape {shape!r}")
+    if not (
+        isinstance(offsets, list)
+        and len(offsets) == 2
+        and all(_is_count(o) for o in offsets)
+        and offsets[0] <= offsets[1]
+    ):
+        raise CorruptObject(f"tensor {name!r}: invalid data_offsets {offsets!r}")
+    if offsets[1] - offsets[0] != math.prod(shape) * dtype.itemsize:
+        raise CorruptObject(f"tensor {name!r}: size does not match shape {shape} {dtype}")
+    return dtype, tuple(shape), offsets[0], offsets[1]
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _metadata(header: dict[str, Any]) -> dict[str, str]:
+    metadata = header.get("__metadata__") or {}
+    if not isinstance(metadata, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
+    ):
+        raise CorruptObject("safetensors __metadata__ is not a str -> str map")
+    return metadata
+
+
+def _slice(data: bytes, start: int, dtype: np.dtype, shape: tuple[int, ...], begin: int):
+    """A writable copy of one tensor's bytes as an array."""
+    count = math.prod(shape)
+    array = np.frombuffer(data, dtype=dtype, count=count, offset=start + begin)
+    return array.reshape(shape).copy()
+
+
+def decode_tensors(data: bytes) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """(tensors, metadata) from safetensors bytes; arrays are writable copies.
+
+    A strict reader of the safetensors format (header JSON, known dtypes, sizes that match
+    shapes, data regions that cover the data exactly with no gap or overlap). Truncated or
+    garbage input (a pickle, say) raises CorruptObject with a one-line reason; nothing is ever
+    unpickled. Each tensor is copied once out of `data`.
+    """
+    if not isinstance(data, bytes | bytearray | memoryview):
+        raise TypeError(f"expected bytes, got {type(data).__name__}")
+    header, start = _parse_header(data)
+    metadata = _metadata(header)
+    layouts = {
+        name: _tensor_layout(name, info) for name, info in header.items() if name != "__metadata__"
+    }
+    position = 0
+    for name, (_, _, begin, end) in sorted(layouts.items(), key=lambda item: item[1][2:]):
+        if begin != position:
+            raise CorruptObject(f"tensor {name!r}: data regions overlap or leave a gap")
+        position = end
+    if start + position != len(data):
+        raise CorruptObject(
+            f"data is {len(data) - start} bytes but the header describes {position} (truncated?)"
+        )
+    tensors = {
+        name: _slice(data, start, dtype, shape, begin)
+        for name, (dtype, shape, begin, _) in layouts.items()
+    }
+    return tensors, metadata
+
+
+def read_tensor(data: bytes, name: str) -> np.ndarray:
+    """One tensor from safetensors bytes, without decoding the others (reads the header and
+    slices the data). KeyError if absent; CorruptObject if the header is invalid."""
+    header, start = _parse_header(data)
+    if name == "__metadata__" or name not in header:
+        raise KeyError(f"no tensor named {name!r}")
+    dtype, shape, begin, end = _tensor_layout(name, header[name])
+    if start + end > len(data):
+        raise CorruptObject(f"tensor {name!r}: data runs past the end (truncated?)")
+    return _slice(data, start, dtype, shape, begin)
