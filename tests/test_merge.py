@@ -108,13 +108,13 @@ def test_decoupled_waits_inside_the_grace_window():
 
 
 def test_token_weights_favor_the_island_with_more_tokens():
-    # weights tokens^2/steps: a = 1000^2/4, b = 100^2/4 -> b's share is 1/101 of the mean
+    # weights tokens^2/steps: a = 1000^2/8, b = 100^2/8 -> b's share is 1/101 of the mean
     cfg = small_config(outer={"method": "decoupled", "lr": 1.0, "momentum": 0.0, "rda": False})
     store = new_store(cfg)
     theta = store.load_global().params
     one = {k: np.ones_like(v) for k, v in theta.items()}
-    publish_delta(store, cfg, "a", 0, one, tokens=1000)
-    publish_delta(store, cfg, "b", 0, {k: -v for k, v in one.items()}, tokens=100)
+    publish_delta(store, cfg, "a", 0, one, tokens=1000, steps=8)
+    publish_delta(store, cfg, "b", 0, {k: -v for k, v in one.items()}, tokens=100, steps=8)
     Merger(cfg, store, clock=lambda: 1e9).merge_once()
     new = store.load_global().params
     k = "blocks/0/mlp_up/kernel"

@@ -203,7 +203,7 @@ def test_cas_race_among_processes_has_exactly_one_winner(tmp_path):
     for round_ in range(ROUNDS):
         store.write(f"head-{round_}", b"start")
         generations.append(store.read_versioned(f"head-{round_}")[1])
-    ctx = multiprocessing.get_context("fork")
+    ctx = multiprocessing.get_context("spawn")
     barrier, results = ctx.Barrier(RACERS), ctx.Queue()
     procs = [
         ctx.Process(target=_cas_racer, args=(url, generations, i, barrier, results))
@@ -233,7 +233,7 @@ def _incrementer(url: str, times: int) -> None:
 def test_cas_increments_from_many_processes_lose_no_update(tmp_path):
     url = f"file://{tmp_path}"
     open_store(url).write("counter", b"0")
-    ctx = multiprocessing.get_context("fork")
+    ctx = multiprocessing.get_context("spawn")
     procs = [ctx.Process(target=_incrementer, args=(url, 15)) for _ in range(4)]
     for p in procs:
         p.start()

@@ -139,12 +139,3 @@ def test_pending_trigger_with_nothing_registered_goes_idle():
     assert first_event(PendingPseudogradTrigger([], poll_s=0.05, idle_timeout_s=0.1)) == {
         "status": "idle"
     }
-
-
-def test_gc_plan_keeps_newest_zero_and_referenced():
-    from diloco_airflow.retention import plan_gc
-
-    delete, oldest = plan_gc(list(range(10)), referenced={3}, keep_last=2)
-    assert delete == [1, 2, 4, 5, 6, 7]
-    assert oldest == 3
-    assert plan_gc([0], set(), keep_last=1) == ([], None)

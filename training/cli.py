@@ -82,16 +82,20 @@ def cmd_merge(args) -> int:
     from training.merge import Merger
 
     cfg, estore = _load(args)
-    merger = Merger(cfg, estore)
     while True:
+        # read the exit condition before merging: a pass that starts after it held sees every
+        # pseudo-gradient the (done) islands committed
+        finishing = args.follow and estore.stop_requested(None) and _all_done(cfg, estore)
+        merger = Merger(cfg, estore)  # re-read each pass: islands may have joined
         for r in merger.merge_all():
             if r.version is not None:
                 print(f"version {r.version}: applied {len(r.applied)}", flush=True)
             for pg, why in r.quarantined.items():
                 print(f"quarantined {pg}: {why}", flush=True)
-        if not args.follow or estore.stop_requested(None) and _all_done(cfg, estore):
+        if not args.follow or finishing:
             return 0
         time.sleep(args.poll)
+        cfg = parse_config(estore.read_config())
 
 
 def _all_done(cfg: ExperimentConfig, estore) -> bool:

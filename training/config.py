@@ -109,6 +109,11 @@ class OuterConfig(_Frozen):
     max_staleness: int = Field(16, gt=0, description="drop contributions older than this")
     rda: bool = True
     token_weighting: bool = True
+    partial_scaling: bool = Field(
+        True,
+        description="decoupled: scale a merge of n of M active islands by n/M, so momentum "
+        "sees one full round per M single-island merges (as Delayed Nesterov's g/N)",
+    )
     clip_multiplier: float = Field(5.0, gt=1, description="clip norms above k x running median")
 
 
@@ -128,19 +133,43 @@ class IslandConfig(_Frozen):
     _name = field_validator("name")(lambda cls, v: validate_name("island", v))
 
 
+# training/faults.py points a merge process passes (chaos.kill_merge_at)
+MERGE_FAULT_POINTS = (
+    "merge.after-read",
+    "global.payload-written",
+    "global.before-cas",
+    "global.after-cas",
+    "ledger.partial",
+)
+
+
 class ChaosConfig(_Frozen):
-    """Fault injection; everything off by default. Every injected event is recorded in metrics."""
+    """Fault injection (training/chaos.py); everything off by default. Every injected event is
+    recorded in the store's metrics ("chaos")."""
 
     kill_mtbi_s: float | None = Field(None, gt=0, description="SIGKILL islands, mean seconds")
-    max_kills: int = Field(0, ge=0)
+    max_kills: int = Field(0, ge=0, description="kills at most (0: no limit)")
     stall_island: str | None = None
     stall_after_s: float = Field(30.0, ge=0)
     slow_island: str | None = None
     slow_factor: float = Field(1.0, ge=1)
     storage_error_rate: float = Field(0.0, ge=0, lt=1)
     storage_latency_s: float = Field(0.0, ge=0)
-    kill_merge_at: str | None = None
+    kill_merge_at: str | None = Field(None, description="merge fault point, 'point' or 'point@n'")
     seed: int = 0
+
+    @field_validator("kill_merge_at")
+    @classmethod
+    def _merge_point(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        point, _, nth = v.partition("@")
+        if point not in MERGE_FAULT_POINTS or (nth and not (nth.isdigit() and int(nth) > 0)):
+            raise ValueError(
+                f"kill_merge_at {v!r}: expected one of {', '.join(MERGE_FAULT_POINTS)}, "
+                "optionally with @n (n >= 1)"
+            )
+        return v
 
 
 class ExperimentConfig(_Frozen):
@@ -172,6 +201,10 @@ class ExperimentConfig(_Frozen):
             raise ValueError("islands: at least one island is required")
         if len(set(names)) != len(names):
             raise ValueError(f"islands: duplicate names {sorted(names)}")
+        for field_name in ("stall_island", "slow_island"):
+            target = getattr(self.chaos, field_name)
+            if target is not None and target not in names:
+                raise ValueError(f"chaos.{field_name}: {target!r} is not an island")
         dims = self.model.dims()
         if self.data.seq_len > dims["max_seq_len"]:
             raise ValueError(
@@ -255,3 +288,74 @@ def with_overrides(cfg: ExperimentConfig, overrides: dict[str, Any]) -> Experime
             node = node[key]
         node[leaf] = value
     return parse_config(data)
+
+
+def join_islands(existing: dict[str, Any], islands: list[dict[str, Any]]) -> dict[str, Any]:
+    """The config of a running experiment with `islands` joined (docs/STORE.md, "Joining").
+
+    Only the island list changes: joiners are appended (existing islands keep their position,
+    hence their default shard), and `data.num_shards` stays fixed so that no shard moves. A
+    joiner therefore needs a free shard: its explicit `shard` (below `data.num_shards`, used by
+    no other island), else the lowest free one, written into its entry. An experiment whose
+    `data.num_shards` is unset has exactly one shard per island and none to spare: create
+    experiments that islands may join with `data.num_shards` above the number of islands.
+    An island already in the config must be asked for with the same settings (a `shard` left
+    unset matches any); asking again is a no-op. Raises ConfigError (one line).
+    """
+    cfg = parse_config(existing)
+    out = list(existing.get("islands") or [])
+    current = {i.name: i for i in cfg.islands}
+    used = {cfg.shard_of(i.name) for i in cfg.islands}
+    joiners: list[IslandConfig] = []
+    for raw in islands:
+        try:
+            isl = IslandConfig.model_validate(raw)
+        except ValidationError as err:
+            raise ConfigError(f"invalid island: {_one_line(err)}") from None
+        known = current.get(isl.name)
+        if known is not None:
+            mine, theirs = isl.model_dump(mode="json"), known.model_dump(mode="json")
+            if mine["shard"] is None:
+                mine["shard"] = theirs["shard"]
+            diff = sorted(k for k in mine if mine[k] != theirs[k])
+            if diff:
+                raise ConfigError(
+                    f"island {isl.name!r} is in experiment {cfg.name!r} with another {diff[0]!r}: "
+                    f"{json.dumps(theirs[diff[0]])} != {json.dumps(mine[diff[0]])}; "
+                    "join under a new island name"
+                )
+            continue
+        if any(j.name == isl.name for j in joiners):
+            raise ConfigError(f"island {isl.name!r} is listed twice")
+        joiners.append(isl)
+    if not joiners:
+        return existing
+    shards = cfg.data.num_shards
+    if shards is None:
+        raise ConfigError(
+            f"experiment {cfg.name!r} has no free data shard for {[j.name for j in joiners]}: "
+            f"data.num_shards is unset, so its {len(cfg.islands)} islands hold every shard "
+            "(create experiments that islands may join with data.num_shards > islands)"
+        )
+    for isl in joiners:
+        if isl.shard is not None:
+            if isl.shard >= shards:
+                raise ConfigError(
+                    f"island {isl.name!r}: shard {isl.shard} >= data.num_shards {shards}"
+                )
+            if isl.shard in used:
+                raise ConfigError(f"island {isl.name!r}: shard {isl.shard} is taken")
+            shard = isl.shard
+        else:
+            free = [s for s in range(shards) if s not in used]
+            if not free:
+                raise ConfigError(
+                    f"experiment {cfg.name!r} has no free data shard for {isl.name!r}: "
+                    f"all {shards} (data.num_shards) are taken"
+                )
+            shard = free[0]
+        used.add(shard)
+        out.append(isl.model_copy(update={"shard": shard}).model_dump(mode="json"))
+    joined = {**existing, "islands": out}
+    parse_config(joined)  # still a valid config (names unique, ...)
+    return joined

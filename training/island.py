@@ -28,10 +28,12 @@ import jax
 import numpy as np
 
 from training import codecs, inner, model
+from training.chaos import IslandChaos
 from training.config import ExperimentConfig
 from training.data import BatchLoader, Corpus, load_corpus, shard_tokens
 from training.faults import fault_point
 from training.fragments import assign_fragments, fragments_due, split_by_fragment
+from training.goodput import GoodputAccountant
 from training.pseudograd import pseudo_gradient
 from training.store.experiment import ExperimentStore
 
@@ -96,12 +98,15 @@ class Island:
         self.publishes = 0
         self._stop = False
         self._global_cache: tuple[int, dict[str, np.ndarray]] | None = None
+        self.goodput = GoodputAccountant.for_clock(clock)
+        self.chaos = IslandChaos.for_island(cfg, name, store)
 
     # -- state ------------------------------------------------------------------------------
 
     def start(self) -> None:
         """Resume from this island's checkpoint if there is one, else from the newest global."""
         cfg = self.cfg
+        t = self.goodput.now()
         ckpt = self.store.load_checkpoint(self.name)
         self.resumed = ckpt is not None
         if ckpt is None:
@@ -131,6 +136,14 @@ class Island:
             cursor = meta["cursor"]
             self._reset_counters(range(self.P))
             self._adopt(range(self.P))
+            self.goodput.charge("checkpoint_restore", t)
+        beat = self.store.heartbeats().get(self.name) or {}
+        self.lost_steps = self.goodput.resume(
+            ckpt[1].get("goodput") if ckpt else None,
+            self.step_count if ckpt else None,
+            beat.get("goodput_state"),
+            beat.get("step"),
+        )
         self.loader = BatchLoader(
             self.shard,
             cfg.data.batch_size,
@@ -164,6 +177,7 @@ class Island:
             bytes_sent=self.bytes_sent,
             publishes=self.publishes,
             cursor=self.loader.state(),
+            goodput=self.goodput.state(),
         )
         self.store.save_checkpoint(self.name, self.step_count, tensors, meta)
 
@@ -213,16 +227,23 @@ class Island:
 
     def step(self) -> StepResult:
         """Adopt merges that are due, run one AdamW step, publish fragments that are due."""
+        gp = self.goodput
+        t = gp.now()
         due_adopt = [p for p, at in self.pending_adopt.items() if at <= self.step_count]
         if due_adopt:
             self._adopt(due_adopt)
             for p in due_adopt:
                 del self.pending_adopt[p]
+            t = gp.charge("waiting_for_global", t)
         inputs, targets = self.loader.next_batch()
+        t = gp.charge("data_loading", t)
         self.params, self.opt_state, loss = self.loop.step(
             self.params, self.opt_state, inputs, targets
         )
         loss = float(loss)
+        if self.chaos is not None:
+            self.chaos.after_step(gp.now() - t)
+        t = gp.step(t)
         now = self.clock()
         elapsed, self._last_step_at = now - self._last_step_at, now
         self.step_count += 1
@@ -237,7 +258,9 @@ class Island:
         for p in fragments_due(self.step_count, self.H, self.P):
             result.published.append(self.publish(p))
         if result.published:
+            t = gp.charge("waiting_for_global", t)
             self.checkpoint()
+            gp.charge("checkpoint_save", t)
         return result
 
     def publish(self, p: int) -> str:
@@ -272,6 +295,7 @@ class Island:
         return ref.id
 
     def heartbeat(self, loss: float | None, tokens_per_s: float) -> None:
+        goodput = self.goodput.state()
         self.store.write_heartbeat(
             self.name,
             dict(
@@ -284,6 +308,8 @@ class Island:
                 bytes_sent=self.bytes_sent,
                 pid=os.getpid(),
                 time=self.clock(),
+                goodput=goodput["goodput"],
+                goodput_state=goodput,
             ),
         )
 
@@ -305,6 +331,9 @@ class Island:
         last_beat, beat_tokens, loss = 0.0, self.tokens, None
         steps = 0
         while True:
+            if self.chaos is not None and self.chaos.stall_due():
+                self.chaos.stall(lambda: self._stop)  # alive, silent, until SIGTERM / SIGKILL
+                break
             now = time.monotonic()
             if now - last_beat >= self.cfg.heartbeat_s:
                 rate = (self.tokens - beat_tokens) / (now - last_beat) if last_beat else 0.0
@@ -313,14 +342,19 @@ class Island:
                 if self.should_stop():
                     break
             if self.blocked():
+                t = self.goodput.now()
                 if not self.poll_merged():
                     time.sleep(0.2)
+                self.goodput.charge("waiting_for_global", t)
                 continue
             loss = self.step().loss
             steps += 1
             if max_steps is not None and steps >= max_steps:
                 break
+        t = self.goodput.now()
         self.checkpoint()
+        self.goodput.charge("checkpoint_save", t)
+        self.goodput.closed = True  # a clean exit: the time until a restart is not downtime
         self.heartbeat(loss, 0.0)
         info = dict(
             step=self.step_count,

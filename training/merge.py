@@ -55,6 +55,7 @@ class MergeResult:
     quarantined: dict[str, str] = field(default_factory=dict)
     waiting_until: float | None = None  # decoupled grace window: try again at this time
     lost_race: bool = False
+    tokens_merged: int | None = None  # in the global model after this version
 
 
 def initial_version(cfg: ExperimentConfig, store: ExperimentStore) -> int | None:
@@ -105,9 +106,25 @@ class Merger:
     # -- validation -------------------------------------------------------------------------
 
     def _validate(
-        self, ref: PseudoGradRef, head_version: int, merge_state: dict
+        self,
+        ref: PseudoGradRef,
+        head_version: int,
+        merge_state: dict,
+        params_norm: float | None = None,
     ) -> Contribution | str:
-        """A checked contribution, or the reason to quarantine it."""
+        """A checked contribution, or the reason to quarantine it.
+
+        Norms: over k x the running median of merged norms (k = clip_multiplier) is clipped to
+        it, over 1000x that is quarantined. Until four norms are merged there is no median: a
+        norm over 1000 x k x `params_norm` (the global parameters' norm) is quarantined.
+        """
+
+        def is_int(v) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        def is_real(v) -> bool:
+            return is_int(v) or isinstance(v, float) and bool(np.isfinite(v))
+
         m = ref.manifest
         if m.get("experiment") != self.cfg.name:
             return f"manifest names experiment {m.get('experiment')!r}, not {self.cfg.name!r}"
@@ -119,14 +136,20 @@ class Merger:
         if last is not None and ref.seq <= last:
             return f"replayed sequence number {ref.seq} (already merged up to {last})"
         base = m.get("base_version")
-        if not isinstance(base, int) or base < 0 or base > head_version:
+        if not is_int(base) or base < 0 or base > head_version:
             return f"base_version {base!r} is not a committed version (head {head_version})"
         staleness = head_version - base
         if staleness > self.cfg.outer.max_staleness * len(self.frags):
             return f"stale: base version {base}, head {head_version}"
         steps, tokens = m.get("steps"), m.get("tokens")
-        if not (isinstance(steps, int) and isinstance(tokens, int) and steps > 0 and tokens > 0):
+        if not (is_int(steps) and is_int(tokens) and 0 < steps < 2**53 and 0 < tokens < 2**53):
             return f"bad steps/tokens in manifest: {steps!r}/{tokens!r}"
+        per_step = self.cfg.data.batch_size * self.cfg.data.seq_len
+        if tokens > steps * per_step:
+            return f"tokens {tokens} exceed {steps} steps x {per_step} tokens per step"
+        for key in ("published_at", "step_time_s"):
+            if key in m and not is_real(m[key]):
+                return f"bad {key} in manifest: {m[key]!r}"
         codec = m.get("codec")
         if codec not in codecs.CODECS:
             return f"unknown codec {codec!r}"
@@ -149,27 +172,37 @@ class Merger:
                 return f"non-finite values in {n}"
         norm = outer.global_norm(delta)
         history = merge_state["norms"]
-        if len(history) >= 4:
-            limit = self.cfg.outer.clip_multiplier * float(np.median(history))
-            if norm > 1000 * limit:
+        median = float(np.median(history)) if len(history) >= 4 else 0.0
+        k = self.cfg.outer.clip_multiplier
+        if median > 0:
+            limit = k * median
+            if not norm <= 1000 * limit:
                 return f"norm {norm:.3g} is over 1000x the clip limit {limit:.3g}"
             delta, _ = outer.clip_to(delta, limit)
+        elif params_norm and not norm <= 1000 * k * params_norm:
+            return (
+                f"norm {norm:.3g} is over 1000x the bound {k * params_norm:.3g} "
+                "(k x the global parameters' norm; no running median yet)"
+            )
         weight = outer.token_weight(tokens, steps) if self.cfg.outer.token_weighting else 1.0
         return Contribution(ref, delta, norm, weight, staleness, float(m.get("published_at", 0.0)))
 
     # -- policies ---------------------------------------------------------------------------
 
     def _active_islands(self) -> set[str]:
-        done = set(self.store.done())
-        return {i.name for i in self.cfg.islands} - done
+        gone = set(self.store.done()) | set(self.store.stopped_islands())
+        return {i.name for i in self.cfg.islands} - gone
 
     def _select(
-        self, by_frag: dict[int, list[Contribution]], merge_state: dict, result: MergeResult
+        self,
+        by_frag: dict[int, list[Contribution]],
+        merge_state: dict,
+        result: MergeResult,
+        active: set[str],
     ):
         """Per fragment, the contributions to apply now, as a list of groups (one outer step each)."""
         method = self.cfg.outer.method
         plan: dict[int, list[list[Contribution]]] = {}
-        active = self._active_islands()
         for p, contribs in sorted(by_frag.items()):
             contribs.sort(key=lambda c: (c.arrived_at, c.ref.island, c.ref.seq))
             if method in ("nesterov", "delayed_nesterov"):
@@ -211,20 +244,32 @@ class Merger:
         g: GlobalVersion = self.store.load_global(head)
         self.store.record_applied(g.manifest.get("applied", []), g.version)
         merge_state = g.manifest["merge_state"]
+        params_norm = outer.global_norm(g.params)
         applied = self.store.applied()
         quarantined = self.store.quarantined()
         by_frag: dict[int, list[Contribution]] = {}
+        head_moved = False
         for ref in self.store.list_pseudograds():
             if ref.id in applied or ref.id in quarantined:
                 continue
-            checked = self._validate(ref, g.version, merge_state)
+            checked = self._validate(ref, g.version, merge_state, params_norm)
             if isinstance(checked, str):
+                # Judge only against the current HEAD: a racing merger may have published a
+                # newer version this ref is based on (or whose norms move the median).
+                head_moved = head_moved or getattr(self.store.head(), "dir", None) != head.dir
+                if head_moved:
+                    log.info("not judging %s against an old head: %s", ref.id, checked)
+                    continue
                 self.store.quarantine(ref.id, checked)
                 result.quarantined[ref.id] = checked
                 log.warning("quarantined %s: %s", ref.id, checked)
                 continue
             by_frag.setdefault(ref.fragment, []).append(checked)
-        plan = self._select(by_frag, merge_state, result)
+        from training.faults import fault_point
+
+        fault_point("merge.after-read")
+        active = self._active_islands()
+        plan = self._select(by_frag, merge_state, result, active)
         if not plan:
             return result
 
@@ -249,6 +294,9 @@ class Merger:
                     delta = outer.combine(
                         [c.delta for c in group], [c.weight for c in group], self.cfg.outer.rda
                     )
+                    if self.cfg.outer.method == "decoupled" and self.cfg.outer.partial_scaling:
+                        share = len({c.ref.island for c in group}) / max(len(active), 1)
+                        delta = outer.scale(delta, min(1.0, share))
                 frag_params, frag_state = outer.apply_outer(self.tx, frag_params, frag_state, delta)
                 for c in group:
                     result.applied.append(c.ref.id)
@@ -291,6 +339,7 @@ class Merger:
             return MergeResult(lost_race=True, quarantined=result.quarantined)
         self.store.record_applied(result.applied, g.version + 1)
         result.version = g.version + 1
+        result.tokens_merged = tokens_merged
         if tokens_merged >= self.cfg.token_budget:
             self.store.request_stop()
         self.store.append_metric(
@@ -298,6 +347,7 @@ class Merger:
             dict(
                 version=result.version,
                 applied=len(result.applied),
+                quarantined=len(result.quarantined),
                 tokens_merged=tokens_merged,
                 seconds=sync_s,
                 at=self.clock(),

@@ -122,6 +122,10 @@ def combine(
     return out
 
 
+def scale(delta: dict[str, np.ndarray], factor: float) -> dict[str, np.ndarray]:
+    return {k: v * np.float32(factor) for k, v in delta.items()}
+
+
 def global_norm(delta: dict[str, np.ndarray]) -> float:
     return float(np.sqrt(sum(float(np.vdot(v, v)) for v in delta.values())))
 

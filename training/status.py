@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 from training.config import ExperimentConfig
+from training.goodput import BADPUT, experiment_goodput
 
 
 def collect_status(cfg: ExperimentConfig, store, now: float | None = None) -> dict:
@@ -47,6 +48,7 @@ def collect_status(cfg: ExperimentConfig, store, now: float | None = None) -> di
         applied=len(applied),
         quarantined=len(quarantined),
         last_eval=evals[-1] if evals else None,
+        goodput=experiment_goodput(cfg, {n: hb.get("goodput_state") for n, hb in beats.items()}),
         stop_requested=store.stop_requested(None),
         islands=islands,
     )
@@ -68,6 +70,14 @@ def format_status(s: dict) -> str:
     if s["last_eval"]:
         e = s["last_eval"]
         lines.append(f"last eval: version {e['version']} loss {e['loss']:.4f}")
+    g = s.get("goodput")
+    if g:
+        top = sorted(((g["badput"][c], c) for c in BADPUT if g["badput"][c] >= 0.005), reverse=True)
+        badput = ", ".join(f"{c} {v:.0%}" for v, c in top) or "none"
+        lines.append(
+            f"goodput {g['goodput']:.1%} (chip-weighted, {g['islands']} islands, {g['chips']} chips)"
+            f"  badput: {badput}"
+        )
     header = f"{'island':16s} {'state':11s} {'step':>7s} {'tokens':>10s} {'tok/s':>8s} {'loss':>7s} {'stale':>5s} {'beat age':>8s} {'goodput':>7s}"
     lines += ["", header, "-" * len(header)]
     for i in s["islands"]:

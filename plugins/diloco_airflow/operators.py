@@ -152,35 +152,47 @@ def merge_configs(existing: dict[str, Any], new: dict[str, Any]) -> dict[str, An
 
 
 def init_experiment(params: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
-    """Validate the form, create (or join) the experiment, return the islands by backend."""
+    """Validate the form, create the experiment or join it, return the islands by backend.
+
+    Joining (the experiment exists): every setting but the island list must equal the stored
+    config (`merge_configs`); islands not in it yet are added by compare-and-swap on
+    config.json (`ExperimentStore.add_islands`: each needs a free data shard, see
+    docs/STORE.md); islands already in it must be asked for with the same settings.
+    """
     from diloco_airflow.params import config_from_params
-    from training.config import ConfigError, parse_config
+    from training.config import parse_config
+    from training.store.experiment import ExperimentExists
+    from training.store.objectstore import ObjectNotFound
 
     cfg = config_from_params(params)
     hook = hooks.DilocoStoreHook(store_url=cfg.store_url)
     hook.check()  # unreachable bucket / missing credentials: fail now, with the store's message
     estore = hook.experiment(cfg.name)
     wanted = json.loads(cfg.to_json())
-    from training.store.objectstore import ObjectNotFound
-
     try:
         existing = estore.read_config()
     except ObjectNotFound:
         existing = None
-    if existing:
+    if existing is None:
+        try:
+            estore.write_config(wanted)
+            cfg_all = cfg
+        except ExperimentExists:  # created by a concurrent trigger in between: join it
+            existing = estore.read_config()
+    if existing is not None:
         merge_configs(existing, wanted)  # same experiment settings, or a one-line ConfigError
-        cfg_all = parse_config(existing)
-        known = {i.name for i in cfg_all.islands}
+        known = {i["name"] for i in existing.get("islands", [])}
+        joined = estore.add_islands([i.model_dump(mode="json") for i in cfg.islands])
+        cfg_all = parse_config(joined)
         new = [i.name for i in cfg.islands if i.name not in known]
-        if new:
-            raise ConfigError(
-                f"experiment {cfg.name!r} exists; islands {new} are not in its config "
-                "(joining with new islands needs a config update the store does not offer yet)"
-            )
-        log.info("joining experiment %s with islands %s", cfg.name, [i.name for i in cfg.islands])
-    else:
-        cfg_all = cfg
-        estore.write_config(wanted)
+        log.info(
+            "joining experiment %s: new islands %s, relaunching %s",
+            cfg.name,
+            new,
+            sorted(known & {i.name for i in cfg.islands}),
+        )
+        if estore.stop_requested(None):
+            log.warning("experiment %s has a stop marker: its islands stop at once", cfg.name)
     from training.merge import initial_version
 
     created = initial_version(cfg_all, estore)

@@ -1,17 +1,20 @@
 """Maintenance: stalled islands, expired cloud resources, and garbage collection of the store.
 
-Retention policy (`plan_gc`): keep version 0 (the baseline evaluations compare against), the
-newest ``keep_last`` global versions, and every version still referenced (an island's heartbeat
-names its base version). Merged pseudo-gradients are deleted once the version that applied them
-is older than every kept version. The newest version is never deleted.
+Retention policy (`ExperimentStore.plan_gc`, docs/STORE.md "Garbage collection"): keep the
+payloads of HEAD, of the newest ``keep_last`` versions on its chain, of version 0 (the baseline
+evaluations compare against) and of every version an island's heartbeat or latest checkpoint
+names as its base; delete the payloads of the other versions (their manifests stay), global
+directories that lost the HEAD race, merged pseudo-gradients applied outside the window (their
+ledger entries stay), payloads no marker names, and checkpoints older than each island's LATEST.
 
-Deletion needs the store to offer ``delete_global_version(version)`` and
-``delete_pseudograd(ref)``; where it does not, the plan is reported and nothing is deleted.
+Knobs (environment of the workers): ``DILOCO_GC_KEEP_LAST`` (5), ``DILOCO_GC_DRY_RUN`` (set to
+1 to only report the plan).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any
 
@@ -20,66 +23,36 @@ from diloco_airflow import hooks
 log = logging.getLogger(__name__)
 
 
-def _version_of(v: Any) -> int:
-    return int(getattr(v, "version", v))
+def keep_last_default() -> int:
+    return int(os.environ.get("DILOCO_GC_KEEP_LAST", "5"))
 
 
-def plan_gc(
-    versions: list[int], referenced: set[int], keep_last: int = 5
-) -> tuple[list[int], int | None]:
-    """(versions to delete, oldest kept version). Never the newest, 0, or a referenced one."""
-    versions = sorted(set(versions))
-    if not versions:
-        return [], None
-    keep = set(versions[-max(1, keep_last) :]) | {0} | (set(referenced) & set(versions))
-    delete = [v for v in versions if v not in keep]
-    kept_after = [v for v in versions if v in keep and v != 0]
-    return delete, (min(kept_after) if kept_after else None)
+def dry_run_default() -> bool:
+    return os.environ.get("DILOCO_GC_DRY_RUN", "").lower() in ("1", "true", "yes")
 
 
-def collect(estore, keep_last: int = 5, dry_run: bool = False) -> dict[str, Any]:
-    versions = [_version_of(v) for v in estore.list_global_versions()]
-    done = set(estore.done())
-    referenced = {
-        int(b["base_version"])
-        for isl, b in estore.heartbeats().items()
-        if isl not in done and b.get("base_version") is not None
-    }
-    delete, oldest_kept = plan_gc(versions, referenced, keep_last)
-    applied = estore.applied()
-    applied_at = applied if isinstance(applied, dict) else {}
-    old_pgs = [
-        r
-        for r in estore.list_pseudograds()
-        if oldest_kept is not None
-        and isinstance(applied_at.get(r.id), int)
-        and applied_at[r.id] < oldest_kept
-    ]
-    can_delete = hasattr(estore, "delete_global_version") and hasattr(estore, "delete_pseudograd")
-    report = {
-        "versions": len(versions),
-        "delete_versions": delete,
-        "delete_pseudograds": [r.id for r in old_pgs],
-        "deleted": False,
-    }
-    if dry_run or not can_delete:
-        if not can_delete:
-            log.warning("store has no delete API: nothing deleted (plan: %s)", report)
+def collect(estore, keep_last: int | None = None, dry_run: bool | None = None) -> dict[str, Any]:
+    """Plan the garbage collection of one experiment and, unless ``dry_run``, carry it out."""
+    keep_last = keep_last_default() if keep_last is None else keep_last
+    dry_run = dry_run_default() if dry_run is None else dry_run
+    plan = estore.plan_gc(keep_last=keep_last)
+    report: dict[str, Any] = {**plan.to_dict(), "dry_run": dry_run, "deleted": {}}
+    if dry_run or plan.empty:
+        log.info("%s: gc plan%s: %s", estore.experiment, " (dry run)" if dry_run else "", report)
         return report
-    for v in delete:
-        estore.delete_global_version(v)
-    for r in old_pgs:
-        estore.delete_pseudograd(r)
-    report["deleted"] = True
+    report["deleted"] = estore.collect_garbage(plan)
+    log.info("%s: gc deleted %s (plan %s)", estore.experiment, report["deleted"], report)
     return report
 
 
-def collect_all(experiments: list[dict[str, Any]], keep_last: int = 5) -> list[dict[str, Any]]:
+def collect_all(
+    experiments: list[dict[str, Any]], keep_last: int | None = None, dry_run: bool | None = None
+) -> list[dict[str, Any]]:
     out = []
     for e in experiments:
         try:
             estore = hooks.open_experiment(e["store_url"], e["experiment"])
-            out.append({"experiment": e["experiment"], **collect(estore, keep_last)})
+            out.append({"experiment": e["experiment"], **collect(estore, keep_last, dry_run)})
         except Exception as exc:  # one experiment's problem must not stop the others
             log.exception("gc of %s failed", e["experiment"])
             out.append({"experiment": e["experiment"], "error": str(exc)})

@@ -7,6 +7,10 @@ and `Merger` classes over an in-memory store; only time is simulated: an island 
 1/v virtual seconds per inner step, merges take no virtual time, and the event loop always runs
 the island whose next step ends first. The run is deterministic (fixed seeds, fixed event order).
 
+Equal tokens means tokens *in the global model*: a method's run ends when its merged pseudo-
+gradients account for the token budget (work still on the islands does not count), and data-
+parallel's when its steps have consumed it.
+
 Data-parallel steps on the concatenation of the four islands' batches and, being synchronous, at
 the pace of the slowest island (4 virtual seconds a step). Its traffic per island is a ring
 all-reduce of fp32 gradients every step: 2 (M - 1) / M x 4 bytes x parameters.
@@ -75,7 +79,9 @@ class VirtualClock:
         return self.t
 
 
-def base_config(quick: bool, data: str | None, token_budget: int | None) -> ExperimentConfig:
+def base_config(
+    quick: bool, data: str | None, token_budget: int | None, overrides: dict | None = None
+) -> ExperimentConfig:
     islands = tuple(IslandConfig(name=f"island-{i}", speed=s) for i, s in enumerate(SPEEDS))
     cfg = ExperimentConfig(
         name="bench-quality",
@@ -85,7 +91,7 @@ def base_config(quick: bool, data: str | None, token_budget: int | None) -> Expe
     )
     if data:
         cfg = with_overrides(cfg, {"data.source": data})
-    return cfg
+    return with_overrides(cfg, overrides or {})
 
 
 def method_config(cfg: ExperimentConfig, method: str) -> ExperimentConfig:
@@ -163,20 +169,21 @@ def run_islands(cfg: ExperimentConfig, eval_dt: float, progress) -> dict:
     curve = Curve()
     seen_version = -1
     next_eval = 0.0
-    merges = quarantined = 0
+    merges = quarantined = merged_tokens = 0
 
     def evaluate():
         nonlocal seen_version
         g = store.load_global()
         loss = loop.eval_loss(loop.put_params(g.params), evals)
         seen_version = g.version
-        curve.add(clock.t, sum(i.tokens for i in islands), loss)
+        curve.add(clock.t, merged_tokens, loss)
         progress(clock.t, curve.tokens[-1], loss)
 
     def merge():
-        nonlocal wake, merges, quarantined
+        nonlocal wake, merges, quarantined, merged_tokens
         for r in merger.merge_all():
             merges += r.version is not None
+            merged_tokens = max(merged_tokens, r.tokens_merged or 0)
             quarantined += len(r.quarantined)
             wake = r.waiting_until
         for isl in islands:
@@ -185,7 +192,7 @@ def run_islands(cfg: ExperimentConfig, eval_dt: float, progress) -> dict:
 
     evaluate()
     next_eval = eval_dt
-    while sum(i.tokens for i in islands) < cfg.token_budget:
+    while merged_tokens < cfg.token_budget:
         ready = [i for i in islands if not i.blocked()]
         t_island = min((next_t[i.name] for i in ready), default=None)
         if wake is not None and (t_island is None or wake <= t_island):
@@ -207,12 +214,12 @@ def run_islands(cfg: ExperimentConfig, eval_dt: float, progress) -> dict:
         if clock.t >= next_eval:
             evaluate()
             next_eval += eval_dt
-    merge()
     evaluate()
     bytes_sent = float(np.mean([i.bytes_sent for i in islands]))
     return dict(
         curve=curve,
-        tokens=sum(i.tokens for i in islands),
+        tokens=merged_tokens,
+        tokens_processed=sum(i.tokens for i in islands),
         bytes_sent=bytes_sent,
         merges=merges,
         quarantined=quarantined,
@@ -220,8 +227,10 @@ def run_islands(cfg: ExperimentConfig, eval_dt: float, progress) -> dict:
     )
 
 
-def run(quick: bool = True, data: str | None = None, methods=METHODS, token_budget=None) -> dict:
-    cfg = base_config(quick, data, token_budget)
+def run(
+    quick: bool = True, data: str | None = None, methods=METHODS, token_budget=None, overrides=None
+) -> dict:
+    cfg = base_config(quick, data, token_budget, overrides)
     tokens_per_time = cfg.data.batch_size * cfg.data.seq_len  # dp / sync pace: one batch a second
     eval_dt = cfg.token_budget / tokens_per_time / 20
     results: dict[str, dict] = {}
@@ -331,6 +340,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--data", default=None, help="data source (default builtin:pydoc)")
     parser.add_argument("--tokens", type=int, default=None, help="token budget override")
     parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--json", dest="json_out", default=None)
     parser.add_argument("--plot", default=None, help="PNG of eval loss vs virtual time")
     args = parser.parse_args(argv)
@@ -338,7 +348,14 @@ def main(argv: list[str]) -> int:
     unknown = set(methods) - set(METHODS)
     if unknown:
         parser.error(f"unknown methods {sorted(unknown)}; known: {', '.join(METHODS)}")
-    summary = run(args.quick, args.data, methods, args.tokens)
+    overrides = {}
+    for item in args.set:
+        key, _, value = item.partition("=")
+        try:
+            overrides[key] = json.loads(value)
+        except json.JSONDecodeError:
+            overrides[key] = value
+    summary = run(args.quick, args.data, methods, args.tokens, overrides)
     print()
     print(format_table(summary))
     if summary["target_loss"] is not None:

@@ -46,6 +46,7 @@ _PG_MARKER = re.compile(rf"^pseudograds/({_NAME}/\d{{8,}}-f\d{{3}})\.json$")
 _LEDGER_ENTRY = re.compile(rf"^ledger/({_NAME}/\d{{8,}}-f\d{{3}})\.json$")
 _QUARANTINE_ENTRY = re.compile(rf"^quarantine/({_NAME}/\d{{8,}}-f\d{{3}})\.json$")
 _PER_ISLAND = re.compile(rf"^[a-z]+/({_NAME})\.json$")
+_NAME_RE = re.compile(_NAME)
 _METRIC = re.compile(r"^metrics/[a-z0-9-]+/\d{20}-[0-9a-f]{8}\.json$")
 
 _GLOBAL_RESERVED = frozenset(
@@ -178,6 +179,51 @@ class PseudoGradRef:
     payload_key: str
 
 
+@dataclass
+class GCPlan:
+    """What a garbage collection deletes (docs/STORE.md, "Garbage collection").
+
+    `versions`: committed versions whose payloads go (their manifest.json stays, so HEAD's chain
+    and its `applied` lists stay readable); `orphan_dirs`: global directories off HEAD's chain
+    that can never be committed; `pseudograds`: merged pseudo-gradients (marker and payload)
+    applied outside the retention window; `orphan_payloads`: pseudo-gradient payloads their
+    marker does not name; `checkpoints`: checkpoint directories older than the island's LATEST.
+    `protected`: the versions kept (HEAD, the window, version 0, every island's base).
+    """
+
+    head: int | None = None
+    keep_last: int = 0
+    protected: list[int] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    version_dirs: dict[int, str] = field(default_factory=dict)
+    orphan_dirs: list[str] = field(default_factory=list)
+    pseudograds: list[str] = field(default_factory=list)
+    orphan_payloads: list[str] = field(default_factory=list)
+    checkpoints: list[str] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not (
+            self.versions
+            or self.orphan_dirs
+            or self.pseudograds
+            or self.orphan_payloads
+            or self.checkpoints
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "head": self.head,
+            "keep_last": self.keep_last,
+            "protected": self.protected,
+            "versions": self.versions,
+            "orphan_dirs": self.orphan_dirs,
+            "pseudograds": self.pseudograds,
+            "orphan_payloads": self.orphan_payloads,
+            "checkpoints": self.checkpoints,
+        }
+
+
 # ---------------------------------------------------------------------------------------------
 # The store
 
@@ -192,6 +238,7 @@ class ExperimentStore:
     HEAD = "global/HEAD.json"
     CONFIG = "config.json"
     STOP = "control/STOP"
+    COLLECTED = "collected.json"
 
     def __init__(self, store: ObjectStore, experiment: str, max_workers: int = 16):
         self.store = store
@@ -285,6 +332,43 @@ class ExperimentStore:
     def read_config(self) -> dict[str, Any]:
         """config.json; ObjectNotFound if the experiment has none."""
         return self._read_json(self.CONFIG)
+
+    def update_config(
+        self, change: Callable[[dict[str, Any]], dict[str, Any]], attempts: int = 20
+    ) -> dict[str, Any]:
+        """Read-modify-write config.json by compare-and-swap on its generation.
+
+        `change(current)` returns the new config (or `current` itself: nothing is written); it
+        is called again on the fresh config when another writer changed it in between. Returns
+        the config as written. ObjectNotFound if the experiment has no config.
+        """
+        key = self._key(self.CONFIG)
+        for attempt in range(attempts):
+            got = self.store.read_versioned(key)
+            if got is None:
+                raise ObjectNotFound(f"{self.url}/{self.CONFIG} does not exist")
+            data, generation = got
+            current = load_json(data, f"{self.url}/{self.CONFIG}")
+            new = change(json.loads(data))
+            if new == current:
+                return current
+            if self.store.compare_and_swap(key, dump_json(new), generation):
+                return json.loads(dump_json(new))
+            time.sleep(min(1.0, 0.05 * 2**attempt))
+        raise StoreError(f"{self.url}/{self.CONFIG} kept changing: gave up after {attempts} tries")
+
+    def add_islands(self, islands: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+        """Join `islands` to the experiment: append them to config.json's island list.
+
+        Nothing else in the config can change this way; `data.num_shards` stays fixed, so a
+        joiner needs a free shard (the rule: `training.config.join_islands`, docs/STORE.md).
+        Islands already in the config with the same settings are fine (a no-op); ConfigError
+        otherwise. Compare-and-swap: racing joins both land. Returns the new config.
+        """
+        from training.config import join_islands
+
+        wanted = [dict(i) for i in islands]
+        return self.update_config(lambda current: join_islands(current, wanted))
 
     # global versions -----------------------------------------------------------------------
     def head(self) -> HeadPointer | None:
@@ -384,12 +468,17 @@ class ExperimentStore:
         if not isinstance(digests, dict) or not isinstance(sizes, dict):
             raise CorruptObject(f"{self.url}/{head.dir}/manifest.json lacks sha256 / nbytes")
         what = f"{self.url} version {head.version}"
-        tensors = {
-            name: self._verified_tensors(
-                f"{head.dir}/{name}.safetensors", digests.get(name), sizes.get(name), what
-            )
-            for name in ("params", "outer_state")
-        }
+        try:
+            tensors = {
+                name: self._verified_tensors(
+                    f"{head.dir}/{name}.safetensors", digests.get(name), sizes.get(name), what
+                )
+                for name in ("params", "outer_state")
+            }
+        except CorruptObject:
+            if self.store.exists(self._key(f"{head.dir}/{self.COLLECTED}")):
+                raise ObjectNotFound(f"{what} was garbage-collected (payloads deleted)") from None
+            raise
         return GlobalVersion(head.version, tensors["params"], tensors["outer_state"], manifest)
 
     def find_version(self, version: int) -> HeadPointer:
@@ -733,8 +822,193 @@ class ExperimentStore:
         """Remove a stop marker written by request_stop (missing is fine)."""
         self.store.delete(self._key(self._stop_key(island)))
 
+    def stopped_islands(self) -> set[str]:
+        """Islands asked to leave (control/stop/{island}), from a listing only."""
+        prefix = "control/stop/"
+        return {
+            k[len(prefix) :] for k in self._list(prefix) if _NAME_RE.fullmatch(k[len(prefix) :])
+        }
+
     def stop_requested(self, island: str | None = None) -> bool:
         """True if an experiment-wide stop, or (given an island) that island's stop, exists."""
         if self.store.exists(self._key(self.STOP)):
             return True
         return island is not None and self.store.exists(self._key(self._stop_key(island)))
+
+    # garbage collection --------------------------------------------------------------------
+    def _head_chain(self) -> tuple[HeadPointer | None, dict[int, str], bool]:
+        """(head, version -> directory along HEAD's chain, whether the chain reaches its root)."""
+        head = self.head()
+        if head is None:
+            return None, {}, True
+        dirs = {head.version: head.dir}
+        complete = False
+        for manifest in self.list_global_versions():
+            parent, parent_dir = manifest.get("parent_version"), manifest.get("parent_dir")
+            if parent_dir is None:
+                complete = True
+            elif _is_int(parent) and isinstance(parent_dir, str):
+                dirs[parent] = parent_dir
+        return head, dirs, complete
+
+    def referenced_versions(self, keep_last: int = 1, keep_first: bool = True) -> set[int]:
+        """Versions that must keep their payloads: HEAD, the newest `keep_last` of its chain,
+        version 0 (`keep_first`: the baseline evaluations compare against), and every version an
+        island's heartbeat or latest checkpoint names as its base."""
+        head, dirs, _ = self._head_chain()
+        if head is None:
+            return set()
+        keep = {head.version} | {v for v in dirs if v > head.version - max(1, keep_last)}
+        if keep_first and 0 in dirs:
+            keep.add(0)
+        bases: list[Any] = [b.get("base_version") for b in self.heartbeats().values()]
+        latest = [k for k in self._list("checkpoints/") if k.endswith("/LATEST.json")]
+        for pointer in self._read_many(latest):
+            if pointer is None:
+                continue
+            directory = load_json(pointer, "checkpoint LATEST.json").get("dir")
+            if isinstance(directory, str) and directory.startswith("checkpoints/"):
+                meta = self._read_json_or_none(f"{directory}/meta.json") or {}
+                found = meta.get("base_version")
+                bases += found if isinstance(found, list) else [found]
+        keep |= {b for b in bases if _is_int(b)}
+        return keep
+
+    def plan_gc(self, keep_last: int = 5, keep_first: bool = True) -> GCPlan:
+        """What `collect_garbage` would delete now; reads only (see GCPlan)."""
+        if not _is_int(keep_last) or keep_last < 1:
+            raise ValueError(f"keep_last must be an int >= 1, got {keep_last!r}")
+        head, dirs, complete = self._head_chain()
+        plan = GCPlan(head=None if head is None else head.version, keep_last=keep_last)
+        if head is None:
+            return plan
+        protected = self.referenced_versions(keep_last, keep_first)
+        plan.protected = sorted(protected)
+
+        files: dict[str, set[str]] = {}
+        for key in self._list("global/v"):
+            directory, _, name = key.rpartition("/")
+            files.setdefault(directory, set()).add(name)
+        payloads = {"params.safetensors", "outer_state.safetensors"}
+        for version, directory in sorted(dirs.items()):
+            if version not in protected and files.get(directory, set()) & payloads:
+                plan.versions.append(version)
+                plan.version_dirs[version] = directory
+        on_chain = set(dirs.values())
+        if complete:  # a broken chain (a manifest deleted by hand) hides what is committed
+            for directory in sorted(files):
+                match = _GLOBAL_DIR.fullmatch(directory)
+                if match and directory not in on_chain and int(match[1]) <= head.version:
+                    plan.orphan_dirs.append(directory)
+
+        applied = self.applied()
+        quarantined = set(self.quarantined())
+        markers: set[str] = set()
+        payload_keys: dict[str, list[str]] = {}
+        payload_re = re.compile(
+            rf"^pseudograds/({_NAME}/\d{{8,}}-f\d{{3}})-[0-9a-f]{{8}}\.safetensors$"
+        )
+        for key in self._list("pseudograds/"):
+            if m := _PG_MARKER.fullmatch(key):
+                markers.add(m[1])
+            elif m := payload_re.fullmatch(key):
+                payload_keys.setdefault(m[1], []).append(key)
+        window_start = head.version - keep_last + 1
+        for pg_id in sorted(markers | set(payload_keys)):
+            version = applied.get(pg_id)
+            if version is not None and version < window_start and pg_id not in quarantined:
+                plan.pseudograds.append(pg_id)
+        collected = set(plan.pseudograds)
+        several = [i for i in sorted(markers - collected) if len(payload_keys.get(i, [])) > 1]
+        for pg_id, data in zip(
+            several, self._read_many([f"pseudograds/{i}.json" for i in several]), strict=True
+        ):
+            named = load_json(data, f"pseudograds/{pg_id}.json").get("payload") if data else None
+            if isinstance(named, str):
+                plan.orphan_payloads += [k for k in payload_keys[pg_id] if k != named]
+
+        ckpt_dirs: dict[str, set[str]] = {}
+        for key in self._list("checkpoints/"):
+            parts = key.split("/")
+            if len(parts) == 4 and re.fullmatch(r"c\d{10,}-[0-9a-f]{8}", parts[2]):
+                ckpt_dirs.setdefault(parts[1], set()).add("/".join(parts[:3]))
+        for island, directories in sorted(ckpt_dirs.items()):
+            latest = self._read_json_or_none(f"checkpoints/{island}/LATEST.json") or {}
+            step = latest.get("step")
+            if not _is_int(step):
+                continue  # no committed checkpoint: everything may still be in flight
+            for directory in sorted(directories):
+                if int(directory.rsplit("/c", 1)[1].split("-")[0]) < step:
+                    plan.checkpoints.append(directory)
+        return plan
+
+    def _delete_prefix(self, relative_prefix: str) -> int:
+        keys = self._list(relative_prefix)
+        self._parallel(lambda k: self.store.delete(self._key(k)), keys)
+        return len(keys)
+
+    def delete_global_version(self, version: int, protected: Collection[int] = ()) -> bool:
+        """Delete the payloads of committed version `version` (params, outer state).
+
+        Its manifest.json stays (HEAD's chain and the `applied` history stay readable) next to a
+        `collected.json` marker, written first; `load_global` of it then raises ObjectNotFound.
+        Refuses (ValueError) HEAD, any version in `protected`, and any version
+        `referenced_versions()` keeps. False if the version has no payloads left.
+        """
+        head, dirs, _ = self._head_chain()
+        if head is None or version not in dirs:
+            raise ObjectNotFound(f"{self.url}: no committed version {version}")
+        if version >= head.version or version in protected:
+            raise ValueError(f"{self.url}: version {version} is HEAD or protected; not deleted")
+        if version in self.referenced_versions(keep_last=1, keep_first=False):
+            raise ValueError(f"{self.url}: version {version} is still referenced; not deleted")
+        return self._collect_version(dirs[version])
+
+    def _collect_version(self, directory: str) -> bool:
+        names = [f"{directory}/params.safetensors", f"{directory}/outer_state.safetensors"]
+        present = [n for n in names if self.store.exists(self._key(n))]
+        if not present:
+            return False
+        self._write_json(f"{directory}/{self.COLLECTED}", {"at": _now()})
+        for name in present:
+            self.store.delete(self._key(name))
+        return True
+
+    def delete_pseudograd(self, pg: str | PseudoGradRef) -> int:
+        """Delete a merged pseudo-gradient: its marker first, then every payload of its id.
+
+        Refuses (ValueError) one without a ledger entry (not merged). Its ledger entry stays:
+        it keeps the id applied, so a replay of it is never merged again. Returns the number of
+        objects deleted.
+        """
+        pg_id = pg.id if isinstance(pg, PseudoGradRef) else pg
+        parse_pseudograd_id(pg_id)
+        if not self.store.exists(self._key(f"ledger/{pg_id}.json")):
+            raise ValueError(f"{self.url}: pseudo-gradient {pg_id} is not merged; not deleted")
+        marker = self._key(f"pseudograds/{pg_id}.json")
+        deleted = int(self.store.exists(marker))
+        self.store.delete(marker)
+        return deleted + self._delete_prefix(f"pseudograds/{pg_id}-")
+
+    def collect_garbage(self, plan: GCPlan) -> dict[str, int]:
+        """Delete what `plan` (from `plan_gc`) lists; safe to repeat. Counts of what went."""
+        counts = dict.fromkeys(
+            ("versions", "orphan_dirs", "pseudograds", "orphan_payloads", "checkpoints"), 0
+        )
+        head = self.head()
+        protected = set(plan.protected) | ({head.version} if head else set())
+        for version in plan.versions:
+            directory = plan.version_dirs.get(version)
+            if version in protected or directory is None:
+                continue
+            counts["versions"] += int(self._collect_version(directory))
+        for directory in plan.orphan_dirs:
+            counts["orphan_dirs"] += int(self._delete_prefix(f"{directory}/") > 0)
+        for pg_id in plan.pseudograds:
+            counts["pseudograds"] += int(self.delete_pseudograd(pg_id) > 0)
+        for key in plan.orphan_payloads:
+            self.store.delete(self._key(key))
+            counts["orphan_payloads"] += 1
+        for directory in plan.checkpoints:
+            counts["checkpoints"] += int(self._delete_prefix(f"{directory}/") > 0)
+        return counts

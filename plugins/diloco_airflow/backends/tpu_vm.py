@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import os
 import re
 import shlex
 import time
@@ -270,6 +271,11 @@ def _labels_of(qr: tpu_v2.QueuedResource) -> dict[str, str]:
     return labels
 
 
+API_ENDPOINT_ENV = "DILOCO_TPU_API_ENDPOINT"
+"""Set to ``http://127.0.0.1:PORT`` to send every TPU API call to a local fake (plain HTTP,
+anonymous credentials), as STORAGE_EMULATOR_HOST does for GCS; unset in production."""
+
+
 class TpuVmBackend(IslandBackend):
     """Cloud TPU queued resources.
 
@@ -278,7 +284,8 @@ class TpuVmBackend(IslandBackend):
         credentials: google-auth credentials (default: application default credentials, looked
             up when the first call is made, not at construction).
         transport: ``"grpc"`` (client default) or ``"rest"``.
-        client_options / api_endpoint: e.g. ``api_endpoint="http://127.0.0.1:PORT"`` for a fake.
+        client_options / api_endpoint: e.g. ``api_endpoint="http://127.0.0.1:PORT"`` for a fake
+            (or the environment variable ``DILOCO_TPU_API_ENDPOINT``, see ``API_ENDPOINT_ENV``).
         client: a ready ``tpu_v2.TpuClient`` (overrides the above).
         operation_timeout_s: how long to wait for a create / delete operation.
         poll_s: polling interval while waiting for a deleting queued resource to go.
@@ -303,6 +310,13 @@ class TpuVmBackend(IslandBackend):
         poll_s: float = 10.0,
         replace_stale: bool = True,
     ) -> None:
+        endpoint = os.environ.get(API_ENDPOINT_ENV)
+        if endpoint and not api_endpoint and client is None:  # a local fake of the TPU API
+            api_endpoint, transport = endpoint, transport or "rest"
+            if credentials is None:
+                from google.auth.credentials import AnonymousCredentials
+
+                credentials = AnonymousCredentials()
         self.project = project
         self.zone = zone
         self._credentials = credentials

@@ -1,0 +1,240 @@
+"""End to end: a real Airflow runs `diloco_experiment` on fake-gcs-server; one island is killed.
+
+Starts scheduler, triggerer, dag-processor and api-server (LocalExecutor on SQLite, a tmp
+AIRFLOW_HOME) through `diloco_airflow.local_airflow`, triggers `diloco_experiment` through REST
+API v2 with three local islands on a gs:// store, SIGKILLs one island's process group mid-run,
+waits for the run to finish, then checks the bucket with google-cloud-storage alone (no project
+code): every version's manifest names what it merged, nothing is merged twice, the killed
+island's wait task retried and its pseudo-gradients committed after the kill were merged, and
+the eval loss went down.
+
+    .venv/bin/python -m pytest -m slow tests/test_e2e_airflow.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tests.gcs_fixture import BUCKET, gcs_bucket  # noqa: F401
+
+pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(540)]
+
+DAG = "diloco_experiment"
+ISLANDS = ["island-a", "island-b", "island-c"]
+KILL = "island-b"
+TOKEN_BUDGET = 450_000
+RUN_TIMEOUT_S = 330.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@pytest.fixture
+def airflow(tmp_path, gcs_bucket):  # noqa: F811 - the fixture
+    """A running Airflow (all four components) with its islands' runs root; stopped afterwards."""
+    from diloco_airflow.local_airflow import LocalAirflow, stop_islands
+
+    runs = tmp_path / "islands"
+    env = {
+        "DILOCO_RUNS_ROOT": str(runs),
+        "DILOCO_RETRY_DELAY_S": "2",
+        "DILOCO_MERGE_POLL_S": "2",
+        "DILOCO_MERGE_IDLE_S": "30",
+        # islands share the cores with Airflow: one compute thread each
+        "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1",
+        "OMP_NUM_THREADS": "1",
+        "JAX_PLATFORMS": "cpu",
+        # islands and task processes talk to fake-gcs-server (gcs_bucket set the host)
+        "STORAGE_EMULATOR_HOST": os.environ["STORAGE_EMULATOR_HOST"],
+        "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
+    }
+    af = LocalAirflow(home=tmp_path / "airflow_home", port=_free_port(), env=env)
+    af.runs = runs
+    try:
+        af.start()
+        yield af
+    finally:
+        pgids = [p.pid for p in af.procs.values()]
+        af.stop()
+        island_groups = stop_islands(runs)
+        for pgid in pgids + island_groups:
+            assert not _group_alive(pgid), f"process group {pgid} outlived the test"
+
+
+def _conf(name: str, store_url: str) -> dict:
+    return {
+        "experiment_name": name,
+        "store_url": store_url,
+        "model_preset": "tiny",
+        "islands": [{"name": n, "speed": 1.0, "backend": "local", "hardware": {}} for n in ISLANDS],
+        "H": 30,
+        "fragments": 1,
+        "codec": "int8",
+        "outer_method": "decoupled",
+        "outer_lr": 0.7,
+        "outer_momentum": 0.9,
+        "quorum": 1,
+        "token_budget": TOKEN_BUDGET,
+        "eval_every_versions": 3,
+        "heartbeat_s": 2.0,
+        "chaos": {},
+        "overrides": {},
+    }
+
+
+class Bucket:
+    """Read-only view of one experiment in the bucket, through google-cloud-storage only."""
+
+    def __init__(self, prefix: str):
+        from google.auth.credentials import AnonymousCredentials
+        from google.cloud import storage
+
+        self.client = storage.Client(project="test", credentials=AnonymousCredentials())
+        self.bucket = self.client.bucket(BUCKET)
+        self.root = prefix.rstrip("/") + "/"
+
+    def names(self, sub: str) -> list[str]:
+        blobs = self.client.list_blobs(BUCKET, prefix=self.root + sub)
+        return sorted(b.name[len(self.root) :] for b in blobs)
+
+    def json(self, relative: str) -> dict | None:
+        blob = self.bucket.blob(self.root + relative)
+        try:
+            return json.loads(blob.download_as_bytes())
+        except Exception as exc:  # NotFound
+            if type(exc).__name__ == "NotFound":
+                return None
+            raise
+
+    def versions(self) -> list[dict]:
+        """Manifests of HEAD and its parent chain, oldest first."""
+        head = self.json("global/HEAD.json")
+        chain, directory = [], head and head["dir"]
+        while directory:
+            manifest = self.json(f"{directory}/manifest.json")
+            assert manifest is not None, f"{directory} is on HEAD's chain without a manifest"
+            chain.append(manifest)
+            directory = manifest.get("parent_dir")
+        return chain[::-1]
+
+    def pseudograds(self, island: str | None = None) -> dict[str, dict]:
+        """Committed pseudo-gradients: id -> manifest (markers only, not payloads)."""
+        out = {}
+        for name in self.names("pseudograds/" + (f"{island}/" if island else "")):
+            if name.endswith(".json"):
+                out[name[len("pseudograds/") : -len(".json")]] = self.json(name)
+        return out
+
+    def records(self, sub: str) -> list[dict]:
+        return [self.json(n) for n in self.names(sub) if n.endswith(".json")]
+
+
+def _kill_island(runs: Path, experiment: str, island: str) -> int | None:
+    try:
+        record = json.loads((runs / experiment / island / "process.json").read_text())
+        pgid = int(record["pgid"])
+        os.killpg(pgid, signal.SIGKILL)
+    except (OSError, ValueError, KeyError):
+        return None
+    return pgid
+
+
+def test_experiment_on_gcs_survives_a_killed_island(airflow, gcs_bucket):  # noqa: F811
+    started = time.monotonic()
+    name = f"e2e-{uuid.uuid4().hex[:8]}"
+    prefix = f"e2e-{uuid.uuid4().hex[:8]}"
+    store_url = f"{gcs_bucket}/{prefix}"
+    bucket = Bucket(f"{prefix}/{name}")
+
+    airflow.wait_healthy()
+    airflow.ensure_pools()
+    airflow.wait_dag(DAG)
+    airflow.wait_dag("diloco_merge")
+    airflow.unpause("diloco_merge")
+    ready_s = time.monotonic() - started
+    run_id = airflow.trigger(DAG, _conf(name, store_url))
+
+    # kill KILL once it has had a pseudo-gradient merged (so it resumes from a checkpoint)
+    killed_at = killed_pgid = None
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    state = "queued"
+    while time.monotonic() < deadline:
+        airflow.check_alive()
+        state = airflow.dag_run(DAG, run_id)["state"]
+        if state in ("success", "failed"):
+            break
+        if killed_at is None:
+            merged = {pg for v in bucket.versions() for pg in v.get("applied", [])}
+            if any(pg.startswith(f"{KILL}/") for pg in merged):
+                killed_pgid = _kill_island(airflow.runs, name, KILL)
+                if killed_pgid is not None:
+                    killed_at = time.time()
+        time.sleep(2)
+    run_s = time.monotonic() - started - ready_s
+    assert killed_at is not None, f"{KILL} never got a pseudo-gradient merged (run {state})"
+    assert state == "success", f"run ended {state} after {run_s:.0f}s"
+
+    # the killed island's wait task retried (REST API v2)
+    tis = airflow.task_instances(DAG, run_id)
+    waits = {
+        ti.get("rendered_map_index"): ti for ti in tis if ti["task_id"] == "islands_local.wait"
+    }
+    killed_ti = next(ti for label, ti in waits.items() if label and label.startswith(KILL))
+    assert killed_ti["try_number"] > 1, killed_ti
+    assert killed_ti["state"] == "success"
+
+    # the bucket, read with google-cloud-storage alone
+    versions = bucket.versions()
+    assert [v["version"] for v in versions] == list(range(len(versions)))
+    assert versions[0]["applied"] == []
+    assert len(versions) >= 4
+    committed = bucket.pseudograds()
+    applied = []
+    for v in versions[1:]:
+        assert v["applied"], f"version {v['version']} names no pseudo-gradient"
+        for pg in v["applied"]:
+            assert pg in committed, f"version {v['version']} applied {pg}, which has no marker"
+            ledger = bucket.json(f"ledger/{pg}.json")
+            assert ledger == {"version": v["version"]}, (pg, ledger)
+        applied += v["applied"]
+    assert len(applied) == len(set(applied)), "a pseudo-gradient was merged twice"
+    quarantined = {n[len("quarantine/") : -len(".json")] for n in bucket.names("quarantine/")}
+    assert set(committed) <= set(applied) | quarantined, "committed but never merged"
+    assert len(quarantined) <= 2, quarantined
+
+    after_kill = [pg for pg, m in bucket.pseudograds(KILL).items() if m["created_at"] > killed_at]
+    assert after_kill, f"{KILL} published nothing after its relaunch"
+    assert set(after_kill) <= set(applied)
+    assert set(bucket.names("done/")) == {f"done/{i}.json" for i in ISLANDS}
+
+    evals = sorted(bucket.records("metrics/eval/"), key=lambda r: r["version"])
+    assert evals[0]["version"] == 0 and evals[-1]["version"] == versions[-1]["version"]
+    initial, final = evals[0]["loss"], evals[-1]["loss"]
+    trajectory = [(r["version"], round(r["loss"], 3)) for r in evals]
+    assert final < initial - 0.5, f"eval loss did not go down: {trajectory}"
+    print(
+        f"\n[e2e] airflow ready {ready_s:.0f}s, run {run_s:.0f}s; versions {len(versions)}, "
+        f"applied {len(applied)}, {KILL} retried (try {killed_ti['try_number']}), "
+        f"{len(after_kill)} merged after the kill; eval {initial:.3f} -> {final:.3f}"
+    )

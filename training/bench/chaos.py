@@ -1,0 +1,359 @@
+"""Chaos benchmark: goodput and final eval loss as islands are killed more often.
+
+The same small experiment (4 islands of equal speed, the quality benchmark's model and data) runs
+at increasing interruption rates, Decoupled DiLoCo against synchronous DiLoCo, through the
+production `Island` and `Merger` classes on a virtual clock (training/bench/quality.py's approach
+and helpers). An inner step takes `step_s` virtual seconds; merges take none.
+
+Interruptions: kill times are a Poisson process of the given rate (kills per 1000 virtual seconds,
+for the whole experiment: `training.chaos.kill_times`, the chaos monkey's schedule), each killing
+one live island chosen uniformly (`victim_chooser`); both methods see the same schedule. A kill
+discards the island object: the steps since its last checkpoint are lost. After `recovery_s`
+virtual seconds (restart, startup, restore) a new `Island(...).start()` resumes from its checkpoint
+and the newest global version. Decoupled islands never wait for each other; under synchronous
+DiLoCo the others block at the end of their round until the dead island is back and has published
+its contribution.
+
+Goodput = productive island-seconds / provisioned island-seconds (4 x the virtual run time); the
+badput split uses training/goodput.py's categories: wasted_progress (lost steps),
+infrastructure_recovery (down time), waiting_for_global (blocked in a synchronous round), other
+(a step in progress at the end). The run ends when the islands' kept tokens reach the budget.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from training.bench.quality import VirtualClock, _eval_set, base_config, method_config
+from training.chaos import kill_times, victim_chooser
+from training.config import ExperimentConfig, with_overrides
+from training.goodput import BADPUT, experiment_goodput
+from training.island import Island, loop_for
+from training.merge import Merger, initial_version
+from training.store.experiment import ExperimentStore
+from training.store.objectstore import open_store
+
+METHODS = ("decoupled", "sync")
+LABELS = {"decoupled": "Decoupled DiLoCo", "sync": "synchronous DiLoCo"}
+RATES = (0.0, 2.0, 4.0, 8.0)  # kills per 1000 virtual seconds
+N_ISLANDS = 4
+STEPS_PER_ISLAND = {True: 96, False: 480}  # quick, full
+
+
+@dataclass(frozen=True)
+class BenchParams:
+    step_s: float = 10.0  # virtual seconds per inner step
+    recovery_s: float = 60.0  # virtual seconds from a kill until the island runs again
+    H: int = 16
+    batch_size: int = 8
+    seed: int = 0
+
+
+def bench_config(
+    quick: bool,
+    p: BenchParams,
+    data: str | None = None,
+    tokens: int | None = None,
+    overrides: dict | None = None,
+) -> ExperimentConfig:
+    cfg = base_config(quick, data, None)
+    budget = tokens or N_ISLANDS * STEPS_PER_ISLAND[quick] * p.batch_size * cfg.data.seq_len
+    cfg = with_overrides(
+        cfg,
+        {
+            "name": "bench-chaos",
+            "islands": [{"name": f"island-{i}", "speed": 1.0} for i in range(N_ISLANDS)],
+            "inner.H": p.H,
+            "data.batch_size": p.batch_size,
+            "token_budget": budget,
+        },
+    )
+    return with_overrides(cfg, overrides or {})
+
+
+def run_one(cfg: ExperimentConfig, rate: float, p: BenchParams) -> dict:
+    """One method (cfg.outer.method) at one kill rate; returns goodput, badput, eval loss, ..."""
+    clock = VirtualClock()
+    store = ExperimentStore(open_store(f"memory://bench-chaos-{uuid.uuid4().hex[:8]}"), cfg.name)
+    store.write_config(json.loads(cfg.to_json()))
+    initial_version(cfg, store)
+    names = [i.name for i in cfg.islands]
+    pace = {i.name: p.step_s / i.speed for i in cfg.islands}
+    live: dict[str, Island] = {}
+    for n in names:
+        live[n] = Island(cfg, n, store, clock=clock)
+        live[n].start()
+    merger = Merger(cfg, store, clock=clock)
+    next_t = {n: pace[n] for n in names}
+    acct = {
+        n: dict.fromkeys(
+            ("productive", "wasted_progress", "infrastructure_recovery", "waiting_for_global"), 0.0
+        )
+        for n in names
+    }
+    down_until: dict[str, float] = {}
+    killed_at_step: dict[str, int] = {}
+    ckpt_tokens = dict.fromkeys(names, 0)  # tokens at each island's last checkpoint
+    blocked_since: dict[str, float] = {}
+    schedule = kill_times(1000.0 / rate, p.seed) if rate > 0 else None
+    next_kill = next(schedule) if schedule else math.inf
+    choose = victim_chooser(p.seed)
+    kills: list[dict] = []
+    wake: float | None = None
+    merges = 0
+    horizon = cfg.token_budget / (cfg.data.batch_size * cfg.data.seq_len) / len(names) * p.step_s
+
+    def tokens() -> int:
+        return sum(live[n].tokens if n in live else ckpt_tokens[n] for n in names)
+
+    def merge() -> None:
+        nonlocal wake, merges
+        for r in merger.merge_all():
+            merges += r.version is not None
+            wake = r.waiting_until
+        for n, isl in live.items():
+            if isl.blocked() and isl.poll_merged():
+                acct[n]["waiting_for_global"] += clock.t - blocked_since.pop(n)
+                next_t[n] = clock.t + pace[n]
+
+    while tokens() < cfg.token_budget:
+        if clock.t > 50 * horizon:
+            raise RuntimeError(f"no progress by virtual time {clock.t:.0f}")
+        ready = [n for n in live if not live[n].blocked()]
+        t_island = min((next_t[n] for n in ready), default=math.inf)
+        t_restart = min(down_until.values(), default=math.inf)
+        t_wake = math.inf if wake is None else wake
+        t = min(t_island, t_restart, t_wake, next_kill)
+        if t == math.inf:  # everyone waits for a merge that cannot happen yet
+            merge()
+            if not any(not isl.blocked() for isl in live.values()):
+                raise RuntimeError("synchronous round cannot complete: no merge possible")
+            continue
+        clock.t = max(clock.t, t)
+        if t == t_restart:
+            n = min(down_until, key=lambda k: (down_until[k], k))
+            del down_until[n]
+            isl = live[n] = Island(cfg, n, store, clock=clock)
+            isl.start()  # resumes from its checkpoint and the newest global version
+            lost = killed_at_step[n] - isl.step_count
+            acct[n]["productive"] -= lost * pace[n]
+            acct[n]["wasted_progress"] += lost * pace[n]
+            kills[-[k["island"] for k in reversed(kills)].index(n) - 1]["lost_steps"] = lost
+            next_t[n] = clock.t + pace[n]
+        elif t == next_kill:
+            next_kill = next(schedule)
+            if not live:
+                continue
+            n = choose(list(live))
+            isl = live.pop(n)
+            if n in blocked_since:
+                acct[n]["waiting_for_global"] += clock.t - blocked_since.pop(n)
+            killed_at_step[n] = isl.step_count
+            down_until[n] = clock.t + p.recovery_s
+            acct[n]["infrastructure_recovery"] += p.recovery_s
+            kills.append(dict(t=clock.t, island=n, step=isl.step_count))
+        elif t == t_wake:
+            wake = None
+            merge()
+        else:
+            n = min(ready, key=lambda k: (next_t[k], k))
+            isl = live[n]
+            result = isl.step()
+            acct[n]["productive"] += pace[n]
+            next_t[n] += pace[n]
+            if result.published:
+                ckpt_tokens[n] = isl.tokens
+                if isl.blocked():
+                    blocked_since[n] = clock.t
+                merge()
+    merge()
+    end = clock.t
+    for n, until in down_until.items():  # still down at the end: count only until the end
+        acct[n]["infrastructure_recovery"] -= until - end
+    for n, since in blocked_since.items():
+        acct[n]["waiting_for_global"] += end - since
+    states = {}
+    for n in names:
+        seconds = dict.fromkeys(BADPUT, 0.0) | acct[n]
+        seconds["other"] = max(0.0, end - sum(acct[n].values()))
+        states[n] = dict(elapsed_s=end, seconds=seconds, wall=end)
+    g = experiment_goodput(cfg, states)
+    loop = loop_for(cfg)
+    head = store.load_global()
+    eval_loss = loop.eval_loss(loop.put_params(head.params), _eval_set(cfg))
+    return dict(
+        goodput=g["goodput"],
+        badput=g["badput"],
+        eval_loss=float(eval_loss),
+        kills=len(kills),
+        lost_steps=sum(k.get("lost_steps", 0) for k in kills),
+        virtual_time=end,
+        tokens=tokens(),
+        merges=merges,
+        final_version=head.version,
+        tokens_merged=int(head.manifest.get("tokens_merged", 0)),
+        quarantined=len(store.quarantined()),
+        kill_log=kills,
+    )
+
+
+def run(
+    quick: bool = True,
+    rates=RATES,
+    methods=METHODS,
+    p: BenchParams | None = None,
+    data: str | None = None,
+    tokens: int | None = None,
+    overrides: dict | None = None,
+) -> dict:
+    p = p or BenchParams()
+    cfg = bench_config(quick, p, data, tokens, overrides)
+    rows = []
+    for rate in rates:
+        for method in methods:
+            started = time.time()
+            out = run_one(method_config(cfg, method), rate, p)
+            out.update(rate=rate, method=method, label=LABELS[method], wall_s=time.time() - started)
+            rows.append(out)
+            print(
+                f"  rate {rate:4g}/1000s  {method:9s}  goodput {out['goodput']:6.1%}  "
+                f"eval loss {out['eval_loss']:.4f}  kills {out['kills']:2d}  "
+                f"lost steps {out['lost_steps']:3d}  virtual {out['virtual_time']:6.0f}s  "
+                f"({out['wall_s']:.0f}s)",
+                flush=True,
+            )
+    return dict(
+        params=asdict(p),
+        quick=quick,
+        islands=N_ISLANDS,
+        token_budget=cfg.token_budget,
+        model=cfg.model.preset,
+        data=cfg.data.source,
+        codec=cfg.codec,
+        rates=list(rates),
+        overrides=overrides or {},
+        rows=rows,
+    )
+
+
+def format_table(summary: dict) -> str:
+    by = {(r["rate"], r["method"]): r for r in summary["rows"]}
+    methods = [m for m in METHODS if any(k[1] == m for k in by)]
+    head = ["kills / 1000 s"]
+    for m in methods:
+        head += [f"{LABELS[m]} goodput", "eval loss", "kills", "merges"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for rate in summary["rates"]:
+        cells = [f"{rate:g}"]
+        for m in methods:
+            r = by.get((rate, m))
+            cells += (
+                [f"{r['goodput']:.1%}", f"{r['eval_loss']:.4f}", f"{r['kills']}", f"{r['merges']}"]
+                if r
+                else ["-"] * 4
+            )
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def format_badput(summary: dict) -> str:
+    cats = ["wasted_progress", "infrastructure_recovery", "waiting_for_global", "other"]
+    lines = [
+        "| kills / 1000 s | method | goodput | " + " | ".join(cats) + " | virtual time |",
+        "|" + "---|" * (len(cats) + 4),
+    ]
+    for r in summary["rows"]:
+        lines.append(
+            f"| {r['rate']:g} | {r['label']} | {r['goodput']:.1%} | "
+            + " | ".join(f"{r['badput'][c]:.1%}" for c in cats)
+            + f" | {r['virtual_time']:.0f} s |"
+        )
+    return "\n".join(lines)
+
+
+def plot(summary: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.6))
+    for m in METHODS:
+        rows = [r for r in summary["rows"] if r["method"] == m]
+        if not rows:
+            continue
+        x = [r["rate"] for r in rows]
+        ax1.plot(x, [100 * r["goodput"] for r in rows], "o-", label=LABELS[m])
+        ax2.plot(x, [r["eval_loss"] for r in rows], "o-", label=LABELS[m])
+    ax1.set_xlabel("island kills per 1000 virtual s")
+    ax1.set_ylabel("goodput (%)")
+    ax1.set_ylim(0, 102)
+    ax2.set_xlabel("island kills per 1000 virtual s")
+    ax2.set_ylabel("final eval loss (nats/byte)")
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(
+        f"{summary['islands']} islands, {summary['token_budget'] / 1e6:.2f}M tokens, "
+        f"recovery {summary['params']['recovery_s']:g} s, step {summary['params']['step_s']:g} s",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="diloco bench chaos", description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small token budget (minutes)")
+    parser.add_argument("--rates", default=",".join(f"{r:g}" for r in RATES))
+    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--tokens", type=int, default=None, help="token budget override")
+    parser.add_argument("--data", default=None, help="data source (default builtin:pydoc)")
+    parser.add_argument("--step-s", type=float, default=BenchParams.step_s)
+    parser.add_argument("--recovery-s", type=float, default=BenchParams.recovery_s)
+    parser.add_argument("--H", type=int, default=BenchParams.H)
+    parser.add_argument("--seed", type=int, default=BenchParams.seed)
+    parser.add_argument(
+        "--set", action="append", metavar="KEY=VALUE", help="config override, e.g. outer.quorum=2"
+    )
+    parser.add_argument("--json", dest="json_out", default=None)
+    parser.add_argument("--plot", default=None, help="PNG: goodput and eval loss vs kill rate")
+    args = parser.parse_args(argv)
+    methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
+    if set(methods) - set(METHODS):
+        parser.error(f"unknown methods {sorted(set(methods) - set(METHODS))}; known: {METHODS}")
+    try:
+        rates = tuple(float(r) for r in args.rates.split(",") if r.strip())
+    except ValueError:
+        parser.error(f"--rates expects numbers, got {args.rates!r}")
+    if any(r < 0 for r in rates):
+        parser.error("--rates must be >= 0")
+    overrides = {}
+    for item in args.set or []:
+        key, sep, value = item.partition("=")
+        if not sep:
+            parser.error(f"--set expects key=value, got {item!r}")
+        try:
+            overrides[key] = json.loads(value)
+        except json.JSONDecodeError:
+            overrides[key] = value
+    p = BenchParams(args.step_s, args.recovery_s, args.H, BenchParams.batch_size, args.seed)
+    summary = run(args.quick, rates, methods, p, args.data, args.tokens, overrides)
+    print()
+    print(format_table(summary))
+    print()
+    print(format_badput(summary))
+    if args.json_out:
+        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json_out).write_text(json.dumps(summary, indent=1))
+    if args.plot:
+        Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
+        plot(summary, args.plot)
+    return 0
