@@ -70,18 +70,22 @@ def cmd_init(args) -> int:
 
 
 def cmd_island(args) -> int:
+    from training.chaos import for_process
     from training.island import Island
 
     cfg, estore = _load(args)
+    estore = for_process(cfg, estore, "island")
     info = Island(cfg, args.island, estore).run(max_steps=args.max_steps)
     print(json.dumps(info))
     return 0
 
 
 def cmd_merge(args) -> int:
+    from training.chaos import for_process
     from training.merge import Merger
 
     cfg, estore = _load(args)
+    estore = for_process(cfg, estore, "merge")
     while True:
         # read the exit condition before merging: a pass that starts after it held sees every
         # pseudo-gradient the (done) islands committed

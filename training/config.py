@@ -93,8 +93,11 @@ class InnerConfig(_Frozen):
     grad_clip: float = Field(1.0, gt=0)
     H: int = Field(32, gt=0)
     dylu: bool = True
-    tau: int = Field(2, ge=0, description="overlap steps between publish and adopting the merge")
+    tau: int = Field(1, ge=0, description="overlap steps between publish and adopting the merge")
     alpha: float = Field(0.0, ge=0, lt=1, description="blend: theta <- a*theta + (1-a)*global")
+    keep_overlap: bool = Field(
+        True, description="on adopting a merge, keep the steps trained since publishing"
+    )
 
 
 class OuterConfig(_Frozen):

@@ -98,6 +98,7 @@ class Island:
         self.publishes = 0
         self._stop = False
         self._global_cache: tuple[int, dict[str, np.ndarray]] | None = None
+        self.at_publish: dict[int, dict[str, np.ndarray]] = {}  # fragment -> params published
         self.goodput = GoodputAccountant.for_clock(clock)
         self.chaos = IslandChaos.for_island(cfg, name, store)
 
@@ -193,13 +194,22 @@ class Island:
         return self._global_cache
 
     def _adopt(self, fragments) -> int:
-        """Overwrite (or blend) the given fragments with the newest global version."""
+        """Take the newest global version of the given fragments.
+
+        With `inner.keep_overlap` the steps trained since the fragment was published are kept on
+        top of it (`theta <- Theta + (theta - theta_at_publish)`): they are not in the published
+        pseudo-gradient, so nothing is counted twice and the overlap steps are not wasted. Else
+        the fragment is overwritten, or blended with `inner.alpha`.
+        """
         version, params = self._newest_global()
         alpha = self.cfg.inner.alpha
         for p in fragments:
+            at_publish = self.at_publish.pop(p, None) if self.cfg.inner.keep_overlap else None
             for n in self.frags[p]:
                 new = params[n]
-                if alpha:
+                if at_publish is not None:
+                    new = new + (np.asarray(jax.device_get(self.params[n])) - at_publish[n])
+                elif alpha:
                     new = alpha * np.asarray(jax.device_get(self.params[n])) + (1 - alpha) * new
                 self.params[n] = jax.device_put(
                     np.asarray(new, np.float32), self.loop.param_sharding[n]
@@ -268,6 +278,7 @@ class Island:
         names = self.frags[p]
         local = {n: np.asarray(jax.device_get(self.params[n]), np.float32) for n in names}
         delta = pseudo_gradient({n: self.base[n] for n in names}, local)
+        self.at_publish[p] = local
         residual = {n: self.residual[n] for n in names if n in self.residual}
         payload, new_residual = codecs.encode(delta, self.cfg.codec, residual)
         if self.cfg.error_feedback:
@@ -314,7 +325,13 @@ class Island:
         )
 
     def should_stop(self) -> bool:
-        if self._stop or self.store.stop_requested(self.name):
+        return self._stop or self.finished()
+
+    def finished(self) -> bool:
+        """Stop requested (for this island or all) or its own token limit reached: the island
+        is done. A SIGTERM alone (preemption, a relaunch killing this copy, a teardown) only ends
+        this process: it checkpoints and exits without a done marker, so a relaunch resumes."""
+        if self.store.stop_requested(self.name):
             return True
         return self.spec.max_tokens is not None and self.tokens >= self.spec.max_tokens
 
@@ -362,7 +379,7 @@ class Island:
             publishes=self.publishes,
             bytes_sent=self.bytes_sent,
         )
-        if self.should_stop():
+        if self.finished():
             self.store.mark_done(self.name, info)
         return info
 

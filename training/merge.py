@@ -31,7 +31,7 @@ from training.config import ExperimentConfig
 from training.island import fragment_names
 from training.pytree import named_to_state, state_to_named
 from training.store.experiment import ExperimentStore, GlobalVersion, PseudoGradRef
-from training.store.objectstore import StoreError
+from training.store.objectstore import StoreError, StoreUnreachable, TransientStoreError
 
 log = logging.getLogger("diloco.merge")
 
@@ -156,6 +156,8 @@ class Merger:
         try:
             payload = self.store.load_pseudograd(ref)
             delta = codecs.decode(payload, codec)
+        except (TransientStoreError, StoreUnreachable):
+            raise  # not the payload's fault: retry the merge later, quarantine nothing
         except (StoreError, ValueError, KeyError) as err:
             return f"unreadable payload: {err}"
         names = self.frags[ref.fragment]

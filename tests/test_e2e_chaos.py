@@ -1,0 +1,235 @@
+"""Chaos end to end: the same experiment through a real Airflow twice, without and with faults.
+
+One Airflow (scheduler, triggerer, dag-processor, api-server; LocalExecutor on SQLite) and one
+fake-gcs-server; `diloco_experiment` runs the same small experiment (same seed, three local
+islands, `tiny` preset) twice, one run after the other:
+
+1. without faults;
+2. in chaos mode (`chaos` Param = `training.config.ChaosConfig`): the DAG's `chaos_monkey` task
+   SIGKILLs running islands (mean 20 s apart, 3 kills), one island stalls (alive, silent: its
+   wait task sees the heartbeat stop, stops it and relaunches it), the first merge task process
+   SIGKILLs itself after its head compare-and-swap and before its ledger entries (its retry
+   repairs the ledger), and 5% of storage calls fail transiently.
+
+Then the bucket is read with google-cloud-storage alone: zero lost (every committed
+pseudo-gradient is applied; nothing quarantined), zero double-applied (no id twice over HEAD's
+chain; the ledger names exactly the version that applied each id, and nothing else), the chaos
+metrics hold the injected events, and the final eval loss of the chaos run is within 3% of the
+fault-free run's.
+
+    .venv/bin/python -m pytest -m slow tests/test_e2e_chaos.py -s
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tests.gcs_fixture import gcs_bucket  # noqa: F401
+from tests.test_e2e_airflow import Bucket, _free_port, _group_alive
+
+pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(720)]
+
+DAG = "diloco_experiment"
+ISLANDS = ["island-a", "island-b", "island-c"]
+STALL = "island-b"
+# Each island stops at its own token limit (`max_tokens`; a relaunched island resumes its count
+# from its checkpoint), so both runs merge the same number of tokens: with only the shared
+# `token_budget`, islands keep publishing until the merge after the budget marks the stop, and
+# how far they overshoot depends on how fast each run happens to go (faults slow it down).
+ISLAND_TOKENS = 150_000
+RUN_TIMEOUT_S = 330.0
+LOSS_TOLERANCE = 0.03
+# chaos.seed 10 with a mean of 20 s: kills due about 25, 53 and 65 s after the monkey starts,
+# victims a, c, a while all three run (training.chaos.kill_times / victim_chooser), so the
+# stalled island is normally left to the heartbeat check
+CHAOS = {
+    "kill_mtbi_s": 20.0,
+    "max_kills": 3,
+    "stall_island": STALL,
+    "stall_after_s": 25.0,
+    "kill_merge_at": "global.after-cas",
+    "storage_error_rate": 0.05,
+    "seed": 10,
+}
+HEARTBEAT_TIMEOUT_S = 25
+
+
+@pytest.fixture
+def airflow(tmp_path, gcs_bucket):  # noqa: F811 - the fixture
+    from diloco_airflow.local_airflow import LocalAirflow, stop_islands
+
+    runs = tmp_path / "islands"
+    env = {
+        "DILOCO_RUNS_ROOT": str(runs),
+        "DILOCO_RETRY_DELAY_S": "2",
+        "DILOCO_ISLAND_RETRIES": "8",
+        "DILOCO_HEARTBEAT_TIMEOUT_S": str(HEARTBEAT_TIMEOUT_S),
+        "DILOCO_MERGE_POLL_S": "2",
+        "DILOCO_MERGE_IDLE_S": "30",
+        "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1",
+        "OMP_NUM_THREADS": "1",
+        "JAX_PLATFORMS": "cpu",
+        "STORAGE_EMULATOR_HOST": os.environ["STORAGE_EMULATOR_HOST"],
+        "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
+    }
+    af = LocalAirflow(home=tmp_path / "airflow_home", port=_free_port(), env=env)
+    af.runs = runs
+    try:
+        af.start()
+        yield af
+    finally:
+        pgids = [p.pid for p in af.procs.values()]
+        af.stop()
+        island_groups = stop_islands(runs)
+        for pgid in pgids + island_groups:
+            assert not _group_alive(pgid), f"process group {pgid} outlived the test"
+
+
+def _conf(name: str, store_url: str, chaos: dict) -> dict:
+    return {
+        "experiment_name": name,
+        "store_url": store_url,
+        "model_preset": "tiny",
+        "islands": [
+            {
+                "name": n,
+                "speed": 1.0,
+                "backend": "local",
+                "hardware": {},
+                "max_tokens": ISLAND_TOKENS,
+            }
+            for n in ISLANDS
+        ],
+        "H": 30,
+        "fragments": 1,
+        "codec": "int8",
+        "outer_method": "decoupled",
+        "outer_lr": 0.7,
+        "outer_momentum": 0.9,
+        "quorum": 1,
+        "token_budget": 10 * ISLAND_TOKENS * len(ISLANDS),  # never reached: max_tokens ends it
+        "eval_every_versions": 3,
+        "heartbeat_s": 2.0,
+        "chaos": chaos,
+        "overrides": {},
+    }
+
+
+def _run(airflow, gcs_bucket: str, label: str, chaos: dict) -> dict:  # noqa: F811
+    name = f"{label}-{uuid.uuid4().hex[:8]}"
+    prefix = f"chaos-{uuid.uuid4().hex[:8]}"
+    t0 = time.monotonic()
+    run_id = airflow.trigger(DAG, _conf(name, f"{gcs_bucket}/{prefix}", chaos))
+    state = airflow.wait_run(DAG, run_id, RUN_TIMEOUT_S)
+    seconds = time.monotonic() - t0
+    assert state == "success", f"{label} run ended {state} after {seconds:.0f}s"
+    return {"name": name, "run_id": run_id, "bucket": Bucket(f"{prefix}/{name}"), "s": seconds}
+
+
+def _check_exactly_once(bucket: Bucket) -> dict:
+    """Zero lost, zero double-applied, from manifests and ledger (google-cloud-storage only)."""
+    versions = bucket.versions()
+    assert [v["version"] for v in versions] == list(range(len(versions)))
+    assert versions[0]["applied"] == []
+    committed = bucket.pseudograds()
+    applied: dict[str, int] = {}
+    for v in versions[1:]:
+        assert v["applied"], f"version {v['version']} names no pseudo-gradient"
+        for pg in v["applied"]:
+            assert pg in committed, f"version {v['version']} applied {pg}, which has no marker"
+            assert pg not in applied, f"{pg} applied in {applied[pg]} and {v['version']}"
+            applied[pg] = v["version"]
+    ledger = {
+        n[len("ledger/") : -len(".json")]: bucket.json(n)
+        for n in bucket.names("ledger/")
+        if n.endswith(".json")
+    }
+    assert ledger == {pg: {"version": v} for pg, v in applied.items()}, "ledger != manifests"
+    quarantined = {
+        n[len("quarantine/") : -len(".json")]: bucket.json(n) for n in bucket.names("quarantine/")
+    }
+    assert not quarantined, f"quarantined: {quarantined}"
+    lost = sorted(set(committed) - set(applied))
+    assert not lost, f"committed but never applied: {lost}"
+    assert set(bucket.names("done/")) == {f"done/{i}.json" for i in ISLANDS}
+    evals = sorted(bucket.records("metrics/eval/"), key=lambda r: r["version"])
+    assert evals[-1]["version"] == versions[-1]["version"]
+    return {
+        "versions": len(versions),
+        "applied": len(applied),
+        "tokens": sum(int(committed[pg].get("tokens", 0)) for pg in applied),
+        "initial": evals[0]["loss"],
+        "final": evals[-1]["loss"],
+    }
+
+
+def _logs_mention(home: Path, text: str) -> bool:
+    for path in (home / "logs").rglob("*.log"):
+        try:
+            if text in path.read_text(errors="replace"):
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def test_chaos_run_loses_nothing_and_matches_the_fault_free_loss(airflow, gcs_bucket):  # noqa: F811
+    started = time.monotonic()
+    airflow.wait_healthy()
+    airflow.ensure_pools()
+    airflow.wait_dag(DAG)
+    airflow.wait_dag("diloco_merge")
+    airflow.unpause("diloco_merge")
+    ready_s = time.monotonic() - started
+
+    base = _run(airflow, gcs_bucket, "calm", {})
+    chaos = _run(airflow, gcs_bucket, "chaos", CHAOS)
+
+    clean = _check_exactly_once(base["bucket"])
+    faulty = _check_exactly_once(chaos["bucket"])
+    assert not base["bucket"].records("metrics/chaos/"), "chaos events in the fault-free run"
+
+    # the injected faults, as recorded in the store's metrics
+    events = chaos["bucket"].records("metrics/chaos/")
+    kills = [e for e in events if e["event"] == "kill"]
+    stalls = [e for e in events if e["event"] == "stall"]
+    merge_kills = [e for e in events if e["event"] == "merge_kill"]
+    storage = [e for e in events if e["event"] == "storage_error"]
+    assert len(kills) >= 3, kills
+    assert [e["island"] for e in stalls] == [STALL], stalls
+    assert [(e["point"], e["nth"]) for e in merge_kills] == [("global.after-cas", 1)]
+
+    # ... and as Airflow saw them: the killed islands' wait tasks retried and succeeded
+    tis = airflow.task_instances(DAG, chaos["run_id"])
+    waits = {ti["rendered_map_index"]: ti for ti in tis if ti["task_id"] == "islands_local.wait"}
+    tries = {label.split()[0]: ti["try_number"] for label, ti in waits.items()}
+    assert all(ti["state"] == "success" for ti in waits.values()), waits
+    for island in {e["island"] for e in kills} | {STALL}:
+        assert tries[island] > 1, (island, tries)
+    assert _logs_mention(airflow.home, f"island {STALL}: heartbeat stopped"), "stall not seen"
+    # the merge task SIGKILLed mid-write was retried, and the retry succeeded
+    merge_tis = airflow.request(
+        "GET", "/api/v2/dags/diloco_merge/dagRuns/~/taskInstances?task_id=merge&limit=1000"
+    )["task_instances"]
+    retried = [ti for ti in merge_tis if ti["task_id"] == "merge" and ti["try_number"] > 1]
+    assert any(ti["state"] == "success" for ti in retried), retried
+
+    ratio = faulty["final"] / clean["final"]
+    print(
+        f"\n[chaos e2e] airflow ready {ready_s:.0f}s; fault-free run {base['s']:.0f}s, "
+        f"chaos run {chaos['s']:.0f}s; island kills {len(kills)} "
+        f"({', '.join(e['island'] for e in kills)}), stalls {len(stalls)}, "
+        f"merge kills {len(merge_kills)}, storage errors injected {len(storage)}; "
+        f"wait tries {tries}; merge retries {len(retried)}; "
+        f"versions {clean['versions']} / {faulty['versions']}, "
+        f"applied {clean['applied']} / {faulty['applied']} "
+        f"({clean['tokens']} / {faulty['tokens']} tokens); eval loss "
+        f"{clean['initial']:.3f} -> {clean['final']:.3f} (fault-free) vs "
+        f"{faulty['initial']:.3f} -> {faulty['final']:.3f} (chaos), ratio {ratio:.4f}"
+    )
+    assert abs(ratio - 1) <= LOSS_TOLERANCE, f"final loss off by {100 * (ratio - 1):+.1f}%"
