@@ -17,6 +17,8 @@ from diloco_airflow.params import experiment_params
 RETRY_DELAY = timedelta(seconds=float(os.environ.get("DILOCO_RETRY_DELAY_S", "30")))
 ISLAND_TIMEOUT = timedelta(hours=float(os.environ.get("DILOCO_ISLAND_TIMEOUT_H", "72")))
 ISLAND_RETRIES = int(os.environ.get("DILOCO_ISLAND_RETRIES", "5"))
+# stalled island = heartbeat older than this while its process runs (default: from heartbeat_s)
+HEARTBEAT_TIMEOUT_S = float(os.environ.get("DILOCO_HEARTBEAT_TIMEOUT_S") or 0) or None
 
 default_args = {
     "retries": 2,
@@ -89,6 +91,7 @@ def diloco_experiment():
                 map_index_template=label,
                 retries=ISLAND_RETRIES,
                 execution_timeout=ISLAND_TIMEOUT,
+                heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S,
             )
             down = teardown(island).as_teardown(setups=prov)
             launched >> wait >> down
@@ -99,11 +102,18 @@ def diloco_experiment():
 
     groups = [island_group(b) for b in ops.BACKENDS]
 
+    @task(execution_timeout=ISLAND_TIMEOUT, retries=ISLAND_RETRIES)
+    def chaos_monkey(islands: dict, params=None) -> dict:
+        """Chaos mode (chaos.kill_mtbi_s): SIGKILL running islands until all are done."""
+        return ops.run_chaos_monkey(islands, params["store_url"], params["experiment_name"])
+
+    monkey = chaos_monkey(islands)
+
     @task(trigger_rule="all_done")
     def finalize(params=None) -> dict:
         return ops.finalize_experiment(params["store_url"], params["experiment_name"])
 
-    groups >> finalize()
+    [*groups, monkey] >> finalize()
 
 
 diloco_experiment()

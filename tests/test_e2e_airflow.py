@@ -92,14 +92,14 @@ def _conf(name: str, store_url: str) -> dict:
         "fragments": 1,
         "codec": "int8",
         "outer_method": "decoupled",
-        "outer_lr": 0.7,
-        "outer_momentum": 0.9,
+        "outer_lr": 0.5,
+        "outer_momentum": 0.8,
         "quorum": 1,
         "token_budget": TOKEN_BUDGET,
         "eval_every_versions": 3,
         "heartbeat_s": 2.0,
         "chaos": {},
-        "overrides": {},
+        "overrides": {"inner.lr": 0.002},
     }
 
 

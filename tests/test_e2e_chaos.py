@@ -109,14 +109,14 @@ def _conf(name: str, store_url: str, chaos: dict) -> dict:
         "fragments": 1,
         "codec": "int8",
         "outer_method": "decoupled",
-        "outer_lr": 0.7,
-        "outer_momentum": 0.9,
+        "outer_lr": 0.5,
+        "outer_momentum": 0.8,
         "quorum": 1,
         "token_budget": 10 * ISLAND_TOKENS * len(ISLANDS),  # never reached: max_tokens ends it
         "eval_every_versions": 3,
         "heartbeat_s": 2.0,
         "chaos": chaos,
-        "overrides": {},
+        "overrides": {"inner.lr": 0.002},
     }
 
 

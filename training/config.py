@@ -95,6 +95,9 @@ class InnerConfig(_Frozen):
     dylu: bool = True
     tau: int = Field(1, ge=0, description="overlap steps between publish and adopting the merge")
     alpha: float = Field(0.0, ge=0, lt=1, description="blend: theta <- a*theta + (1-a)*global")
+    shard_params: bool = Field(
+        False, description="also split parameters and AdamW moments over the island's devices"
+    )
     keep_overlap: bool = Field(
         True, description="on adopting a merge, keep the steps trained since publishing"
     )
@@ -112,6 +115,7 @@ class OuterConfig(_Frozen):
     max_staleness: int = Field(16, gt=0, description="drop contributions older than this")
     rda: bool = True
     token_weighting: bool = True
+    staleness_decay: bool = Field(True, description="decoupled: weight / (1 + staleness in rounds)")
     partial_scaling: bool = Field(
         True,
         description="decoupled: scale a merge of n of M active islands by n/M, so momentum "

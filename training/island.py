@@ -57,7 +57,12 @@ def corpus_for(cfg: ExperimentConfig) -> Corpus:
 
 def loop_for(cfg: ExperimentConfig) -> inner.InnerLoop:
     key = ("loop", cfg.model, cfg.inner, len(jax.devices()))
-    return shared(key, lambda: inner.InnerLoop(cfg.model, cfg.inner, inner.make_mesh()))
+    return shared(
+        key,
+        lambda: inner.InnerLoop(
+            cfg.model, cfg.inner, inner.make_mesh(), shard_params=cfg.inner.shard_params
+        ),
+    )
 
 
 def fragment_names(cfg: ExperimentConfig) -> list[list[str]]:

@@ -58,6 +58,26 @@ class MergeResult:
     tokens_merged: int | None = None  # in the global model after this version
 
 
+def _per_island(group: list[Contribution]) -> tuple[list[dict], list[float]]:
+    """One vote per island: an island's several pending contributions (published while a merge
+    was late) become their weighted mean, with their summed weight."""
+    by_island: dict[str, list[Contribution]] = {}
+    for c in group:
+        by_island.setdefault(c.ref.island, []).append(c)
+    deltas, weights = [], []
+    for contribs in by_island.values():
+        ws = [c.weight for c in contribs]
+        if len(contribs) == 1:
+            deltas.append(contribs[0].delta)
+        else:
+            names = contribs[0].delta
+            deltas.append(
+                {n: outer.weighted_mean([c.delta[n] for c in contribs], ws) for n in names}
+            )
+        weights.append(float(sum(ws)))
+    return deltas, weights
+
+
 def initial_version(cfg: ExperimentConfig, store: ExperimentStore) -> int | None:
     """Create version 0 (fresh parameters, zero outer state); None if the experiment has one."""
     if store.head() is not None:
@@ -187,6 +207,9 @@ class Merger:
                 "(k x the global parameters' norm; no running median yet)"
             )
         weight = outer.token_weight(tokens, steps) if self.cfg.outer.token_weighting else 1.0
+        if self.cfg.outer.staleness_decay:
+            # staleness counts global versions; with P fragments a round is about P versions
+            weight /= 1.0 + staleness / len(self.frags)
         return Contribution(ref, delta, norm, weight, staleness, float(m.get("published_at", 0.0)))
 
     # -- policies ---------------------------------------------------------------------------
@@ -293,9 +316,8 @@ class Merger:
                 if self.cfg.outer.method == "sync":
                     delta = outer.combine([c.delta for c in group], [1.0] * len(group), rda=False)
                 else:
-                    delta = outer.combine(
-                        [c.delta for c in group], [c.weight for c in group], self.cfg.outer.rda
-                    )
+                    deltas, weights = _per_island(group)
+                    delta = outer.combine(deltas, weights, self.cfg.outer.rda)
                     if self.cfg.outer.method == "decoupled" and self.cfg.outer.partial_scaling:
                         share = len({c.ref.island for c in group}) / max(len(active), 1)
                         delta = outer.scale(delta, min(1.0, share))

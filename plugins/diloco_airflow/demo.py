@@ -39,14 +39,14 @@ def demo_conf(name: str, store_url: str, budget: int = TOKEN_BUDGET) -> dict:
         "fragments": 1,
         "codec": "int8",
         "outer_method": "decoupled",
-        "outer_lr": 0.7,
-        "outer_momentum": 0.9,
+        "outer_lr": 0.5,
+        "outer_momentum": 0.8,
         "quorum": 1,
         "token_budget": budget,
         "eval_every_versions": 4,
         "heartbeat_s": 2.0,
         "chaos": {},
-        "overrides": {},
+        "overrides": {"inner.lr": 0.002},
     }
 
 

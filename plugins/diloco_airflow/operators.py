@@ -277,7 +277,10 @@ class IslandWaitOperator(BaseOperator):
     """Waits (deferred) until the island is done; fails fast when it is dead.
 
     On a retry (the island died or stalled) it relaunches the island first; the island process
-    resumes from its checkpoint in the store.
+    resumes from its checkpoint in the store. A stalled island (process alive, heartbeat older
+    than ``heartbeat_timeout_s``; default ``max(60, 12 x heartbeat_s)``, the DAG passes
+    ``DILOCO_HEARTBEAT_TIMEOUT_S`` when set) is stopped before the task fails, so that the retry
+    relaunches it.
     """
 
     template_fields = ("island",)
@@ -336,6 +339,14 @@ class IslandWaitOperator(BaseOperator):
             self.log.info("island %s is done", self.island["name"])
             return event
         message = event.get("message", f"unexpected event {event!r}")
+        if event.get("stalled"):
+            # alive but silent (hung, or chaos.stall_island): stop this copy now, so that the
+            # retry finds the island not running and relaunches it from its checkpoint
+            self.log.warning("island %s stalled: stopping it: %s", self.island["name"], message)
+            try:
+                teardown_island(self.island)
+            except Exception as exc:  # the retry's launch kills a leftover copy anyway
+                self.log.warning("could not stop island %s: %s", self.island["name"], exc)
         if event.get("retryable", True) is False:
             raise AirflowFailException(f"island {self.island['name']}: {message}")
         raise RuntimeError(f"island {self.island['name']}: {message}")
@@ -343,6 +354,14 @@ class IslandWaitOperator(BaseOperator):
 
 # ------------------------------------------------------------------ merge and evaluation
 def merge_experiments(experiments: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`Merger.merge_all()` of each experiment, in this (task) process.
+
+    Chaos mode applies: the store goes through `training.chaos.for_process(..., "merge")`, so
+    storage faults are injected, and `chaos.kill_merge_at` SIGKILLs this process at that fault
+    point the first time any merge of the experiment runs (the task's retry is not armed again:
+    the event is in the store's metrics; it repairs the ledger and merges on).
+    """
+    from training.chaos import for_process
     from training.config import parse_config
     from training.merge import Merger
 
@@ -350,12 +369,20 @@ def merge_experiments(experiments: list[dict[str, Any]]) -> list[dict[str, Any]]
     for e in experiments:
         estore = hooks.open_experiment(e["store_url"], e["experiment"])
         cfg = parse_config(estore.read_config())
-        versions, applied, quarantined = [], 0, 0
-        for r in Merger(cfg, estore).merge_all():
-            if r.version is not None:
-                versions.append(r.version)
-            applied += len(r.applied)
-            quarantined += len(r.quarantined)
+        faults_before = os.environ.get("DILOCO_FAULTS")
+        try:
+            estore = for_process(cfg, estore, "merge")
+            versions, applied, quarantined = [], 0, 0
+            for r in Merger(cfg, estore).merge_all():
+                if r.version is not None:
+                    versions.append(r.version)
+                applied += len(r.applied)
+                quarantined += len(r.quarantined)
+        finally:  # an armed kill belongs to this experiment's merge only
+            if faults_before is None:
+                os.environ.pop("DILOCO_FAULTS", None)
+            else:
+                os.environ["DILOCO_FAULTS"] = faults_before
         log.info(
             "%s: versions %s, applied %d, quarantined %d", cfg.name, versions, applied, quarantined
         )
@@ -399,3 +426,97 @@ def finalize_experiment(store_url: str, experiment: str) -> dict[str, Any]:
     if {i.name for i in cfg.islands} <= done:
         unregister_experiment(store_url, experiment)
     return {"merged": merged, "eval": record, "done": sorted(done)}
+
+
+# ------------------------------------------------------------------ chaos
+def run_chaos_monkey(
+    islands: dict[str, list[dict[str, Any]]],
+    store_url: str,
+    experiment: str,
+    poll_s: float = 2.0,
+    idle_s: float = 600.0,
+) -> dict[str, Any]:
+    """Chaos mode's kill monkey for the islands of one `diloco_experiment` run.
+
+    A no-op unless the experiment's stored config sets `chaos.kill_mtbi_s`. Otherwise
+    `training.chaos.run_monkey` SIGKILLs the process group of a running local island at
+    exponential inter-arrival times (mean `kill_mtbi_s`, at most `max_kills`), each kill recorded
+    in the store's metrics ("chaos", event "kill"); the islands' wait tasks then retry and
+    relaunch them. Stops once every island of this run is done (or none has run for `idle_s`).
+    Islands of other backends are not killed (logged: unsupported).
+    """
+    import threading
+
+    from training.chaos import recorder, run_monkey
+    from training.config import parse_config
+
+    estore = hooks.open_experiment(store_url, experiment)
+    cfg = parse_config(estore.read_config())
+    if cfg.chaos.kill_mtbi_s is None:
+        log.info("%s: chaos.kill_mtbi_s is not set: no kill monkey", experiment)
+        return {"kills": []}
+    chaos = cfg.chaos
+    if chaos.max_kills:  # per experiment: a retried monkey (or a joining run) counts earlier kills
+        before = sum(1 for e in estore.read_metrics("chaos") if e.get("event") == "kill")
+        if before >= chaos.max_kills:
+            log.info("%s: %d kills already, max_kills %d", experiment, before, chaos.max_kills)
+            return {"kills": []}
+        chaos = chaos.model_copy(update={"max_kills": chaos.max_kills - before})
+    local = list(islands.get("local") or [])
+    others = [i["name"] for b, entries in islands.items() if b != "local" for i in entries]
+    if others:
+        log.warning("chaos monkey: killing non-local islands is unsupported: %s", others)
+    if not local:
+        return {"kills": [], "unsupported": others}
+    backends = {i["name"]: (_backend(i), _spec(i)) for i in local}
+    names = set(backends)
+
+    def running() -> dict[str, int]:
+        done = set(estore.done())
+        out = {}
+        for name, (backend, spec) in backends.items():
+            if name in done:
+                continue
+            pgid = backend.running_group(spec)
+            if pgid:
+                out[name] = pgid
+        return out
+
+    def killpg(pgid: int, sig: int) -> None:
+        os.killpg(pgid, sig)
+
+    stop = threading.Event()
+    kills: list[dict[str, Any]] = []
+
+    def target() -> None:
+        kills.extend(run_monkey(running, chaos, recorder(estore), stop=stop, kill=killpg))
+
+    log.info(
+        "%s: chaos monkey on %s: mean %.1fs between kills, at most %s",
+        experiment,
+        sorted(names),
+        chaos.kill_mtbi_s,
+        chaos.max_kills or "unlimited",
+    )
+    thread = threading.Thread(target=target, name="chaos-monkey", daemon=True)
+    thread.start()
+    last_alive = time.monotonic()
+    try:
+        while thread.is_alive():
+            thread.join(poll_s)
+            try:
+                if names <= set(estore.done()):
+                    log.info("%s: every island is done: the monkey stops", experiment)
+                    break
+                if running():
+                    last_alive = time.monotonic()
+                elif time.monotonic() - last_alive > idle_s:
+                    log.warning("%s: no island ran for %.0fs: the monkey stops", experiment, idle_s)
+                    break
+            except Exception as exc:  # the store blinked: keep the monkey going
+                log.warning("chaos monkey: poll failed: %s", exc)
+    finally:
+        stop.set()
+        thread.join(30)
+    log.info("%s: chaos monkey killed %d times: %s", experiment, len(kills), kills)
+    return {"kills": kills, "unsupported": others}

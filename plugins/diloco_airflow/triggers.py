@@ -24,7 +24,9 @@ class IslandTrigger(BaseTrigger):
     Event payloads: ``{"status": "done"}``; ``{"status": "failed", "message", "retryable"}`` when
     the island's process is gone without a done marker, its heartbeat stopped for
     ``heartbeat_timeout_s`` (or none arrived ``startup_timeout_s`` after ``launched_at``), or the
-    backend could not be asked ``MAX_POLL_ERRORS`` times in a row.
+    backend could not be asked ``MAX_POLL_ERRORS`` times in a row. The two heartbeat failures
+    (process alive but silent: a stalled island) also carry ``"stalled": true``; the wait
+    operator then stops the stalled copy so that its retry relaunches the island.
     """
 
     def __init__(
@@ -83,9 +85,11 @@ class IslandTrigger(BaseTrigger):
         if beat_time >= self.launched_at - 1.0:
             age = now - beat_time
             if age > self.heartbeat_timeout_s:
-                return _failed(island, f"heartbeat stopped {age:.0f}s ago (process alive)", True)
+                message = f"heartbeat stopped {age:.0f}s ago (process alive)"
+                return {**_failed(island, message, True), "stalled": True}
         elif now - self.launched_at > self.startup_timeout_s:
-            return _failed(island, f"no heartbeat {now - self.launched_at:.0f}s after launch", True)
+            message = f"no heartbeat {now - self.launched_at:.0f}s after launch"
+            return {**_failed(island, message, True), "stalled": True}
         return None
 
     async def run(self):

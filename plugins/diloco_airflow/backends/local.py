@@ -301,6 +301,23 @@ class LocalBackend(IslandBackend):
                 done.add(key)
                 self._kill_group(record)
 
+    def running_group(self, spec: IslandSpec) -> int | None:
+        """The process group id of the island's current launch while it runs, else None (what
+        the chaos monkey SIGKILLs: the wrapper and the island, like a VM that disappears)."""
+        try:
+            record = self._read_record(spec, None)
+        except BackendError:
+            return None
+        if not record or not record.get("pid"):
+            return None
+        pid = int(record["pid"])
+        proc = self._procs.get(pid)
+        if proc is not None:
+            proc.poll()
+        if not process_alive(pid, record.get("start_ticks")):
+            return None
+        return int(record.get("pgid") or pid)
+
     # ------------------------------------------------------------------ helpers
     @staticmethod
     def _exit_code(record: dict) -> int | None:
