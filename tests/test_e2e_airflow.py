@@ -16,13 +16,14 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import time
 import uuid
 from pathlib import Path
 
 import pytest
+from diloco_airflow.demo import demo_conf
 
+from tests.airflow_fixture import running_airflow
 from tests.gcs_fixture import BUCKET, gcs_bucket  # noqa: F401
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(540)]
@@ -30,77 +31,24 @@ pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(540
 DAG = "diloco_experiment"
 ISLANDS = ["island-a", "island-b", "island-c"]
 KILL = "island-b"
-TOKEN_BUDGET = 450_000
+ISLAND_TOKENS = 150_000
 RUN_TIMEOUT_S = 330.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 @pytest.fixture
 def airflow(tmp_path, gcs_bucket):  # noqa: F811 - the fixture
     """A running Airflow (all four components) with its islands' runs root; stopped afterwards."""
-    from diloco_airflow.local_airflow import LocalAirflow, stop_islands
-
-    runs = tmp_path / "islands"
-    env = {
-        "DILOCO_RUNS_ROOT": str(runs),
-        "DILOCO_RETRY_DELAY_S": "2",
-        "DILOCO_MERGE_POLL_S": "2",
-        "DILOCO_MERGE_IDLE_S": "30",
-        # islands share the cores with Airflow: one compute thread each
-        "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1",
-        "OMP_NUM_THREADS": "1",
-        "JAX_PLATFORMS": "cpu",
-        # islands and task processes talk to fake-gcs-server (gcs_bucket set the host)
-        "STORAGE_EMULATOR_HOST": os.environ["STORAGE_EMULATOR_HOST"],
-        "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
-    }
-    af = LocalAirflow(home=tmp_path / "airflow_home", port=_free_port(), env=env)
-    af.runs = runs
-    try:
-        af.start()
+    with running_airflow(tmp_path) as af:
         yield af
-    finally:
-        pgids = [p.pid for p in af.procs.values()]
-        af.stop()
-        island_groups = stop_islands(runs)
-        for pgid in pgids + island_groups:
-            assert not _group_alive(pgid), f"process group {pgid} outlived the test"
 
 
 def _conf(name: str, store_url: str) -> dict:
-    return {
-        "experiment_name": name,
-        "store_url": store_url,
-        "model_preset": "tiny",
-        "islands": [{"name": n, "speed": 1.0, "backend": "local", "hardware": {}} for n in ISLANDS],
-        "H": 30,
-        "fragments": 1,
-        "codec": "int8",
-        "outer_method": "decoupled",
-        "outer_lr": 0.5,
-        "outer_momentum": 0.8,
-        "quorum": 1,
-        "token_budget": TOKEN_BUDGET,
-        "eval_every_versions": 3,
-        "heartbeat_s": 2.0,
-        "chaos": {},
-        "overrides": {"inner.lr": 0.002},
-    }
+    conf = demo_conf(name, store_url, budget=10 * ISLAND_TOKENS * len(ISLANDS))
+    # each island trains its own token count (the shared budget is never reached), so the killed
+    # island must come back and finish its share after its relaunch
+    for island in conf["islands"]:
+        island["max_tokens"] = ISLAND_TOKENS
+    return dict(conf, eval_every_versions=3)
 
 
 class Bucket:

@@ -22,15 +22,16 @@ fault-free run's.
 
 from __future__ import annotations
 
-import os
 import time
 import uuid
 from pathlib import Path
 
 import pytest
+from diloco_airflow.demo import demo_conf
 
+from tests.airflow_fixture import running_airflow
 from tests.gcs_fixture import gcs_bucket  # noqa: F401
-from tests.test_e2e_airflow import Bucket, _free_port, _group_alive
+from tests.test_e2e_airflow import Bucket
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(720)]
 
@@ -61,63 +62,18 @@ HEARTBEAT_TIMEOUT_S = 25
 
 @pytest.fixture
 def airflow(tmp_path, gcs_bucket):  # noqa: F811 - the fixture
-    from diloco_airflow.local_airflow import LocalAirflow, stop_islands
-
-    runs = tmp_path / "islands"
-    env = {
-        "DILOCO_RUNS_ROOT": str(runs),
-        "DILOCO_RETRY_DELAY_S": "2",
-        "DILOCO_ISLAND_RETRIES": "8",
-        "DILOCO_HEARTBEAT_TIMEOUT_S": str(HEARTBEAT_TIMEOUT_S),
-        "DILOCO_MERGE_POLL_S": "2",
-        "DILOCO_MERGE_IDLE_S": "30",
-        "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1",
-        "OMP_NUM_THREADS": "1",
-        "JAX_PLATFORMS": "cpu",
-        "STORAGE_EMULATOR_HOST": os.environ["STORAGE_EMULATOR_HOST"],
-        "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
-    }
-    af = LocalAirflow(home=tmp_path / "airflow_home", port=_free_port(), env=env)
-    af.runs = runs
-    try:
-        af.start()
+    extra = {"DILOCO_ISLAND_RETRIES": "8", "DILOCO_HEARTBEAT_TIMEOUT_S": str(HEARTBEAT_TIMEOUT_S)}
+    with running_airflow(tmp_path, **extra) as af:
         yield af
-    finally:
-        pgids = [p.pid for p in af.procs.values()]
-        af.stop()
-        island_groups = stop_islands(runs)
-        for pgid in pgids + island_groups:
-            assert not _group_alive(pgid), f"process group {pgid} outlived the test"
 
 
 def _conf(name: str, store_url: str, chaos: dict) -> dict:
-    return {
-        "experiment_name": name,
-        "store_url": store_url,
-        "model_preset": "tiny",
-        "islands": [
-            {
-                "name": n,
-                "speed": 1.0,
-                "backend": "local",
-                "hardware": {},
-                "max_tokens": ISLAND_TOKENS,
-            }
-            for n in ISLANDS
-        ],
-        "H": 30,
-        "fragments": 1,
-        "codec": "int8",
-        "outer_method": "decoupled",
-        "outer_lr": 0.5,
-        "outer_momentum": 0.8,
-        "quorum": 1,
-        "token_budget": 10 * ISLAND_TOKENS * len(ISLANDS),  # never reached: max_tokens ends it
-        "eval_every_versions": 3,
-        "heartbeat_s": 2.0,
-        "chaos": chaos,
-        "overrides": {"inner.lr": 0.002},
-    }
+    conf = demo_conf(name, store_url, budget=10 * ISLAND_TOKENS * len(ISLANDS))
+    # the token budget is never reached: each island's max_tokens ends the run, so the calm and
+    # the chaos run merge the same number of tokens
+    for island in conf["islands"]:
+        island["max_tokens"] = ISLAND_TOKENS
+    return dict(conf, eval_every_versions=3, chaos=chaos)
 
 
 def _run(airflow, gcs_bucket: str, label: str, chaos: dict) -> dict:  # noqa: F811
@@ -211,7 +167,12 @@ def test_chaos_run_loses_nothing_and_matches_the_fault_free_loss(airflow, gcs_bu
     assert all(ti["state"] == "success" for ti in waits.values()), waits
     for island in {e["island"] for e in kills} | {STALL}:
         assert tries[island] > 1, (island, tries)
-    assert _logs_mention(airflow.home, f"island {STALL}: heartbeat stopped"), "stall not seen"
+    # the trigger notices the stale heartbeat, unless the monkey killed the stalled island first
+    stalled_at = stalls[0]["at"]
+    killed_while_stalled = any(k["island"] == STALL and k["at"] >= stalled_at for k in kills)
+    assert killed_while_stalled or _logs_mention(
+        airflow.home, f"island {STALL}: heartbeat stopped"
+    ), "stall not seen"
     # the merge task SIGKILLed mid-write was retried, and the retry succeeded
     merge_tis = airflow.request(
         "GET", "/api/v2/dags/diloco_merge/dagRuns/~/taskInstances?task_id=merge&limit=1000"
@@ -232,4 +193,6 @@ def test_chaos_run_loses_nothing_and_matches_the_fault_free_loss(airflow, gcs_bu
         f"{clean['initial']:.3f} -> {clean['final']:.3f} (fault-free) vs "
         f"{faulty['initial']:.3f} -> {faulty['final']:.3f} (chaos), ratio {ratio:.4f}"
     )
-    assert abs(ratio - 1) <= LOSS_TOLERANCE, f"final loss off by {100 * (ratio - 1):+.1f}%"
+    # faults may not cost more than 3% of final loss; asynchronous merges group contributions by
+    # arrival, so two runs differ by a few percent either way and a lower loss is no failure
+    assert ratio <= 1 + LOSS_TOLERANCE, f"final loss worse by {100 * (ratio - 1):+.1f}%"

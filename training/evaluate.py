@@ -27,3 +27,14 @@ def evaluate_version(cfg: ExperimentConfig, store, version: int | None = None) -
     )
     store.append_metric("eval", record)
     return record
+
+
+def single_process_baseline(cfg: ExperimentConfig, tokens: int) -> float:
+    """Held-out loss of one process training the same model on the same shards and token count
+    (all islands' batches in each step), for comparison with what the islands produced."""
+    from training.bench.quality import run_dp
+    from training.config import with_overrides
+
+    same = with_overrides(cfg, {"token_budget": max(tokens, 1)})
+    result = run_dp(same, eval_dt=float("inf"), progress=lambda *_: None)
+    return result["curve"].losses[-1]

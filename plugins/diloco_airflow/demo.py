@@ -112,6 +112,7 @@ def summary(estore, af_retries: dict[str, int], elapsed: float) -> dict:
         "final_eval_loss": evals[-1]["loss"] if evals else None,
         "final_version": versions[-1]["version"] if versions else None,
         "merges": max(0, len(versions) - 1),
+        "tokens_merged": int(versions[-1].get("tokens_merged", 0)) if versions else 0,
         "pseudograds_applied": len(applied),
         "applied_twice": len(applied) - len(set(applied)),
         "retries": af_retries,
@@ -119,6 +120,13 @@ def summary(estore, af_retries: dict[str, int], elapsed: float) -> dict:
         "islands_done": sorted(done),
         "wall_s": round(elapsed, 1),
     }
+
+
+def single_process_loss(estore, tokens: int) -> float:
+    from training.config import parse_config
+    from training.evaluate import single_process_baseline
+
+    return round(single_process_baseline(parse_config(estore.read_config()), tokens), 4)
 
 
 def main() -> int:
@@ -178,6 +186,14 @@ def main() -> int:
         s["dag_run_state"] = state
         s["experiment"] = name
         s["store"] = store_url
+        af.stop()  # free the CPU for the single-process comparison
+        stop_islands(runs / "islands")
+        if s.get("tokens_merged"):
+            print(
+                f"[demo] single-process run of the same {s['tokens_merged']:,} tokens...",
+                flush=True,
+            )
+            s["single_process_eval_loss"] = single_process_loss(estore, s["tokens_merged"])
         print("\n[demo] summary")
         for k, v in s.items():
             print(f"  {k:24s} {v}")

@@ -1,0 +1,57 @@
+"""A real local Airflow for end-to-end tests (all four components), stopped afterwards."""
+
+from __future__ import annotations
+
+import os
+import socket
+from contextlib import contextmanager
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@contextmanager
+def running_airflow(tmp_path: Path, **extra_env: str):
+    """Airflow on a free port with islands on fake-gcs-server (STORAGE_EMULATOR_HOST must be set);
+    asserts on exit that no process group it started outlived it."""
+    from diloco_airflow.local_airflow import LocalAirflow, stop_islands
+
+    runs = tmp_path / "islands"
+    env = {
+        "DILOCO_RUNS_ROOT": str(runs),
+        "DILOCO_RETRY_DELAY_S": "2",
+        "DILOCO_MERGE_POLL_S": "2",
+        "DILOCO_MERGE_IDLE_S": "30",
+        # islands share the cores with Airflow: one compute thread each
+        "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1",
+        "OMP_NUM_THREADS": "1",
+        "JAX_PLATFORMS": "cpu",
+        "STORAGE_EMULATOR_HOST": os.environ["STORAGE_EMULATOR_HOST"],
+        "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
+        **extra_env,
+    }
+    af = LocalAirflow(home=tmp_path / "airflow_home", port=free_port(), env=env)
+    af.runs = runs
+    try:
+        af.start()
+        yield af
+    finally:
+        pgids = [p.pid for p in af.procs.values()]
+        af.stop()
+        island_groups = stop_islands(runs)
+        for pgid in pgids + island_groups:
+            assert not group_alive(pgid), f"process group {pgid} outlived the test"
