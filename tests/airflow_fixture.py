@@ -7,6 +7,8 @@ import socket
 from contextlib import contextmanager
 from pathlib import Path
 
+from diloco_airflow.local_airflow import LocalAirflow, group_alive, stop_islands
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -14,21 +16,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 @contextmanager
 def running_airflow(tmp_path: Path, **extra_env: str):
     """Airflow on a free port with islands on fake-gcs-server (STORAGE_EMULATOR_HOST must be set);
     asserts on exit that no process group it started outlived it."""
-    from diloco_airflow.local_airflow import LocalAirflow, stop_islands
 
     runs = tmp_path / "islands"
     env = {

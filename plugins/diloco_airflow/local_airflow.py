@@ -129,7 +129,7 @@ class LocalAirflow:
                     os.killpg(p.pid, sig)
             deadline = time.monotonic() + grace_s / 2
             while time.monotonic() < deadline and any(
-                _group_alive(p.pid) for p in self.procs.values()
+                group_alive(p.pid) for p in self.procs.values()
             ):
                 for p in self.procs.values():
                     p.poll()
@@ -256,7 +256,7 @@ def _q(text: str) -> str:
     return urllib.parse.quote(text, safe="")
 
 
-def _group_alive(pgid: int) -> bool:
+def group_alive(pgid: int) -> bool:
     try:
         os.killpg(pgid, 0)
     except ProcessLookupError:
@@ -272,7 +272,7 @@ def stop_islands(runs_root: str | Path) -> list[int]:
     for record in Path(runs_root).glob("*/*/process.json"):
         with contextlib.suppress(ValueError, OSError, KeyError):
             pgid = int(json.loads(record.read_text())["pgid"])
-            if _group_alive(pgid):
+            if group_alive(pgid):
                 os.killpg(pgid, signal.SIGKILL)
                 killed.append(pgid)
     return killed
