@@ -21,7 +21,7 @@ def small_config(name: str = "exp", islands=("a", "b"), **sections):
         "model": SMALL_MODEL,
         "data": {"seq_len": 32, "batch_size": 4, "eval_batches": 2},
         "inner": {"H": 4, "warmup_steps": 1, "tau": 0},
-        "islands": [{"name": i} for i in islands],
+        "islands": [i if isinstance(i, dict) else {"name": i} for i in islands],
         "codec": "fp32",
         "token_budget": 10**9,
     }

@@ -54,3 +54,16 @@ def test_restart_resumes_counters_cursor_and_sequence_from_the_checkpoint():
     restarted.start()
     assert restarted.resumed and restarted.seq == 1 and restarted.step_count == cfg.inner.H
     np.testing.assert_array_equal(restarted.loader.next_batch()[0], expected_batch[0])
+
+
+def test_a_finishing_island_publishes_its_last_partial_interval():
+    cfg = small_config(
+        outer={"method": "nesterov"}, islands=({"name": "a", "max_tokens": 6 * 128},)
+    )
+    store = new_store(cfg)
+    # H = 4 steps of 4 x 32 = 128 tokens: seq 0 after step 4, then the 2-step remainder as seq 1
+    info = Island(cfg, "a", store).run()
+    refs = store.list_pseudograds("a")
+    assert [r.seq for r in refs] == [0, 1]
+    assert [r.manifest["steps"] for r in refs] == [4, 2]
+    assert info["tokens"] == 6 * 128 and "a" in store.done()

@@ -373,6 +373,11 @@ class Island:
             steps += 1
             if max_steps is not None and steps >= max_steps:
                 break
+            if self.spec.max_tokens is not None and self.tokens >= self.spec.max_tokens:
+                break
+        done = not self._stop and self.finished()
+        if done and not self.blocked():
+            self.publish_remainder()
         t = self.goodput.now()
         self.checkpoint()
         self.goodput.charge("checkpoint_save", t)
@@ -384,9 +389,14 @@ class Island:
             publishes=self.publishes,
             bytes_sent=self.bytes_sent,
         )
-        if self.finished():
+        if done:
             self.store.mark_done(self.name, info)
         return info
+
+    def publish_remainder(self) -> list[str]:
+        """On finishing, publish every fragment trained since its last publish, so the island's
+        last partial interval reaches the global model instead of being dropped."""
+        return [self.publish(p) for p in range(self.P) if self.since[p]["steps"] > 0]
 
 
 def _prefixed(tensors: dict[str, np.ndarray], prefix: str) -> dict[str, np.ndarray]:
