@@ -31,7 +31,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(540
 DAG = "diloco_experiment"
 ISLANDS = ["island-a", "island-b", "island-c"]
 KILL = "island-b"
-ISLAND_TOKENS = 150_000
+ISLAND_TOKENS = 300_000
 RUN_TIMEOUT_S = 330.0
 
 
