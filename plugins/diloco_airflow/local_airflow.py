@@ -157,13 +157,21 @@ class LocalAirflow:
         req.add_header("Content-Type", "application/json")
         if auth:
             req.add_header("Authorization", f"Bearer {self.token()}")
-        try:
-            with urllib.request.urlopen(req, timeout=30) as resp:
-                text = resp.read().decode()
-        except urllib.error.HTTPError as err:
-            detail = err.read().decode(errors="replace")[:500]
-            raise AirflowError(f"{method} {path}: HTTP {err.code}: {detail}") from None
-        return json.loads(text) if text else None
+        # SQLite is locked now and then while all components start ("Database error", 500):
+        # such a request was rolled back and is retried, except a trigger (never twice)
+        attempts = 1 if path.endswith("/dagRuns") and method == "POST" else 5
+        for attempt in range(attempts):
+            try:
+                with urllib.request.urlopen(req, timeout=30) as resp:
+                    text = resp.read().decode()
+                return json.loads(text) if text else None
+            except urllib.error.HTTPError as err:
+                detail = err.read().decode(errors="replace")[:500]
+                if err.code in (500, 503) and attempt + 1 < attempts:
+                    time.sleep(0.5 * 2**attempt)
+                    continue
+                raise AirflowError(f"{method} {path}: HTTP {err.code}: {detail}") from None
+        raise AssertionError("unreachable")
 
     def token(self) -> str:
         if self._token is None:
