@@ -21,7 +21,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from diloco_airflow.demo import demo_conf
+from diloco_airflow.demo import ISLANDS, demo_conf
 
 from tests.airflow_fixture import running_airflow
 from tests.gcs_fixture import BUCKET, gcs_bucket  # noqa: F401
@@ -29,7 +29,6 @@ from tests.gcs_fixture import BUCKET, gcs_bucket  # noqa: F401
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(540)]
 
 DAG = "diloco_experiment"
-ISLANDS = ["island-a", "island-b", "island-c"]
 KILL = "island-b"
 ISLAND_TOKENS = 300_000
 RUN_TIMEOUT_S = 330.0

@@ -31,12 +31,10 @@ from diloco_airflow.demo import demo_conf
 
 from tests.airflow_fixture import running_airflow
 from tests.gcs_fixture import gcs_bucket  # noqa: F401
-from tests.test_e2e_airflow import Bucket
+from tests.test_e2e_airflow import DAG, ISLANDS, Bucket
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(720)]
 
-DAG = "diloco_experiment"
-ISLANDS = ["island-a", "island-b", "island-c"]
 STALL = "island-b"
 # Each island stops at its own token limit (`max_tokens`; a relaunched island resumes its count
 # from its checkpoint), so both runs merge the same number of tokens: with only the shared

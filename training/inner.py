@@ -138,7 +138,3 @@ def _train_step(model_cfg: ModelConfig, tx, params, opt_state, inputs, targets):
 def to_host(params: Params) -> dict[str, np.ndarray]:
     """Fetch a (possibly sharded) parameter dict as float32 numpy arrays."""
     return {k: np.asarray(jax.device_get(v), dtype=np.float32) for k, v in params.items()}
-
-
-def mean_params(trees: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
-    return {k: np.mean([t[k] for t in trees], axis=0) for k in trees[0]}

@@ -104,6 +104,7 @@ class Island:
         self._stop = False
         self._global_cache: tuple[int, dict[str, np.ndarray]] | None = None
         self.at_publish: dict[int, dict[str, np.ndarray]] = {}  # fragment -> params published
+        self.since: list[dict] = [{} for _ in range(self.P)]  # per fragment, since its publish
         self.goodput = GoodputAccountant.for_clock(clock)
         self.chaos = IslandChaos.for_island(cfg, name, store)
 
@@ -162,8 +163,6 @@ class Island:
         self._last_step_at = self.clock()
 
     def _reset_counters(self, fragments) -> None:
-        if not hasattr(self, "since"):
-            self.since = [dict(steps=0, tokens=0, loss=0.0, seconds=0.0) for _ in range(self.P)]
         for p in fragments:
             self.since[p] = dict(steps=0, tokens=0, loss=0.0, seconds=0.0)
 

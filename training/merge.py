@@ -361,7 +361,6 @@ class Merger:
         if new_head is None:
             log.info("lost the head race at version %d; retrying from the new head", g.version + 1)
             return MergeResult(lost_race=True, quarantined=result.quarantined)
-        self.store.record_applied(result.applied, g.version + 1)
         result.version = g.version + 1
         result.tokens_merged = tokens_merged
         if tokens_merged >= self.cfg.token_budget:
