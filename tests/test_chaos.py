@@ -87,7 +87,7 @@ def test_experiment_completes_with_storage_errors():
     stats = store.store.stats
     assert stats["injected"] > 5 and stats["retried_calls"] > 0
     assert len(plain.applied()) == 4 and not plain.quarantined()
-    assert plain.head().version >= 2
+    assert plain.head(0).version >= 2
     assert [i.step_count for i in islands] == [8, 8]
     events = plain.read_metrics("chaos")
     errors = [e for e in events if e["event"] == "storage_error"]
@@ -248,7 +248,7 @@ def test_merge_process_is_killed_at_the_point_and_the_next_one_recovers(tmp_path
     cmd = [sys.executable, "-c", _MERGE_SCRIPT, url]
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == -9, run.stderr[-2000:]
-    assert store.head().version == 1 and not store.applied()  # swapped, ledger not written
+    assert store.head(0).version == 1 and not store.applied()  # swapped, ledger not written
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     assert store.applied() == {"a/00000000-f000": 1}  # repaired, applied exactly once

@@ -29,7 +29,7 @@ def _file_store(tmp_path, cfg) -> tuple[str, ExperimentStore]:
 
 
 def _delta(store) -> dict[str, np.ndarray]:
-    params = store.load_global().params
+    params = store.load_params()
     return {k: np.full(v.shape, 1e-3, np.float32) for k, v in params.items()}
 
 
@@ -46,7 +46,7 @@ def test_merge_task_is_killed_mid_write_once_and_its_retry_repairs_the_ledger(tm
     cmd = [sys.executable, "-c", _MERGE_TASK, url]
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == -9, run.stderr[-2000:]  # the task process, killed mid-write
-    assert store.head().version == 1 and not store.applied()  # swapped, ledger not written
+    assert store.head(0).version == 1 and not store.applied()  # swapped, ledger not written
     # the retry (here: in this process) is not armed again, repairs the ledger and merges on
     publish_delta(store, cfg, "b", 0, _delta(store))
     os.environ.pop("DILOCO_FAULTS", None)

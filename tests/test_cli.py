@@ -59,9 +59,9 @@ def test_init_then_status_and_a_corrupt_global_version(tmp_path, capsys):
     )
     assert code == 0 and "created version 0" in out
     code, out, _ = _run(capsys, "status", "--store", url, "--experiment", "e")
-    assert code == 0 and "head version 0" in out and "island-0" in out
+    assert code == 0 and "fragment versions [0]" in out and "island-0" in out
     store = ExperimentStore(open_store(url), "e")
-    params = f"e/{store.head().dir}/params.safetensors"
+    params = f"e/{store.head(0).dir}/params.safetensors"
     data = bytearray(store.store.read(params))
     data[-1] ^= 0xFF
     store.store.write(params, bytes(data))

@@ -141,7 +141,7 @@ def test_bad_payload_contents_are_quarantined(kind):
     make, reason = PAYLOADS[kind]
     cfg = _cfg()
     store = new_store(cfg)
-    theta = store.load_global().params
+    theta = store.load_params()
     _commit_raw(store, "a", 0, encode_tensors(make(theta)))
     r = _merge_with_good_one(cfg, store, theta)
     _assert_quarantined_and_merge_went_on(cfg, store, r, BAD, reason)
@@ -166,7 +166,7 @@ def test_payload_changed_after_commit_is_quarantined(kind):
     transform, reason = BYTES[kind]
     cfg = _cfg()
     store = new_store(cfg)
-    theta = store.load_global().params
+    theta = store.load_params()
     publish_delta(store, cfg, "a", 0, random_delta(theta, 7))
     _rewrite_payload(store, BAD, transform)
     r = _merge_with_good_one(cfg, store, theta)
@@ -177,7 +177,7 @@ def test_truncated_payload_committed_with_matching_checksum_is_quarantined():
     """The island itself wrote a short file (and hashed it): the strict reader catches it."""
     cfg = _cfg()
     store = new_store(cfg)
-    theta = store.load_global().params
+    theta = store.load_params()
     data = encode_tensors(random_delta(theta, 7))
     _commit_raw(store, "a", 0, data[: len(data) - 100])
     r = _merge_with_good_one(cfg, store, theta)
@@ -187,7 +187,7 @@ def test_truncated_payload_committed_with_matching_checksum_is_quarantined():
 def test_payload_deleted_after_commit_is_quarantined():
     cfg = _cfg()
     store = new_store(cfg)
-    theta = store.load_global().params
+    theta = store.load_params()
     ref = publish_delta(store, cfg, "a", 0, random_delta(theta, 7))
     store.store.delete(store._key(ref.payload_key))
     r = _merge_with_good_one(cfg, store, theta)
@@ -211,7 +211,7 @@ def test_pickle_payload_is_quarantined_and_never_unpickled(tmp_path):
     assert (tmp_path / "canary").exists()
     cfg = _cfg()
     store = new_store(cfg)
-    theta = store.load_global().params
+    theta = store.load_params()
     _commit_raw(store, "a", 0, data)  # size and sha256 match: the bytes reach the decoder
     r = _merge_with_good_one(cfg, store, theta)
     _assert_quarantined_and_merge_went_on(cfg, store, r, BAD, "not safetensors")
@@ -252,7 +252,7 @@ def test_bad_manifests_are_quarantined(kind):
     fields, reason = MANIFESTS[kind]
     cfg = _cfg()
     store = new_store(cfg)
-    theta = store.load_global().params
+    theta = store.load_params()
     pg_id = _commit_raw(store, "a", 0, encode_tensors(random_delta(theta, 7)), **fields)
     r = _merge_with_good_one(cfg, store, theta)
     _assert_quarantined_and_merge_went_on(cfg, store, r, pg_id, reason)
@@ -261,7 +261,7 @@ def test_bad_manifests_are_quarantined(kind):
 def test_marker_that_is_not_json_is_quarantined_not_ignored():
     cfg = _cfg()
     store = new_store(cfg)
-    theta = store.load_global().params
+    theta = store.load_params()
     store.store.create(store._key("pseudograds/a/00000000-f000.json"), b"\x80garbage")
     r = _merge_with_good_one(cfg, store, theta)
     _assert_quarantined_and_merge_went_on(cfg, store, r, BAD, "manifest names experiment None")
@@ -271,7 +271,7 @@ def test_commit_replayed_under_a_new_sequence_number_is_quarantined():
     """An old commit's manifest and payload copied to a fresh seq: its manifest names the old seq."""
     cfg = _cfg()
     store = new_store(cfg)
-    theta = store.load_global().params
+    theta = store.load_params()
     old = publish_delta(store, cfg, "a", 0, random_delta(theta, 7))
     assert Merger(cfg, store).merge_once().applied == [old.id]
     store.store.create(
@@ -286,22 +286,24 @@ def test_commit_replayed_under_a_new_sequence_number_is_quarantined():
     assert r.quarantined == {"a/00000001-f000": reason}
 
 
-def test_replay_of_a_merged_sequence_number_with_a_lost_ledger_entry_is_quarantined():
-    """Defence in depth: if the ledger entry of an older version is lost, the per-island sequence
-    numbers in the merge state still stop the contribution from being applied twice."""
+def test_replay_of_a_merged_sequence_number_with_a_lost_ledger_entry_is_not_applied():
+    """Defence in depth: if the ledger entry of an older version is lost, the per-island cursors
+    in the fragment's merge state still stop the contribution from being applied twice."""
     cfg = _cfg()
     store = new_store(cfg)
-    theta = store.load_global().params
+    theta = store.load_params()
     publish_delta(store, cfg, "a", 4, random_delta(theta, 0))
     assert Merger(cfg, store).merge_once().version == 1
     publish_delta(store, cfg, "b", 0, random_delta(theta, 1), base_version=1)
     assert Merger(cfg, store).merge_once().version == 2
     store.store.delete(store._key("ledger/a/00000004-f000.json"))  # HEAD (2) repairs only b
     r = Merger(cfg, store).merge_once()
-    assert r.version is None and r.applied == []
-    reason = "replayed sequence number 4 (already merged up to 4)"
-    assert store.quarantined() == {"a/00000004-f000": reason} == r.quarantined
-    assert [v["applied"] for v in store.list_global_versions()] == [[], ["a/00000004-f000"], [GOOD]]
+    assert r.version is None and r.applied == [] and r.quarantined == {}
+    assert [v["applied"] for v in store.list_fragment_versions(0)] == [
+        [],
+        ["a/00000004-f000"],
+        [GOOD],
+    ]
 
 
 # -- norms -----------------------------------------------------------------------------------
@@ -323,9 +325,9 @@ def test_enormous_norm_is_clipped_to_k_times_the_running_median():
         outer={"method": "nesterov", "lr": 1.0, "momentum": 0.0, "rda": False},
     )
     store = new_store(cfg)
-    theta = store.load_global().params
+    theta = store.load_params()
     _history(cfg, store, theta)
-    before = store.load_global()
+    before = store.load_fragment(store.head(0))
     huge = {
         k: v * (50.0 / global_norm(random_delta(theta, 7)))
         for k, v in random_delta(theta, 7).items()
@@ -333,7 +335,7 @@ def test_enormous_norm_is_clipped_to_k_times_the_running_median():
     publish_delta(store, cfg, "a", 0, huge, base_version=4)
     r = Merger(cfg, store).merge_once()
     assert r.applied == ["a/00000000-f000"] and not r.quarantined
-    after = store.load_global()
+    after = store.load_fragment(store.head(0))
     step = global_norm({k: before.params[k] - after.params[k] for k in theta})
     limit = cfg.outer.clip_multiplier * 1.0  # k x median of four norms of 1
     assert step == pytest.approx(limit, rel=1e-4)
@@ -343,7 +345,7 @@ def test_enormous_norm_is_clipped_to_k_times_the_running_median():
 def test_absurd_norm_is_quarantined():
     cfg = small_config(islands=("a", "b", "c"), outer={"method": "nesterov"})
     store = new_store(cfg)
-    theta = store.load_global().params
+    theta = store.load_params()
     _history(cfg, store, theta)
     d = random_delta(theta, 7)
     absurd = {k: v * (1e5 / global_norm(d)) for k, v in d.items()}  # 20000x the 5x limit
@@ -361,7 +363,7 @@ def test_absurd_first_contribution_is_quarantined_against_the_global_parameters(
     norm of the global parameters."""
     cfg = small_config(islands=("a", "b", "c"), outer={"method": "nesterov"})
     store = new_store(cfg)
-    theta = store.load_global().params
+    theta = store.load_params()
     bound = cfg.outer.clip_multiplier * global_norm(theta)
     d = random_delta(theta, 7)
     publish_delta(
@@ -383,15 +385,15 @@ def test_a_merger_behind_head_does_not_quarantine_a_contribution_based_on_a_newe
     quarantine it for good."""
     cfg = _cfg()
     store = new_store(cfg)
-    theta = store.load_global().params
-    stale = store.head()
+    theta = store.load_params()
+    stale = store.head(0)
     publish_delta(store, cfg, "b", 0, random_delta(theta, 1))
     assert Merger(cfg, store).merge_once().version == 1  # merger B
     x = publish_delta(store, cfg, "a", 0, random_delta(theta, 7), base_version=1)
     publish_delta(store, cfg, "b", 1, random_delta(theta, 2), base_version=1)
     real_head = store.head
     calls = iter([stale])
-    store.head = lambda: next(calls, None) or real_head()  # A's first read is the old HEAD
+    store.head = lambda p: next(calls, None) or real_head(p)  # A's first read is the old HEAD
     r = Merger(cfg, store).merge_once()
     store.head = real_head
     assert r.version is None and r.quarantined == {} and store.quarantined() == {}
@@ -402,7 +404,7 @@ def test_a_merger_behind_head_does_not_quarantine_a_contribution_based_on_a_newe
 def test_hostile_base_version_is_quarantined_when_head_did_not_move():
     cfg = _cfg()
     store = new_store(cfg)
-    theta = store.load_global().params
+    theta = store.load_params()
     x = publish_delta(store, cfg, "a", 0, random_delta(theta, 7), base_version=1)
     r = Merger(cfg, store).merge_once()
     assert r.quarantined == {x.id: "base_version 1 is not a committed version (head 0)"}
@@ -414,7 +416,7 @@ def test_hostile_base_version_is_quarantined_when_head_did_not_move():
 def test_many_hostile_commits_in_one_merge_are_each_counted_once(tmp_path):
     cfg = _cfg()
     store = new_store(cfg)
-    theta = store.load_global().params
+    theta = store.load_params()
     seq = 0
     bad = {}
     for make, reason in PAYLOADS.values():

@@ -52,11 +52,11 @@ def test_island_survives_sigkill_mid_publish_and_mid_training(tmp_path):
     assert list(store.applied()) == ["a/00000000-f000"]
 
     # 2. restarted, then killed mid-training (after 6 inner steps of the new process)
-    head_before = store.head().version
+    head_before = store.head(0).version
     run = _island(url, "a", faults="island.step@6")
     assert run.returncode == -9
     beat = store.heartbeats()["a"]
-    assert beat["base_version"] == head_before  # it pulled the newest global on resume
+    assert beat["base_version"] == [head_before]  # it pulled the newest global on resume
     seqs = [r.seq for r in store.list_pseudograds("a")]
     assert seqs == [0, 1]  # seq 1 re-done from the checkpoint, published once
     merger.merge_all()
@@ -69,7 +69,7 @@ def test_island_survives_sigkill_mid_publish_and_mid_training(tmp_path):
     merger.merge_all()
     applied = store.applied()
     assert all(f"a/{s:08d}-f000" in applied for s in seqs)
-    versions = store.list_global_versions()
+    versions = store.list_fragment_versions(0)
     flat = [pg for v in versions for pg in v["applied"]]
     assert len(flat) == len(set(flat))  # none applied twice
     ckpt = store.load_checkpoint("a")[1]

@@ -137,7 +137,7 @@ def test_stopped_islands_lists_stop_markers(estore):
 def test_sync_merge_waits_for_a_joined_island_and_lets_a_departed_one_go():
     cfg = _cfg(num_shards=4, outer={"method": "sync"})
     store = new_store(cfg)
-    theta = store.load_global().params
+    theta = store.load_params()
     joined = parse_config(store.add_islands([{"name": "c"}]))
     for island, seed in (("a", 1), ("b", 2)):
         publish_delta(store, cfg, island, 0, random_delta(theta, seed))
@@ -161,7 +161,7 @@ def test_sync_merge_waits_for_a_joined_island_and_lets_a_departed_one_go():
 def test_sync_merge_lets_a_stopped_dead_island_go():
     cfg = _cfg(num_shards=4, outer={"method": "sync"})
     store = new_store(cfg)
-    theta = store.load_global().params
+    theta = store.load_params()
     store.request_stop("b")  # b is dead: nothing will write its done marker
     publish_delta(store, cfg, "a", 0, random_delta(theta, 1))
     assert Merger(cfg, store).merge_all()[0].applied == ["a/00000000-f000"]
@@ -227,7 +227,7 @@ def test_init_task_creates_then_joins(tmp_path, init):
 
     cfg = parse_config(open_experiment(url, "dagjoin").read_config())
     assert [i.name for i in cfg.islands] == ["a", "b", "c"] and cfg.shard_of("c") == 2
-    assert open_experiment(url, "dagjoin").head().version == 0  # no second version 0
+    assert open_experiment(url, "dagjoin").head(0).version == 0  # no second version 0
     # the same trigger again (a retry, a schedule): nothing changes
     before = open_experiment(url, "dagjoin").read_config()
     again = init_experiment(_params(url, ["c"]))["local"]

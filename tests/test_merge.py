@@ -9,14 +9,14 @@ from training.pseudograd import pseudo_gradient
 
 
 def _applied_lists(store):
-    return [v["applied"] for v in store.list_global_versions()]
+    return [v["applied"] for v in store.list_fragment_versions(0)]
 
 
 def test_sync_merge_with_outer_sgd_lr1_averages_island_parameters():
     """End-to-end sign check: islands' params -> pseudo-gradients -> merge == their average."""
     cfg = small_config(outer={"method": "sync", "lr": 1.0, "momentum": 0.0})
     store = new_store(cfg)
-    theta = store.load_global().params
+    theta = store.load_params()
     islands = {
         i: {k: v + d for k, v in theta.items() for d in [random_delta(theta, n)[k]]}
         for n, i in enumerate(["a", "b"])
@@ -25,7 +25,7 @@ def test_sync_merge_with_outer_sgd_lr1_averages_island_parameters():
         publish_delta(store, cfg, i, 0, pseudo_gradient(theta, params))
     r = Merger(cfg, store).merge_once()
     assert r.version == 1 and len(r.applied) == 2
-    new = store.load_global().params
+    new = store.load_params()
     for k in theta:
         np.testing.assert_allclose(new[k], (islands["a"][k] + islands["b"][k]) / 2, atol=1e-6)
 
@@ -33,7 +33,7 @@ def test_sync_merge_with_outer_sgd_lr1_averages_island_parameters():
 def test_sync_waits_for_every_island():
     cfg = small_config(outer={"method": "sync"})
     store = new_store(cfg)
-    theta = store.load_global().params
+    theta = store.load_params()
     publish_delta(store, cfg, "a", 0, random_delta(theta, 0))
     assert Merger(cfg, store).merge_once().version is None
     publish_delta(store, cfg, "b", 0, random_delta(theta, 1))
@@ -43,7 +43,7 @@ def test_sync_waits_for_every_island():
 def test_each_pseudo_gradient_is_applied_once():
     cfg = small_config(outer={"method": "nesterov"})
     store = new_store(cfg)
-    theta = store.load_global().params
+    theta = store.load_params()
     for seq in range(3):
         publish_delta(store, cfg, "a", seq, random_delta(theta, seq))
     merger = Merger(cfg, store)
@@ -56,7 +56,7 @@ def test_each_pseudo_gradient_is_applied_once():
 def test_crash_between_head_swap_and_ledger_is_repaired_without_reapplying():
     cfg = small_config(outer={"method": "nesterov"})
     store = new_store(cfg)
-    theta = store.load_global().params
+    theta = store.load_params()
     publish_delta(store, cfg, "a", 0, random_delta(theta, 0))
     merger = Merger(cfg, store)
     real_record = store.record_applied
@@ -72,12 +72,12 @@ def test_crash_between_head_swap_and_ledger_is_repaired_without_reapplying():
 def test_two_mergers_racing_from_the_same_head_apply_once():
     cfg = small_config(outer={"method": "nesterov"})
     store = new_store(cfg)
-    theta = store.load_global().params
+    theta = store.load_params()
     publish_delta(store, cfg, "a", 0, random_delta(theta, 0))
     m1, m2 = Merger(cfg, store), Merger(cfg, store)
-    head = store.head()
+    head = store.head(0)
     real_head, real_record = store.head, store.record_applied
-    store.head = lambda: head  # both read the same head before either publishes
+    store.head = lambda p: head  # both read the same head before either publishes
     store.record_applied = lambda ids, version: None  # and both list before any ledger write
     r1 = m1.merge_once()
     r2 = m2.merge_once()
@@ -90,7 +90,7 @@ def test_two_mergers_racing_from_the_same_head_apply_once():
 def test_decoupled_merges_at_quorum_when_grace_is_zero():
     cfg = small_config(outer={"method": "decoupled", "quorum": 1}, inner={"tau": 0})
     store = new_store(cfg)
-    theta = store.load_global().params
+    theta = store.load_params()
     publish_delta(store, cfg, "a", 0, random_delta(theta, 0))
     r = Merger(cfg, store, clock=lambda: 0.0).merge_once()
     assert r.version == 1 and r.applied == ["a/00000000-f000"]
@@ -100,7 +100,7 @@ def test_decoupled_waits_inside_the_grace_window():
     # tau 4 steps x step_time 1 s, gamma 0.5: grace = 0.5 * (4 * 1 - 0 - sync) <= 2 s
     cfg = small_config(outer={"method": "decoupled", "grace_gamma": 0.5}, inner={"tau": 4})
     store = new_store(cfg)
-    theta = store.load_global().params
+    theta = store.load_params()
     publish_delta(store, cfg, "a", 0, random_delta(theta, 0))  # published_at 0.0
     waiting = Merger(cfg, store, clock=lambda: 0.5).merge_once()
     assert waiting.version is None and 0.5 < waiting.waiting_until <= 2.0
@@ -111,12 +111,12 @@ def test_token_weights_favor_the_island_with_more_tokens():
     # weights tokens^2/steps: a = 1000^2/8, b = 100^2/8 -> b's share is 1/101 of the mean
     cfg = small_config(outer={"method": "decoupled", "lr": 1.0, "momentum": 0.0, "rda": False})
     store = new_store(cfg)
-    theta = store.load_global().params
+    theta = store.load_params()
     one = {k: np.ones_like(v) for k, v in theta.items()}
     publish_delta(store, cfg, "a", 0, one, tokens=1000, steps=8)
     publish_delta(store, cfg, "b", 0, {k: -v for k, v in one.items()}, tokens=100, steps=8)
     Merger(cfg, store, clock=lambda: 1e9).merge_once()
-    new = store.load_global().params
+    new = store.load_params()
     k = "blocks/0/mlp_up/kernel"
     # delta = (1 * w_a - 1 * w_b) / (w_a + w_b) = (10000 - 100) / 10100 = 0.980198
     np.testing.assert_allclose(theta[k] - new[k], 9900 / 10100, rtol=1e-5)
@@ -149,7 +149,7 @@ def _hostile(store, cfg, theta, kind):
 def test_hostile_pseudo_gradients_are_quarantined_and_merging_goes_on(kind, reason):
     cfg = small_config(outer={"method": "nesterov"})
     store = new_store(cfg)
-    theta = store.load_global().params
+    theta = store.load_params()
     bad = _hostile(store, cfg, theta, kind)
     publish_delta(store, cfg, "b", 0, random_delta(theta, 1))
     r = Merger(cfg, store).merge_once()
@@ -160,7 +160,7 @@ def test_hostile_pseudo_gradients_are_quarantined_and_merging_goes_on(kind, reas
 def test_replayed_and_stale_contributions_are_quarantined():
     cfg = small_config(outer={"method": "nesterov", "max_staleness": 1})
     store = new_store(cfg)
-    theta = store.load_global().params
+    theta = store.load_params()
     merger = Merger(cfg, store)
     for seq in range(3):
         publish_delta(store, cfg, "a", seq, random_delta(theta, seq), base_version=0)
@@ -169,14 +169,15 @@ def test_replayed_and_stale_contributions_are_quarantined():
     assert "stale" in store.quarantined()["a/00000002-f000"]
 
 
-def test_replayed_sequence_number_is_quarantined():
+def test_replayed_sequence_number_is_never_listed_nor_applied():
     cfg = small_config(outer={"method": "nesterov"})
     store = new_store(cfg)
-    theta = store.load_global().params
+    theta = store.load_params()
     merger = Merger(cfg, store)
     publish_delta(store, cfg, "a", 5, random_delta(theta, 0))
     merger.merge_once()
-    # island a already merged up to seq 5; a commit with seq 3 appearing later is a replay
-    replay = publish_delta(store, cfg, "a", 3, random_delta(theta, 1), base_version=1)
+    # island a is merged up to seq 5 (the fragment's cursor); a seq-3 commit appearing later is
+    # a replay: the merger's listing starts after the cursor, so it is never even read
+    publish_delta(store, cfg, "a", 3, random_delta(theta, 1), base_version=1)
+    assert merger.pending() == {0: []}
     assert merger.merge_once().applied == []
-    assert "replayed sequence number 3" in store.quarantined()[replay.id]

@@ -21,14 +21,16 @@ IDS = ["a/00000000-f000", "a/00000001-f000", "b/00000000-f000"]
 
 
 def _state_at_kill(store) -> dict:
-    """What the killed merge left: HEAD's version, ledger, and global dirs by completeness."""
-    dirs = {k.split("/")[1] for k in store._list("global/") if k.count("/") == 2}
-    manifests = {k.split("/")[1] for k in store._list("global/") if k.endswith("/manifest.json")}
+    """What the killed merge left: fragment 0's HEAD version, ledger, and its version dirs by
+    completeness."""
+    keys = store._list("fragments/f000/v")
+    dirs = {k.split("/")[2] for k in keys}
+    manifests = {k.split("/")[2] for k in keys if k.endswith("/manifest.json")}
     return dict(
-        head=store.head().version,
+        head=store.head(0).version,
         ledger=sorted(store.applied()),
         without_manifest=len(dirs - manifests),
-        off_chain=len(manifests) - len(store.list_global_versions()),
+        off_chain=len(manifests) - len(store.list_fragment_versions(0)),
     )
 
 
@@ -51,7 +53,7 @@ def killed(tmp_path_factory):
         cfg = small_config(EXP, outer={"method": "nesterov"})
         url = f"file://{tmp_path_factory.mktemp(point)}/store"
         store = new_store(cfg, url)
-        theta = store.load_global().params
+        theta = store.load_params()
         for n, pg in enumerate(IDS):  # several contributions: one version, several ledger entries
             publish_delta(store, cfg, pg[0], int(pg[2:10]), random_delta(theta, n))
         env = dict(os.environ, DILOCO_FAULTS=f"{point}@1", JAX_PLATFORMS="cpu")
@@ -73,11 +75,11 @@ def test_merge_killed_at_every_step_then_rerun_applies_each_pseudo_gradient_once
     assert _state_at_kill(store) == EXPECTED[point]
 
     assert cli.main(["merge", "--store", url, "--experiment", EXP]) == 0
-    chain = store.list_global_versions()
+    chain = store.list_fragment_versions(0)
     assert [v["version"] for v in chain] == [0, 1]  # one version applied them all, once
     flat = [pg for v in chain for pg in v["applied"]]
     assert sorted(flat) == IDS  # every committed pseudo-gradient, none twice
     assert store.applied() == {pg: 1 for pg in IDS}  # the ledger agrees with the manifests
     assert store.quarantined() == {}
     assert cli.main(["merge", "--store", url, "--experiment", EXP]) == 0  # nothing left to do
-    assert store.head().version == 1
+    assert store.head(0).version == 1

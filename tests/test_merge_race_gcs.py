@@ -45,7 +45,7 @@ def test_two_merge_processes_racing_on_gcs_apply_each_once(gcs_bucket, tmp_path)
     url = f"{gcs_bucket}/race-{uuid.uuid4().hex[:8]}"
     cfg = small_config(EXP, islands=ISLANDS, outer={"method": "decoupled", "quorum": 1})
     store = new_store(cfg, url)
-    theta = store.load_global().params
+    theta = store.load_params()
 
     env = dict(os.environ, GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT="false", JAX_PLATFORMS="cpu")
     cmd = [sys.executable, "-m", "training.cli", "-v", "merge", "--store", url]
@@ -59,7 +59,7 @@ def test_two_merge_processes_racing_on_gcs_apply_each_once(gcs_bucket, tmp_path)
         committed = set()
         for seq in range(ROUNDS):  # each round: every island publishes, based on the newest head
             for n, island in enumerate(ISLANDS):
-                base = store.head().version
+                base = store.head(0).version
                 delta = random_delta(theta, 10 * seq + n)
                 committed.add(publish_delta(store, cfg, island, seq, delta, base_version=base).id)
             if seq == 0:  # the mergers are up (start-up takes seconds) once round 0 is merged
@@ -78,7 +78,7 @@ def test_two_merge_processes_racing_on_gcs_apply_each_once(gcs_bucket, tmp_path)
     out = [log.read_text() for log in logs]
     assert codes == [0, 0], out
 
-    chain = store.list_global_versions()
+    chain = store.list_fragment_versions(0)
     flat = [pg for v in chain for pg in v["applied"]]
     assert len(flat) == len(set(flat))  # none applied twice
     assert set(flat) == committed  # none lost
@@ -86,6 +86,6 @@ def test_two_merge_processes_racing_on_gcs_apply_each_once(gcs_bucket, tmp_path)
     assert store.quarantined() == {}
     # the race was real: each losing publish logged it and left a manifest off HEAD's chain
     lost = sum(text.count("lost the head race") for text in out)
-    manifests = [k for k in store._list("global/") if k.endswith("/manifest.json")]
+    manifests = [k for k in store._list("fragments/") if k.endswith("/manifest.json")]
     assert lost >= 1, out
     assert len(manifests) - len(chain) == lost

@@ -166,8 +166,8 @@ class ChaosStore(ObjectStore):
     def exists(self, key: str) -> bool:
         return self._call("exists", key, lambda: self.inner.exists(key))
 
-    def list(self, prefix: str) -> list[str]:
-        return self._call("list", prefix, lambda: self.inner.list(prefix))
+    def list(self, prefix: str, start_after: str | None = None) -> list[str]:
+        return self._call("list", prefix, lambda: self.inner.list(prefix, start_after))
 
     def delete(self, key: str) -> None:
         return self._call("delete", key, lambda: self.inner.delete(key))

@@ -3,7 +3,7 @@
     diloco init    --store URL --name NAME [--config FILE] [--set key=value ...]
     diloco island  --store URL --experiment NAME --island NAME
     diloco merge   --store URL --experiment NAME [--follow]
-    diloco eval    --store URL --experiment NAME [--version N]
+    diloco eval    --store URL --experiment NAME [--version N] [--record]
     diloco status  --store URL --experiment NAME [--json]
     diloco stop    --store URL --experiment NAME [--island NAME]
     diloco bench   quality | goodput-sim | chaos  [...]
@@ -107,10 +107,20 @@ def _all_done(cfg: ExperimentConfig, estore) -> bool:
 
 
 def cmd_eval(args) -> int:
-    from training.evaluate import evaluate_version
+    from training.evaluate import evaluate_snapshot
 
     cfg, estore = _load(args)
-    out = evaluate_version(cfg, estore, args.version)
+    snapshot = None
+    if args.version is not None:
+        snapshot = estore.snapshot_of(
+            {
+                "versions": [args.version] * cfg.fragments.count,
+                "dirs": [
+                    estore.find_version(p, args.version).dir for p in range(cfg.fragments.count)
+                ],
+            }
+        )
+    out = evaluate_snapshot(cfg, estore, snapshot, record=args.record)
     print(json.dumps(out))
     return 0
 
@@ -178,8 +188,13 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--poll", type=float, default=1.0)
     sp.set_defaults(fn=cmd_merge)
 
-    sp = with_store(sub.add_parser("eval", help="held-out loss of a global version"))
-    sp.add_argument("--version", type=int, default=None)
+    sp = with_store(sub.add_parser("eval", help="held-out loss of the model now (or a version)"))
+    sp.add_argument(
+        "--version", type=int, default=None, help="every fragment at this version (default: HEADs)"
+    )
+    sp.add_argument(
+        "--record", action="store_true", help="record the eval and snapshot in the store"
+    )
     sp.set_defaults(fn=cmd_eval)
 
     sp = with_store(sub.add_parser("status", help="versions, islands, staleness, losses"))

@@ -51,8 +51,15 @@ def _quantize(flat: np.ndarray, levels: int, block: int) -> tuple[np.ndarray, np
 
 
 def _dequantize(q: np.ndarray, scales: np.ndarray, block: int) -> np.ndarray:
-    per_element = np.repeat(scales, block)[: q.size]
-    return q.astype(np.float32) * per_element
+    n = q.size
+    full = (n // block) * block
+    out = np.empty(n, np.float32)
+    if full:
+        body = out[:full].reshape(-1, block)
+        np.multiply(q[:full].reshape(-1, block), scales[: full // block, None], out=body)
+    if full < n:
+        out[full:] = q[full:] * scales[-1]
+    return out
 
 
 def _pack4(q: np.ndarray) -> np.ndarray:
@@ -180,3 +187,22 @@ def decode(
 def payload_nbytes(payload: dict[str, np.ndarray]) -> int:
     """Total bytes of all payload tensors (data, scales and shapes)."""
     return sum(int(np.asarray(t).nbytes) for t in payload.values())
+
+
+def payload_keys(names, codec: str) -> set[str]:
+    """Every payload tensor name that encoding tensors `names` with `codec` produces."""
+    _check_codec(codec)
+    keys = set(names)
+    if codec in ("int8", "int4"):
+        keys |= {name + SCALE_SUFFIX for name in names}
+    if codec == "int4":
+        keys |= {name + SHAPE_SUFFIX for name in names}
+    return keys
+
+
+def decode_tensor(
+    payload: dict[str, np.ndarray], name: str, codec: str, block: int = DEFAULT_BLOCK
+) -> np.ndarray:
+    """One float32 tensor of a payload (the streaming merge decodes one at a time)."""
+    _check_codec(codec)
+    return _decode_tensor(name, payload, codec, block)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import time
+
 from training.config import ExperimentConfig
 from training.data import eval_batches
-from training.island import corpus_for, loop_for
+from training.runtime import corpus_for, loop_for
+from training.store.layout import Snapshot, iso
 
 
 def eval_loss(cfg: ExperimentConfig, params) -> float:
@@ -17,16 +20,57 @@ def eval_loss(cfg: ExperimentConfig, params) -> float:
     return loop.eval_loss(loop.put_params(params), batches)
 
 
-def evaluate_version(cfg: ExperimentConfig, store, version: int | None = None) -> dict:
-    """Evaluate a committed global version (default: the head) and record it in metrics/eval."""
-    g = store.load_global(store.find_version(version) if version is not None else None)
-    record = dict(
-        version=g.version,
-        loss=eval_loss(cfg, g.params),
-        tokens_merged=int(g.manifest.get("tokens_merged", 0)),
-    )
-    store.append_metric("eval", record)
-    return record
+def evaluate_snapshot(
+    cfg: ExperimentConfig, store, snapshot: Snapshot | None = None, record: bool = True
+) -> dict:
+    """Evaluate the model at `snapshot` (default: every fragment's HEAD now).
+
+    With `record`, the snapshot is written to snapshots/, the result to metrics/eval, and it
+    becomes snapshots/BEST.json if its loss is the lowest so far. Returns the eval record:
+    `loss`, `tokens_merged`, `versions` and `dirs` (the snapshot), `at` and `at_iso`.
+    """
+    snapshot = snapshot or store.current_snapshot()
+    if snapshot is None:
+        raise RuntimeError(f"experiment {cfg.name!r} has no global version: run init")
+    at = time.time()
+    out = {
+        **snapshot.to_dict(),
+        "loss": eval_loss(cfg, store.load_params(snapshot)),
+        "at": at,
+        "at_iso": iso(at),
+        "version": sum(snapshot.versions),  # a scalar that grows with every merge
+    }
+    if record:
+        store.record_snapshot(snapshot, {"by": "eval", "loss": out["loss"]})
+        store.append_metric("eval", out)
+        out["best"] = store.offer_best(out)
+    return out
+
+
+def evaluate_current(cfg: ExperimentConfig, store) -> dict:
+    """Evaluate and record the model as it is now (see evaluate_snapshot)."""
+    return evaluate_snapshot(cfg, store)
+
+
+def end_of_run_report(store) -> dict:
+    """The final eval against the best and the first (version 0) ones, with a warning when the
+    run ended worse than its best or than where it started (what `finalize` and `status` say)."""
+    evals = store.read_metrics("eval")
+    if not evals:
+        return {"warning": None}
+    final, first = evals[-1], evals[0]
+    best = store.best() or final
+    warning = None
+    if final["loss"] > best["loss"] * 1.001:
+        warning = (
+            f"final eval loss {final['loss']:.4f} is worse than the best {best['loss']:.4f} "
+            f"(snapshot versions {best.get('versions')}); use snapshots/BEST.json"
+        )
+    if all(v == 0 for v in first.get("versions", [1])) and final["loss"] > first["loss"]:
+        warning = (
+            f"final eval loss {final['loss']:.4f} is worse than version 0 ({first['loss']:.4f})"
+        )
+    return {"final": final, "best": best, "warning": warning}
 
 
 def single_process_baseline(cfg: ExperimentConfig, tokens: int) -> float:

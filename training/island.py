@@ -2,8 +2,20 @@
 
 The island never waits for other islands (except under the synchronous baseline, `outer.method =
 "sync"`, which blocks after each publish until that round is merged). Fragment p is published every
-H_m inner steps on its staggered offset; `tau` steps later the island adopts the newest global
-version of that fragment (`theta <- alpha * theta + (1 - alpha) * Theta`).
+H_m inner steps on its staggered offset; `tau` steps later the island adopts fragment p's newest
+version *if it is newer than the one it has* (`theta <- alpha * theta + (1 - alpha) * Theta`, or
+the overlap steps kept on top), reading only that fragment's parameters, never the outer state.
+
+Nothing is counted twice and nothing is lost while the syncer lags: each fragment has an
+*anchor*, the point its next pseudo-gradient is measured from (`delta = anchor - theta`). A
+publish moves the anchor to the published parameters; adopting a newer version moves it to that
+version. An island whose syncer has not merged yet keeps training on its own parameters and its
+next pseudo-gradient holds only the steps since its last publish (the merger sums an island's
+pending contributions: they are consecutive increments).
+
+The budget holds whether or not the syncer keeps up: after each publish round the island adds up
+the tokens every island has trained (heartbeats) and finishes when they reach `token_budget`,
+publishing its last partial interval (`final`: the merger applies it without a momentum step).
 
 Contract with the store (see docs/STORE.md):
 - a publish is the payload under a unique name, then the manifest (the commit marker). A crash
@@ -27,49 +39,20 @@ from dataclasses import dataclass, field
 import jax
 import numpy as np
 
-from training import codecs, inner, model
+from training import codecs, inner
 from training.chaos import IslandChaos
 from training.config import ExperimentConfig
-from training.data import BatchLoader, Corpus, load_corpus, shard_tokens
+from training.data import BatchLoader, shard_tokens
 from training.faults import fault_point
-from training.fragments import assign_fragments, fragments_due, split_by_fragment
+from training.fragments import fragments_due
 from training.goodput import GoodputAccountant
 from training.pseudograd import pseudo_gradient
+from training.runtime import corpus_for, fragment_names, loop_for, shared
 from training.store.experiment import ExperimentStore
 
+__all__ = ["Island", "StepResult", "corpus_for", "fragment_names", "loop_for", "shared"]
+
 log = logging.getLogger("diloco.island")
-
-_cache: dict[tuple, object] = {}
-
-
-def shared(key: tuple, build: Callable[[], object]):
-    """Process-wide cache for compiled loops and corpora (islands in one process share them)."""
-    if key not in _cache:
-        _cache[key] = build()
-    return _cache[key]
-
-
-def corpus_for(cfg: ExperimentConfig) -> Corpus:
-    vocab = cfg.model.dims()["vocab_size"]
-    key = ("corpus", cfg.data.source, cfg.data.eval_fraction, vocab)
-    return shared(key, lambda: load_corpus(cfg.data.source, cfg.data.eval_fraction, vocab))
-
-
-def loop_for(cfg: ExperimentConfig) -> inner.InnerLoop:
-    key = ("loop", cfg.model, cfg.inner, len(jax.devices()))
-    return shared(
-        key,
-        lambda: inner.InnerLoop(
-            cfg.model, cfg.inner, inner.make_mesh(), shard_params=cfg.inner.shard_params
-        ),
-    )
-
-
-def fragment_names(cfg: ExperimentConfig) -> list[list[str]]:
-    """Parameter names of each fragment, in a fixed order."""
-    shapes = {k: v.shape for k, v in model.abstract_params(cfg.model).items()}
-    assignment = assign_fragments(shapes, cfg.fragments.count, cfg.fragments.strategy)
-    return [sorted(split_by_fragment(shapes, assignment, p)) for p in range(cfg.fragments.count)]
 
 
 @dataclass
@@ -100,10 +83,10 @@ class Island:
         corpus = corpus_for(cfg)
         self.shard = shard_tokens(corpus.train, cfg.shard_of(name), cfg.num_shards)
         self.bytes_sent = 0
+        self.bytes_received = 0
         self.publishes = 0
         self._stop = False
-        self._global_cache: tuple[int, dict[str, np.ndarray]] | None = None
-        self.at_publish: dict[int, dict[str, np.ndarray]] = {}  # fragment -> params published
+        self._budget_reached = False
         self.since: list[dict] = [{} for _ in range(self.P)]  # per fragment, since its publish
         self.goodput = GoodputAccountant.for_clock(clock)
         self.chaos = IslandChaos.for_island(cfg, name, store)
@@ -117,11 +100,17 @@ class Island:
         ckpt = self.store.load_checkpoint(self.name)
         self.resumed = ckpt is not None
         if ckpt is None:
-            version, params = self._newest_global()
+            heads = self.store.heads(range(self.P))
+            if any(h is None for h in heads):
+                raise RuntimeError(f"experiment {cfg.name!r} has no global version: run init")
+            params: dict[str, np.ndarray] = {}
+            for fv in self.store._parallel(self.store.load_fragment, heads):
+                params.update(fv.params)
+                self.bytes_received += sum(int(v.nbytes) for v in fv.params.values())
             self.params = self.loop.put_params(params)
             self.opt_state = self.loop.init_opt_state(self.params)
-            self.base = dict(params)
-            self.base_version = [version] * self.P
+            self.anchor = dict(params)
+            self.base_version = [h.version for h in heads]
             self.residual: dict[str, np.ndarray] = {}
             self.seq = 0
             self.step_count = 0
@@ -132,13 +121,14 @@ class Island:
             tensors, meta = ckpt
             self.params = self.loop.put_params(_prefixed(tensors, "param/"))
             self.opt_state = self.loop.opt_state_from_host(_prefixed(tensors, "opt/"))
-            self.base = _prefixed(tensors, "base/")
+            self.anchor = _prefixed(tensors, "anchor/")
             self.residual = _prefixed(tensors, "resid/")
             self.base_version = list(meta["base_version"])
             self.seq = int(meta["seq"])
             self.step_count = int(meta["step"])
             self.tokens = int(meta["tokens"])
             self.bytes_sent = int(meta.get("bytes_sent", 0))
+            self.bytes_received = int(meta.get("bytes_received", 0))
             self.publishes = int(meta.get("publishes", 0))
             cursor = meta["cursor"]
             self._reset_counters(range(self.P))
@@ -172,7 +162,7 @@ class Island:
         tensors.update(
             {f"opt/{k}": v for k, v in self.loop.opt_state_to_host(self.opt_state).items()}
         )
-        tensors.update({f"base/{k}": v for k, v in self.base.items()})
+        tensors.update({f"anchor/{k}": v for k, v in self.anchor.items()})
         tensors.update({f"resid/{k}": v for k, v in self.residual.items()})
         meta = dict(
             base_version=self.base_version,
@@ -180,6 +170,7 @@ class Island:
             step=self.step_count,
             tokens=self.tokens,
             bytes_sent=self.bytes_sent,
+            bytes_received=self.bytes_received,
             publishes=self.publishes,
             cursor=self.loader.state(),
             goodput=self.goodput.state(),
@@ -188,39 +179,42 @@ class Island:
 
     # -- global versions --------------------------------------------------------------------
 
-    def _newest_global(self) -> tuple[int, dict[str, np.ndarray]]:
-        head = self.store.head()
-        if head is None:
-            raise RuntimeError(f"experiment {self.cfg.name!r} has no global version: run init")
-        if self._global_cache is None or self._global_cache[0] != head.version:
-            g = self.store.load_global(head)
-            self._global_cache = (g.version, g.params)
-        return self._global_cache
-
     def _adopt(self, fragments) -> int:
-        """Take the newest global version of the given fragments.
+        """Take each fragment's newest version if it is newer than the one this island has;
+        returns how many fragments moved.
 
         With `inner.keep_overlap` the steps trained since the fragment was published are kept on
-        top of it (`theta <- Theta + (theta - theta_at_publish)`): they are not in the published
-        pseudo-gradient, so nothing is counted twice and the overlap steps are not wasted. Else
-        the fragment is overwritten, or blended with `inner.alpha`.
+        top of it (`theta <- Theta + (theta - anchor)`): they are in no pseudo-gradient yet, so
+        nothing is counted twice and the overlap steps are not wasted. Else the fragment is
+        overwritten, or blended with `inner.alpha`. The anchor moves to the adopted version (for
+        a blend, to the blended point less its unpublished steps).
         """
-        version, params = self._newest_global()
+        wanted = [p for p in fragments]
+        heads = self.store.heads(wanted)
+        moved = 0
         alpha = self.cfg.inner.alpha
-        for p in fragments:
-            at_publish = self.at_publish.pop(p, None) if self.cfg.inner.keep_overlap else None
+        for p, head in zip(wanted, heads, strict=True):
+            if head is None or head.version <= self.base_version[p]:
+                continue  # nothing newer: keep training on our own parameters
+            fresh = self.store.load_fragment(head).params
+            self.bytes_received += sum(int(v.nbytes) for v in fresh.values())
             for n in self.frags[p]:
-                new = params[n]
-                if at_publish is not None:
-                    new = new + (np.asarray(jax.device_get(self.params[n])) - at_publish[n])
+                local = np.asarray(jax.device_get(self.params[n]), np.float32)
+                unpublished = local - self.anchor[n]
+                if self.cfg.inner.keep_overlap:
+                    new, anchor = fresh[n] + unpublished, fresh[n]
                 elif alpha:
-                    new = alpha * np.asarray(jax.device_get(self.params[n])) + (1 - alpha) * new
+                    new = alpha * local + (1 - alpha) * fresh[n]
+                    anchor = new - alpha * unpublished
+                else:
+                    new, anchor = fresh[n], fresh[n]
                 self.params[n] = jax.device_put(
                     np.asarray(new, np.float32), self.loop.param_sharding[n]
                 )
-                self.base[n] = params[n]
-            self.base_version[p] = version
-        return version
+                self.anchor[n] = np.asarray(anchor, np.float32)
+            self.base_version[p] = head.version
+            moved += 1
+        return moved
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -232,8 +226,7 @@ class Island:
         """If every awaited contribution has been applied, adopt the result and unblock."""
         if not self.awaiting:
             return True
-        applied = self.store.applied()
-        if all(pg in applied for pg in self.awaiting.values()):
+        if all(self.store.is_applied(pg) for pg in self.awaiting.values()):
             self._adopt(sorted(self.awaiting))
             self.awaiting.clear()
             return True
@@ -274,15 +267,31 @@ class Island:
         if result.published:
             t = gp.charge("waiting_for_global", t)
             self.checkpoint()
-            gp.charge("checkpoint_save", t)
+            t = gp.charge("checkpoint_save", t)
+            self._check_budget(loss)
+            gp.charge("waiting_for_global", t)
         return result
 
-    def publish(self, p: int) -> str:
-        """Publish fragment p's pseudo-gradient; returns its id."""
+    def _check_budget(self, loss: float) -> None:
+        """After a publish round: heartbeat, then finish if all islands together have trained
+        `token_budget` tokens (so the budget holds even when the syncer lags)."""
+        self.heartbeat(loss, None)
+        beats = self.store.heartbeats()
+        trained = self.tokens + sum(
+            int(b.get("tokens", 0))
+            for island, b in beats.items()
+            if island != self.name and isinstance(b.get("tokens", 0), int)
+        )
+        if trained >= self.cfg.token_budget:
+            self._budget_reached = True
+
+    def publish(self, p: int, final: bool = False) -> str:
+        """Publish fragment p's pseudo-gradient (from its anchor); returns its id. `final`:
+        the island's last, partial interval."""
         names = self.frags[p]
         local = {n: np.asarray(jax.device_get(self.params[n]), np.float32) for n in names}
-        delta = pseudo_gradient({n: self.base[n] for n in names}, local)
-        self.at_publish[p] = local
+        delta = pseudo_gradient({n: self.anchor[n] for n in names}, local)
+        self.anchor.update(local)
         residual = {n: self.residual[n] for n in names if n in self.residual}
         payload, new_residual = codecs.encode(delta, self.cfg.codec, residual)
         if self.cfg.error_feedback:
@@ -297,6 +306,8 @@ class Island:
             step_time_s=s["seconds"] / max(s["steps"], 1),
             published_at=self.clock(),
             island_step=self.step_count,
+            island_tokens=self.tokens,
+            final=final,
         )
         ref = self.store.publish_pseudograd(self.name, self.seq, p, payload, manifest)
         self.seq += 1
@@ -309,7 +320,11 @@ class Island:
             self.pending_adopt[p] = self.step_count + self.cfg.inner.tau
         return ref.id
 
-    def heartbeat(self, loss: float | None, tokens_per_s: float) -> None:
+    def heartbeat(self, loss: float | None, tokens_per_s: float | None) -> None:
+        """Overwrite this island's heartbeat (`tokens_per_s` None: keep the last rate)."""
+        if tokens_per_s is None:
+            tokens_per_s = getattr(self, "_rate", 0.0)
+        self._rate = tokens_per_s
         goodput = self.goodput.state()
         self.store.write_heartbeat(
             self.name,
@@ -319,8 +334,9 @@ class Island:
                 tokens_per_s=tokens_per_s,
                 loss=loss,
                 seq=self.seq,
-                base_version=max(self.base_version),
+                base_version=list(self.base_version),
                 bytes_sent=self.bytes_sent,
+                bytes_received=self.bytes_received,
                 pid=os.getpid(),
                 time=self.clock(),
                 goodput=goodput["goodput"],
@@ -335,7 +351,7 @@ class Island:
         """Stop requested (for this island or all) or its own token limit reached: the island
         is done. A SIGTERM alone (preemption, a relaunch killing this copy, a teardown) only ends
         this process: it checkpoints and exits without a done marker, so a relaunch resumes."""
-        if self.store.stop_requested(self.name):
+        if self._budget_reached or self.store.stop_requested(self.name):
             return True
         return self.spec.max_tokens is not None and self.tokens >= self.spec.max_tokens
 
@@ -372,7 +388,9 @@ class Island:
             steps += 1
             if max_steps is not None and steps >= max_steps:
                 break
-            if self.spec.max_tokens is not None and self.tokens >= self.spec.max_tokens:
+            if self._budget_reached or (
+                self.spec.max_tokens is not None and self.tokens >= self.spec.max_tokens
+            ):
                 break
         done = not self._stop and self.finished()
         if done and not self.blocked():
@@ -387,6 +405,7 @@ class Island:
             tokens=self.tokens,
             publishes=self.publishes,
             bytes_sent=self.bytes_sent,
+            bytes_received=self.bytes_received,
         )
         if done:
             self.store.mark_done(self.name, info)
@@ -395,7 +414,7 @@ class Island:
     def publish_remainder(self) -> list[str]:
         """On finishing, publish every fragment trained since its last publish, so the island's
         last partial interval reaches the global model instead of being dropped."""
-        return [self.publish(p) for p in range(self.P) if self.since[p]["steps"] > 0]
+        return [self.publish(p, final=True) for p in range(self.P) if self.since[p]["steps"] > 0]
 
 
 def _prefixed(tensors: dict[str, np.ndarray], prefix: str) -> dict[str, np.ndarray]:

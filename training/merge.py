@@ -1,99 +1,96 @@
-"""The merger: apply every committed, unapplied pseudo-gradient exactly once.
+"""The merger: apply every committed, unapplied pseudo-gradient exactly once, per fragment.
 
-One `merge_once()` is one attempt at one new global version:
-1. read HEAD; re-create the ledger entries of HEAD's `applied` list (a crash after the head
-   compare-and-swap but before the ledger writes is repaired here; by induction every older
-   version's entries exist);
-2. list committed pseudo-gradients, drop those already in the ledger or in quarantine;
-3. validate each (manifest, tree, shapes, dtypes, finiteness, checksum, staleness, replay) and
-   quarantine the bad ones with a reason — the merge goes on without them;
-4. let the outer method decide which contributions to apply now (quorum, grace window, sync);
-5. write the new version (payload first, manifest last) and advance HEAD by compare-and-swap
-   from the head read in step 1. Losing the race publishes nothing: the caller retries from the
-   new head, whose ledger repair (step 1) makes the winner's contributions visible as applied;
-6. write the ledger entries.
-So a contribution is applied at most once (only a version that won the CAS counts, and the next
-attempt reads its `applied` list), and at least once (it stays pending until a version names it).
+A `Merger` owns a set of fragments (a syncer shard: all of them by default). One `merge_once()`
+makes, for each owned fragment with work, at most one new version:
+1. read the fragment's HEAD and manifest; re-create the ledger entries of its `applied` list (a
+   crash after the HEAD swap but before the ledger writes is repaired here);
+2. find pending pseudo-gradients without listing the history: per island, the listing starts
+   after the smallest cursor (`merge_state.cursors[island]`, the highest seq applied) of the
+   owned fragments; quarantined ones are skipped;
+3. admit each by its manifest (training/merge_rules.check_manifest), quarantining the bad ones;
+4. let the method decide what to apply now (quorum, grace window, sync);
+5. stream: load the fragment's params and outer state once, decode each contribution tensor by
+   tensor (checked as decoded), fold each island's vote into one float32 accumulator, apply the
+   outer step in place;
+6. write the new version (payloads, manifest, then HEAD by compare-and-swap from the head read
+   in step 1) and the ledger entries. Losing the race publishes nothing: the next attempt starts
+   again at 1.
+So a contribution is applied at most once (only a version that won the CAS counts, and its
+cursors and `applied` list are what the next attempt reads) and at least once (it stays pending
+until a version of its fragment names it). Fragments are independent: two shards never contend.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-import jax
 import numpy as np
 
-from training import codecs, model, outer
+from training import merge_rules as rules
+from training import model
 from training.config import ExperimentConfig
-from training.island import fragment_names
-from training.pytree import named_to_state, state_to_named
-from training.store.experiment import ExperimentStore, GlobalVersion, PseudoGradRef
+from training.faults import fault_point
+from training.runtime import fragment_names
+from training.store.experiment import ExperimentStore, HeadPointer, PseudoGradRef
 from training.store.objectstore import StoreError, StoreUnreachable, TransientStoreError
 
 log = logging.getLogger("diloco.merge")
 
-NORM_HISTORY = 64
-
-
-@dataclass
-class Contribution:
-    ref: PseudoGradRef
-    delta: dict[str, np.ndarray]
-    norm: float
-    weight: float
-    staleness: int
-    arrived_at: float
+SNAPSHOT_EVERY_S = 10.0  # a merger records the current snapshot at most this often
 
 
 @dataclass
 class MergeResult:
-    version: int | None = None  # the version published, if any
+    versions: dict[int, int] = field(default_factory=dict)  # fragment -> version published
     applied: list[str] = field(default_factory=list)
     quarantined: dict[str, str] = field(default_factory=dict)
-    waiting_until: float | None = None  # decoupled grace window: try again at this time
+    waiting_until: float | None = None  # grace window: try again at this time
     lost_race: bool = False
-    tokens_merged: int | None = None  # in the global model after this version
+    tokens_merged: int | None = None  # mean over the owned fragments after this round
+    contributions: list[dict] = field(default_factory=list)
+
+    @property
+    def version(self) -> int | None:
+        """The highest fragment version this round published (None: nothing published)."""
+        return max(self.versions.values()) if self.versions else None
 
 
-def _per_island(group: list[Contribution]) -> tuple[list[dict], list[float]]:
-    """One vote per island: an island's several pending contributions (published while a merge
-    was late) become their weighted mean, with their summed weight."""
-    by_island: dict[str, list[Contribution]] = {}
-    for c in group:
-        by_island.setdefault(c.ref.island, []).append(c)
-    deltas, weights = [], []
-    for contribs in by_island.values():
-        ws = [c.weight for c in contribs]
-        if len(contribs) == 1:
-            deltas.append(contribs[0].delta)
-        else:
-            names = contribs[0].delta
-            deltas.append(
-                {n: outer.weighted_mean([c.delta[n] for c in contribs], ws) for n in names}
-            )
-        weights.append(float(sum(ws)))
-    return deltas, weights
+def outer_period(cfg: ExperimentConfig) -> int:
+    return cfg.outer.delay_period or len(cfg.islands)
 
 
 def initial_version(cfg: ExperimentConfig, store: ExperimentStore) -> int | None:
-    """Create version 0 (fresh parameters, zero outer state); None if the experiment has one."""
-    if store.head() is not None:
+    """Create version 0 of every fragment (fresh parameters, zero outer state); None if the
+    experiment already has them (a repeat after a crash completes what is missing)."""
+    heads = store.heads(range(cfg.fragments.count))
+    if all(h is not None for h in heads):
         return None
     params = {
         k: np.asarray(v, np.float32) for k, v in model.init_params(cfg.model, cfg.seed).items()
     }
-    merger = Merger(cfg, store)
-    state = merger.init_outer_state(params)
-    extra = dict(
-        fragment_versions=[0] * cfg.fragments.count,
-        tokens_merged=0,
-        merge_state=dict(norms=[], last_seq={}, sync_s=0.0),
+    created = False
+    for p, names in enumerate(fragment_names(cfg)):
+        if heads[p] is not None:
+            continue
+        frag = {n: params[n] for n in names}
+        state = rules.init_state(cfg.outer, {n: v.shape for n, v in frag.items()})
+        extra = dict(tokens_merged=0, merge_state=_merge_state(state, {}, [], 0.0))
+        created |= store.publish_fragment(p, 0, frag, rules.state_tensors(state), extra) is not None
+    return 0 if created else None
+
+
+def _merge_state(state: rules.OuterFragmentState, cursors: dict, norms: list, sync_s: float):
+    return dict(
+        steps=state.steps,
+        seen=state.seen,
+        cursors=cursors,
+        norms=norms[-rules.NORM_HISTORY :],
+        sync_s=sync_s,
     )
-    head = store.publish_global(0, params, state, extra, applied=[], expected=None)
-    return None if head is None else 0
 
 
 class Merger:
@@ -102,281 +99,289 @@ class Merger:
         cfg: ExperimentConfig,
         store: ExperimentStore,
         clock: Callable[[], float] = time.time,
+        fragments: Sequence[int] | None = None,
     ):
         self.cfg = cfg
         self.store = store
         self.clock = clock
         self.frags = fragment_names(cfg)
-        self.frag_of = {n: p for p, names in enumerate(self.frags) for n in names}
-        self.shapes = {k: tuple(v.shape) for k, v in model.abstract_params(cfg.model).items()}
-        self.tx = outer.outer_optimizer(cfg.outer, len(cfg.islands))
-
-    # -- outer state: one serializable flat dict, "f000/0000" per leaf ------------------------
-
-    def _frag_template(self, p: int):
-        shapes = {n: jax.ShapeDtypeStruct(self.shapes[n], np.float32) for n in self.frags[p]}
-        return jax.eval_shape(self.tx.init, shapes)
-
-    def init_outer_state(self, params: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        state = {}
-        for p, names in enumerate(self.frags):
-            state.update(state_to_named(self.tx.init({n: params[n] for n in names}), f"f{p:03d}/"))
-        return state
-
-    # -- validation -------------------------------------------------------------------------
-
-    def _validate(
-        self,
-        ref: PseudoGradRef,
-        head_version: int,
-        merge_state: dict,
-        params_norm: float | None = None,
-    ) -> Contribution | str:
-        """A checked contribution, or the reason to quarantine it.
-
-        Norms: over k x the running median of merged norms (k = clip_multiplier) is clipped to
-        it, over 1000x that is quarantined. Until four norms are merged there is no median: a
-        norm over 1000 x k x `params_norm` (the global parameters' norm) is quarantined.
-        """
-
-        def is_int(v) -> bool:
-            return isinstance(v, int) and not isinstance(v, bool)
-
-        def is_real(v) -> bool:
-            return is_int(v) or isinstance(v, float) and bool(np.isfinite(v))
-
-        m = ref.manifest
-        if m.get("experiment") != self.cfg.name:
-            return f"manifest names experiment {m.get('experiment')!r}, not {self.cfg.name!r}"
-        if m.get("island") != ref.island or m.get("fragment") != ref.fragment:
-            return "manifest island/fragment do not match its name"
-        if not 0 <= ref.fragment < len(self.frags):
-            return f"fragment {ref.fragment} out of range (P = {len(self.frags)})"
-        last = merge_state["last_seq"].get(f"{ref.island}/{ref.fragment}")
-        if last is not None and ref.seq <= last:
-            return f"replayed sequence number {ref.seq} (already merged up to {last})"
-        base = m.get("base_version")
-        if not is_int(base) or base < 0 or base > head_version:
-            return f"base_version {base!r} is not a committed version (head {head_version})"
-        staleness = head_version - base
-        if staleness > self.cfg.outer.max_staleness * len(self.frags):
-            return f"stale: base version {base}, head {head_version}"
-        steps, tokens = m.get("steps"), m.get("tokens")
-        if not (is_int(steps) and is_int(tokens) and 0 < steps < 2**53 and 0 < tokens < 2**53):
-            return f"bad steps/tokens in manifest: {steps!r}/{tokens!r}"
-        per_step = self.cfg.data.batch_size * self.cfg.data.seq_len
-        if tokens > steps * per_step:
-            return f"tokens {tokens} exceed {steps} steps x {per_step} tokens per step"
-        for key in ("published_at", "step_time_s"):
-            if key in m and not is_real(m[key]):
-                return f"bad {key} in manifest: {m[key]!r}"
-        codec = m.get("codec")
-        if codec not in codecs.CODECS:
-            return f"unknown codec {codec!r}"
-        try:
-            payload = self.store.load_pseudograd(ref)
-            delta = codecs.decode(payload, codec)
-        except (TransientStoreError, StoreUnreachable):
-            raise  # not the payload's fault: retry the merge later, quarantine nothing
-        except (StoreError, ValueError, KeyError) as err:
-            return f"unreadable payload: {err}"
-        names = self.frags[ref.fragment]
-        if sorted(delta) != names:
-            extra = sorted(set(delta) - set(names))[:3]
-            missing = sorted(set(names) - set(delta))[:3]
-            return f"wrong tree for fragment {ref.fragment}: extra {extra}, missing {missing}"
-        for n, v in delta.items():
-            if v.dtype != np.float32:
-                return f"wrong dtype for {n}: {v.dtype}"
-            if tuple(v.shape) != self.shapes[n]:
-                return f"wrong shape for {n}: {tuple(v.shape)}, expected {self.shapes[n]}"
-            if not np.all(np.isfinite(v)):
-                return f"non-finite values in {n}"
-        norm = outer.global_norm(delta)
-        history = merge_state["norms"]
-        median = float(np.median(history)) if len(history) >= 4 else 0.0
-        k = self.cfg.outer.clip_multiplier
-        if median > 0:
-            limit = k * median
-            if not norm <= 1000 * limit:
-                return f"norm {norm:.3g} is over 1000x the clip limit {limit:.3g}"
-            delta, _ = outer.clip_to(delta, limit)
-        elif params_norm and not norm <= 1000 * k * params_norm:
-            return (
-                f"norm {norm:.3g} is over 1000x the bound {k * params_norm:.3g} "
-                "(k x the global parameters' norm; no running median yet)"
-            )
-        weight = outer.token_weight(tokens, steps) if self.cfg.outer.token_weighting else 1.0
-        if self.cfg.outer.staleness_decay:
-            # staleness counts global versions; with P fragments a round is about P versions
-            weight /= 1.0 + staleness / len(self.frags)
-        return Contribution(ref, delta, norm, weight, staleness, float(m.get("published_at", 0.0)))
-
-    # -- policies ---------------------------------------------------------------------------
+        self.fragments = sorted(range(len(self.frags)) if fragments is None else set(fragments))
+        bad = [p for p in self.fragments if not 0 <= p < len(self.frags)]
+        if bad:
+            raise ValueError(f"fragments {bad} out of range (P = {len(self.frags)})")
+        shapes = {k: tuple(v.shape) for k, v in model.abstract_params(cfg.model).items()}
+        self.shapes = [{n: shapes[n] for n in names} for names in self.frags]
+        self._snapshot_at = 0.0
 
     def _active_islands(self) -> set[str]:
         gone = set(self.store.done()) | set(self.store.stopped_islands())
         return {i.name for i in self.cfg.islands} - gone
 
-    def _select(
-        self,
-        by_frag: dict[int, list[Contribution]],
-        merge_state: dict,
-        result: MergeResult,
-        active: set[str],
-    ):
-        """Per fragment, the contributions to apply now, as a list of groups (one outer step each)."""
-        method = self.cfg.outer.method
-        plan: dict[int, list[list[Contribution]]] = {}
-        for p, contribs in sorted(by_frag.items()):
-            contribs.sort(key=lambda c: (c.arrived_at, c.ref.island, c.ref.seq))
-            if method in ("nesterov", "delayed_nesterov"):
-                plan[p] = [[c] for c in contribs]
-            elif method == "sync":
-                first: dict[str, Contribution] = {}
-                for c in contribs:
-                    first.setdefault(c.ref.island, c)
-                if active and active <= set(first):
-                    plan[p] = [[first[i] for i in sorted(first)]]
-            else:  # decoupled
-                islands = {c.ref.island for c in contribs}
-                if len(islands) < min(self.cfg.outer.quorum, max(len(active), 1)):
-                    continue
-                deadline = contribs[0].arrived_at + self._grace(contribs, merge_state)
-                if not active <= islands and self.clock() < deadline:
-                    result.waiting_until = min(result.waiting_until or deadline, deadline)
-                    continue
-                plan[p] = [contribs]
-        return plan
+    # -- pending work ----------------------------------------------------------------------
+    def _pending(self, cursors: dict[int, dict[str, int]]) -> dict[int, list[PseudoGradRef]]:
+        """Committed, unapplied, unquarantined refs per owned fragment, found from the cursors."""
+        out: dict[int, list[PseudoGradRef]] = {p: [] for p in self.fragments}
+        for isl in self.cfg.islands:
+            lows = [cursors[p].get(isl.name, -1) for p in self.fragments]
+            after = min(lows)
+            after = None if after < 0 else after
+            refs = self.store.list_pseudograds(isl.name, after_seq=after)
+            if not refs:
+                continue
+            skip = self.store.quarantined(isl.name, after_seq=after)
+            for ref in refs:
+                fresh = ref.seq > cursors.get(ref.fragment, {}).get(isl.name, -1)
+                if ref.fragment in out and ref.id not in skip and fresh:
+                    out[ref.fragment].append(ref)
+        return out
 
-    def _grace(self, contribs: list[Contribution], merge_state: dict) -> float:
-        """Grace window: gamma * (tau * step_time - time to quorum - sync time), capped, >= 0."""
-        o = self.cfg.outer
-        step_s = float(np.median([c.ref.manifest.get("step_time_s", 0.0) for c in contribs]))
-        quorum_at = contribs[min(o.quorum, len(contribs)) - 1].arrived_at
-        slack = self.cfg.inner.tau * step_s - (quorum_at - contribs[0].arrived_at)
-        slack -= merge_state.get("sync_s", 0.0)
-        return float(min(o.max_grace_s, max(0.0, o.grace_gamma * slack)))
+    def pending(self) -> dict[int, list[PseudoGradRef]]:
+        """Committed, unapplied, unquarantined pseudo-gradients per owned fragment (reads the
+        heads' cursors; lists from there, never the history)."""
+        heads = self.store.heads(self.fragments)
+        cursors = {
+            h.fragment: dict(self.store.fragment_manifest(h)["merge_state"]["cursors"])
+            for h in heads
+            if h is not None
+        }
+        return self._pending(cursors) if len(cursors) == len(self.fragments) else {}
 
-    # -- one merge --------------------------------------------------------------------------
-
+    # -- one round ---------------------------------------------------------------------------
     def merge_once(self) -> MergeResult:
         result = MergeResult()
-        started = time.monotonic()
-        head = self.store.head()
-        if head is None:
+        heads = self.store.heads(self.fragments)
+        if any(h is None for h in heads):
             raise RuntimeError(f"experiment {self.cfg.name!r} has no global version: run init")
-        g: GlobalVersion = self.store.load_global(head)
-        self.store.record_applied(g.manifest.get("applied", []), g.version)
-        merge_state = g.manifest["merge_state"]
-        params_norm = outer.global_norm(g.params)
-        applied = self.store.applied()
-        quarantined = self.store.quarantined()
-        by_frag: dict[int, list[Contribution]] = {}
-        head_moved = False
-        for ref in self.store.list_pseudograds():
-            if ref.id in applied or ref.id in quarantined:
-                continue
-            checked = self._validate(ref, g.version, merge_state, params_norm)
-            if isinstance(checked, str):
-                # Judge only against the current HEAD: a racing merger may have published a
-                # newer version this ref is based on (or whose norms move the median).
-                head_moved = head_moved or getattr(self.store.head(), "dir", None) != head.dir
-                if head_moved:
-                    log.info("not judging %s against an old head: %s", ref.id, checked)
-                    continue
-                self.store.quarantine(ref.id, checked)
-                result.quarantined[ref.id] = checked
-                log.warning("quarantined %s: %s", ref.id, checked)
-                continue
-            by_frag.setdefault(ref.fragment, []).append(checked)
-        from training.faults import fault_point
-
+        manifests = {h.fragment: self.store.fragment_manifest(h) for h in heads}
+        for h in heads:
+            self.store.repair_ledger(h, manifests[h.fragment])
+        cursors = {p: dict(m["merge_state"]["cursors"]) for p, m in manifests.items()}
+        pending = self._pending(cursors)
         fault_point("merge.after-read")
         active = self._active_islands()
-        plan = self._select(by_frag, merge_state, result, active)
-        if not plan:
-            return result
+        for head in heads:
+            if pending[head.fragment]:
+                self._merge_fragment(
+                    head, manifests[head.fragment], pending[head.fragment], active, result
+                )
+        if result.versions:
+            self._after_merge(result)
+        return result
 
-        params = dict(g.params)
-        state = dict(g.outer_state)
-        frag_versions = list(g.manifest["fragment_versions"])
-        norms = list(merge_state["norms"])
-        last_seq = dict(merge_state["last_seq"])
-        tokens_merged = int(g.manifest["tokens_merged"])
-        details = []
-        for p, groups in plan.items():
-            names = self.frags[p]
-            frag_params = {n: params[n] for n in names}
-            frag_state = named_to_state(
-                {k[5:]: v for k, v in state.items() if k.startswith(f"f{p:03d}/")},
-                self._frag_template(p),
+    def _merge_fragment(
+        self,
+        head: HeadPointer,
+        manifest: dict,
+        refs: list[PseudoGradRef],
+        active: set[str],
+        result: MergeResult,
+    ) -> None:
+        started = time.monotonic()
+        p = head.fragment
+        ms = manifest["merge_state"]
+        candidates, rejected = [], {}
+        for ref in refs:
+            checked = rules.check_manifest(
+                self.cfg, ref.id, ref.island, ref.seq, p, ref.manifest, head.version
             )
-            for group in groups:
-                if self.cfg.outer.method == "sync":
-                    delta = outer.combine([c.delta for c in group], [1.0] * len(group), rda=False)
-                else:
-                    deltas, weights = _per_island(group)
-                    delta = outer.combine(deltas, weights, self.cfg.outer.rda)
-                    if self.cfg.outer.method == "decoupled" and self.cfg.outer.partial_scaling:
-                        share = len({c.ref.island for c in group}) / max(len(active), 1)
-                        delta = outer.scale(delta, min(1.0, share))
-                frag_params, frag_state = outer.apply_outer(self.tx, frag_params, frag_state, delta)
-                for c in group:
-                    result.applied.append(c.ref.id)
-                    norms.append(c.norm)
-                    key = f"{c.ref.island}/{p}"
-                    last_seq[key] = max(last_seq.get(key, -1), c.ref.seq)
-                    tokens_merged += int(c.ref.manifest["tokens"])
+            if isinstance(checked, str):
+                rejected[ref.id] = checked
+            else:
+                candidates.append(checked)
+        if rejected:
+            # Judge only against the current HEAD: a racing merger may have published a newer
+            # version these are based on; then they wait for the next round.
+            now_head = self.store.head(p)
+            if now_head is None or now_head.dir != head.dir:
+                log.info("fragment %d moved: not judging %s now", p, sorted(rejected))
+                return
+            for pg_id, reason in rejected.items():
+                self._quarantine(pg_id, reason, result)
+        groups, wait = rules.select(self.cfg, candidates, active, self.clock(), ms["sync_s"])
+        if wait is not None:
+            result.waiting_until = min(result.waiting_until or wait, wait)
+        if not groups:
+            return
+
+        fv = self.store.load_fragment(head, outer_state=True, manifest=manifest)
+        params = fv.params
+        state = rules.state_from_tensors(
+            self.cfg.outer, self.shapes[p], fv.outer_state, ms["steps"], ms["seen"]
+        )
+        del fv
+        params_norm = math.sqrt(sum(rules.sq_norm(v) for v in params.values()))
+        norms = list(ms["norms"])
+        cursors = dict(ms["cursors"])
+        tokens_merged = int(manifest["tokens_merged"])
+        applied, details = [], []
+        for group in groups:
+            combiner = rules.Combiner(
+                self.shapes[p], self.cfg.outer.rda and self.cfg.outer.method != "sync"
+            )
+            voted: list[rules.Candidate] = []
+            by_island: dict[str, list[rules.Candidate]] = {}
+            for c in group:
+                by_island.setdefault(c.island, []).append(c)
+            for _, contribs in sorted(by_island.items()):
+                vote, kept, vote_norms = self._vote(contribs, norms, params_norm, result)
+                if vote is None:
+                    continue
+                norm = math.sqrt(sum(rules.sq_norm(v) for v in vote.values()))
+                scale, _ = rules.norm_verdict(
+                    self.cfg.outer, norm, rules.clip_limit(self.cfg.outer, norms), params_norm
+                )
+                tokens, steps = sum(c.tokens for c in kept), sum(c.steps for c in kept)
+                staleness = max(c.staleness for c in kept)
+                weight = (
+                    1.0
+                    if self.cfg.outer.method == "sync"
+                    else rules.vote_weight(self.cfg.outer, tokens, steps, staleness)
+                )
+                combiner.add(vote, weight, scale)
+                del vote
+                voted += kept
+                norms += vote_norms
+                for c in kept:
                     details.append(
                         dict(
-                            id=c.ref.id,
-                            island=c.ref.island,
+                            id=c.id,
+                            island=c.island,
                             fragment=p,
-                            weight=c.weight,
-                            norm=c.norm,
+                            weight=weight,
+                            norm=norm,
                             staleness=c.staleness,
-                            loss=c.ref.manifest.get("loss"),
+                            tokens=c.tokens,
+                            steps=c.steps,
+                            published_at=c.published_at,
+                            loss=c.manifest.get("loss"),
+                            final=c.final,
                         )
                     )
-            params.update(frag_params)
-            state.update(state_to_named(frag_state, f"f{p:03d}/"))
-            frag_versions[p] = g.version + 1
-
-        sync_s = time.monotonic() - started
+            if not voted:
+                continue
+            delta = combiner.result()
+            if self.cfg.outer.method == "decoupled" and self.cfg.outer.partial_scaling:
+                share = min(1.0, len({c.island for c in voted}) / max(len(active), 1))
+                if share < 1.0:
+                    for v in delta.values():
+                        v *= np.float32(share)
+            state = rules.outer_step_(
+                self.cfg.outer,
+                outer_period(self.cfg),
+                params,
+                state,
+                delta,
+                final=all(c.final for c in voted),
+            )
+            del delta, combiner
+            for c in voted:
+                applied.append(c.id)
+                cursors[c.island] = max(cursors.get(c.island, -1), c.seq)
+                tokens_merged += c.tokens
+        if not applied:
+            return
+        sync_s = 0.8 * ms["sync_s"] + 0.2 * (time.monotonic() - started)
+        merged_at = self.clock()
         extra = dict(
-            fragment_versions=frag_versions,
             tokens_merged=tokens_merged,
-            merge_state=dict(
-                norms=norms[-NORM_HISTORY:],
-                last_seq=last_seq,
-                sync_s=0.8 * merge_state.get("sync_s", 0.0) + 0.2 * sync_s,
-            ),
+            merge_state=_merge_state(state, cursors, norms, sync_s),
             contributions=details,
-            merged_at=self.clock(),
+            merged_at=merged_at,
         )
-        new_head = self.store.publish_global(
-            g.version + 1, params, state, extra, applied=result.applied, expected=head
+        new = self.store.publish_fragment(
+            p, head.version + 1, params, rules.state_tensors(state), extra, applied, expected=head
         )
-        if new_head is None:
-            log.info("lost the head race at version %d; retrying from the new head", g.version + 1)
-            return MergeResult(lost_race=True, quarantined=result.quarantined)
-        result.version = g.version + 1
-        result.tokens_merged = tokens_merged
-        if tokens_merged >= self.cfg.token_budget:
+        if new is None:
+            log.info("fragment %d: lost the head race at version %d", p, head.version + 1)
+            result.lost_race = True
+            return
+        result.versions[p] = new.version
+        result.applied += applied
+        result.contributions += details
+        for d in details:
+            d["merged_at"] = merged_at
+
+    def _vote(self, contribs, norms, params_norm, result):
+        """One island's vote on a fragment: its pending contributions decoded and summed (they
+        are consecutive increments: an island never publishes the same progress twice).
+        Returns (vote or None, the contributions in it, their norms)."""
+        vote: dict[str, np.ndarray] | None = None
+        kept, vote_norms = [], []
+        limit = rules.clip_limit(self.cfg.outer, norms)
+        for c in contribs:
+            try:
+                payload = self.store.load_pseudograd(self._ref(c))
+            except (TransientStoreError, StoreUnreachable):
+                raise  # not the payload's fault: retry later, quarantine nothing
+            except (StoreError, ValueError, KeyError) as err:
+                self._quarantine(c.id, f"unreadable payload: {err}", result)
+                continue
+            try:
+                shapes = self.shapes[c.fragment]
+                tensors = dict(rules.decode_checked(payload, c.codec, shapes, c.fragment))
+            except (ValueError, KeyError) as err:
+                self._quarantine(c.id, str(err).strip("'\""), result)
+                continue
+            finally:
+                del payload
+            norm = math.sqrt(sum(rules.sq_norm(v) for v in tensors.values()))
+            _, reason = rules.norm_verdict(self.cfg.outer, norm, limit, params_norm)
+            if reason is not None:
+                self._quarantine(c.id, reason, result)
+                continue
+            if vote is None:
+                vote = tensors
+            else:
+                for n, v in tensors.items():
+                    vote[n] += v
+            del tensors
+            kept.append(c)
+            vote_norms.append(norm)
+        return vote, kept, vote_norms
+
+    def _ref(self, c: rules.Candidate) -> PseudoGradRef:
+        payload = c.manifest.get("payload")
+        return PseudoGradRef(
+            c.island,
+            c.seq,
+            c.fragment,
+            c.id,
+            dict(c.manifest),
+            payload if isinstance(payload, str) else "",
+        )
+
+    def _quarantine(self, pg_id: str, reason: str, result: MergeResult) -> None:
+        self.store.quarantine(pg_id, reason)
+        result.quarantined[pg_id] = reason
+        log.warning("quarantined %s: %s", pg_id, reason)
+
+    def _after_merge(self, result: MergeResult) -> None:
+        """Budget, metrics and (at most every SNAPSHOT_EVERY_S) a snapshot, after a round."""
+        heads = self.store.heads(self.fragments)
+        manifests = [self.store.fragment_manifest(h) for h in heads if h is not None]
+        result.tokens_merged = sum(int(m["tokens_merged"]) for m in manifests) // max(
+            len(manifests), 1
+        )
+        if result.tokens_merged >= self.cfg.token_budget:
             self.store.request_stop()
+        now = self.clock()
         self.store.append_metric(
             "merge",
             dict(
+                versions={str(p): v for p, v in result.versions.items()},
                 version=result.version,
                 applied=len(result.applied),
                 quarantined=len(result.quarantined),
-                tokens_merged=tokens_merged,
-                seconds=sync_s,
-                at=self.clock(),
+                tokens_merged=result.tokens_merged,
+                contributions=result.contributions,
+                at=now,
             ),
         )
-        return result
+        if now - self._snapshot_at >= SNAPSHOT_EVERY_S:
+            snapshot = self.store.current_snapshot()
+            if snapshot is not None:
+                self.store.record_snapshot(snapshot, {"by": "merge"})
+                self._snapshot_at = now
 
     def merge_all(self, max_attempts: int = 20) -> list[MergeResult]:
         """Merge until nothing is left to apply now (retrying lost races)."""
@@ -384,6 +389,6 @@ class Merger:
         for _ in range(max_attempts):
             r = self.merge_once()
             results.append(r)
-            if r.version is None and not r.lost_race:
+            if not r.versions and not r.lost_race:
                 break
         return results

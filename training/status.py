@@ -9,21 +9,26 @@ from training.goodput import BADPUT, experiment_goodput
 
 
 def collect_status(cfg: ExperimentConfig, store, now: float | None = None) -> dict:
+    from training.evaluate import end_of_run_report
+    from training.merge import Merger
+
     now = time.time() if now is None else now
-    head = store.head()
-    manifest = store.load_global(head).manifest if head else {}
+    snapshot = store.current_snapshot()
+    heads = list(snapshot.versions) if snapshot else None
     beats = store.heartbeats()
     done = store.done()
-    applied = store.applied()
+    applied = store.applied_ids()
     quarantined = store.quarantined()
-    pending = [
-        r.id for r in store.list_pseudograds() if r.id not in applied and r.id not in quarantined
-    ]
+    pending = sum(len(refs) for refs in Merger(cfg, store).pending().values()) if heads else 0
     evals = store.read_metrics("eval")
+    report = end_of_run_report(store)
     islands = []
     for isl in cfg.islands:
         hb = beats.get(isl.name, {})
         base = hb.get("base_version")
+        staleness = None
+        if heads and isinstance(base, list) and len(base) == len(heads):
+            staleness = max(h - b for h, b in zip(heads, base, strict=True))
         islands.append(
             dict(
                 island=isl.name,
@@ -33,7 +38,9 @@ def collect_status(cfg: ExperimentConfig, store, now: float | None = None) -> di
                 tokens=hb.get("tokens"),
                 tokens_per_s=hb.get("tokens_per_s"),
                 loss=hb.get("loss"),
-                staleness=(head.version - base) if head and base is not None else None,
+                staleness=staleness,
+                bytes_sent=hb.get("bytes_sent"),
+                bytes_received=hb.get("bytes_received"),
                 heartbeat_age_s=(now - hb["time"]) if "time" in hb else None,
                 goodput=hb.get("goodput"),
             )
@@ -41,13 +48,15 @@ def collect_status(cfg: ExperimentConfig, store, now: float | None = None) -> di
     return dict(
         experiment=cfg.name,
         store=cfg.store_url,
-        head_version=head.version if head else None,
-        tokens_merged=manifest.get("tokens_merged", 0),
+        fragment_versions=heads,
+        tokens_merged=snapshot.tokens_merged if snapshot else 0,
         token_budget=cfg.token_budget,
-        pending=len(pending),
+        pending=pending,
         applied=len(applied),
         quarantined=len(quarantined),
         last_eval=evals[-1] if evals else None,
+        best_eval=store.best(),
+        warning=report["warning"],
         goodput=experiment_goodput(cfg, {n: hb.get("goodput_state") for n, hb in beats.items()}),
         stop_requested=store.stop_requested(None),
         islands=islands,
@@ -63,13 +72,18 @@ def _fmt(value, spec: str = "") -> str:
 def format_status(s: dict) -> str:
     lines = [
         f"experiment {s['experiment']}  store {s['store']}",
-        f"head version {_fmt(s['head_version'])}  tokens merged {s['tokens_merged']:,} / "
+        f"fragment versions {_fmt(s['fragment_versions'])}  tokens merged {s['tokens_merged']:,} / "
         f"{s['token_budget']:,}  applied {s['applied']}  pending {s['pending']}  "
         f"quarantined {s['quarantined']}" + ("  STOP requested" if s["stop_requested"] else ""),
     ]
     if s["last_eval"]:
         e = s["last_eval"]
-        lines.append(f"last eval: version {e['version']} loss {e['loss']:.4f}")
+        lines.append(f"last eval: versions {e.get('versions')} loss {e['loss']:.4f}")
+    if s.get("best_eval"):
+        b = s["best_eval"]
+        lines.append(f"best eval: versions {b.get('versions')} loss {b['loss']:.4f}")
+    if s.get("warning"):
+        lines.append(f"WARNING: {s['warning']}")
     g = s.get("goodput")
     if g:
         top = sorted(((g["badput"][c], c) for c in BADPUT if g["badput"][c] >= 0.005), reverse=True)

@@ -84,17 +84,14 @@ def retries(af: LocalAirflow, run_id: str) -> dict[str, int]:
 
 
 def progress(estore, heartbeat_s: float) -> dict:
-    head = estore.head()
+    snapshot = estore.current_snapshot()
     evals = estore.read_metrics("eval")
     beats, done = estore.heartbeats(), estore.done()
     now = time.time()
     alive = [i for i, b in beats.items() if now - float(b.get("time", 0)) < 5 * heartbeat_s]
-    tokens = 0
-    if head is not None:
-        tokens = int(estore.load_global(head).manifest.get("tokens_merged", 0))
     return {
-        "version": head.version if head else None,
-        "tokens_merged": tokens,
+        "version": list(snapshot.versions) if snapshot else None,
+        "tokens_merged": snapshot.tokens_merged if snapshot else 0,
         "eval": evals[-1]["loss"] if evals else None,
         "alive": sorted(set(alive) - set(done)),
         "done": sorted(done),
@@ -103,16 +100,18 @@ def progress(estore, heartbeat_s: float) -> dict:
 
 def summary(estore, af_retries: dict[str, int], elapsed: float) -> dict:
     evals = sorted(estore.read_metrics("eval"), key=lambda r: r["version"])
-    versions = estore.list_global_versions()
+    chains = [estore.list_fragment_versions(p) for p in range(estore.num_fragments())]
+    versions = [m for chain in chains for m in chain]
+    snapshot = estore.current_snapshot()
     applied = [pg for m in versions for pg in m.get("applied", [])]
     beats, done = estore.heartbeats(), estore.done()
     sent = sum(int((done.get(i) or beats.get(i) or {}).get("bytes_sent", 0)) for i in ISLANDS)
     return {
         "initial_eval_loss": evals[0]["loss"] if evals else None,
         "final_eval_loss": evals[-1]["loss"] if evals else None,
-        "final_version": versions[-1]["version"] if versions else None,
-        "merges": max(0, len(versions) - 1),
-        "tokens_merged": int(versions[-1].get("tokens_merged", 0)) if versions else 0,
+        "final_version": list(snapshot.versions) if snapshot else None,
+        "merges": max(0, len(versions) - len(chains)),
+        "tokens_merged": snapshot.tokens_merged if snapshot else 0,
         "pseudograds_applied": len(applied),
         "applied_twice": len(applied) - len(set(applied)),
         "retries": af_retries,

@@ -37,13 +37,14 @@ def open_experiment(store_url: str, experiment: str):
     return ExperimentStore(open_store(store_url), experiment)
 
 
-def pending_pseudograds(estore) -> list[str]:
-    """Ids of committed pseudo-gradients that are neither applied nor quarantined."""
-    applied = estore.applied()
-    quarantined = estore.quarantined()
-    return [
-        r.id for r in estore.list_pseudograds() if r.id not in applied and r.id not in quarantined
-    ]
+def pending_pseudograds(estore, fragments=None) -> list[str]:
+    """Ids of committed pseudo-gradients that are neither applied nor quarantined (of
+    `fragments`, default all), found from the fragments' cursors without listing the history."""
+    from training.config import parse_config
+    from training.merge import Merger
+
+    merger = Merger(parse_config(estore.read_config()), estore, fragments=fragments)
+    return [r.id for refs in merger.pending().values() for r in refs]
 
 
 class DilocoStoreHook(BaseHook):  # type: ignore[misc]

@@ -198,9 +198,9 @@ def init_experiment(params: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
     created = initial_version(cfg_all, estore)
     log.info("experiment %s: %s", cfg.name, "created version 0" if created == 0 else "exists")
     if created == 0:
-        from training.evaluate import evaluate_version
+        from training.evaluate import evaluate_current
 
-        log.info("initial eval: %s", evaluate_version(cfg_all, estore))
+        log.info("initial eval: %s", evaluate_current(cfg_all, estore))
     # only the islands of this trigger run here; islands of earlier runs keep running there
     entries = [island_entry(cfg_all, cfg_all.island(i.name)) for i in cfg.islands]
     register_experiment(cfg.store_url, cfg.name, entries)
@@ -391,24 +391,26 @@ def merge_experiments(experiments: list[dict[str, Any]]) -> list[dict[str, Any]]
 
 
 def evaluate_if_due(store_url: str, experiment: str, force: bool = False) -> dict | None:
-    """Evaluate the head if `eval_every_versions` passed since the last eval (or at the end)."""
+    """Evaluate the current snapshot if `eval_every_versions` merges happened since the last
+    eval (summed over fragments), at the end (a stop marker), or when forced."""
     from training.config import parse_config
 
     estore = hooks.open_experiment(store_url, experiment)
     cfg = parse_config(estore.read_config())
-    head = estore.head()
-    if head is None:
+    snapshot = estore.current_snapshot()
+    if snapshot is None:
         return None
     evals = estore.read_metrics("eval")
-    last = max((int(r["version"]) for r in evals), default=-1)
-    if head.version <= last:
+    last = max((int(r.get("version", -1)) for r in evals), default=-1)
+    version = sum(snapshot.versions)
+    if version <= last and not force:
         return None
-    due = head.version - last >= cfg.eval_every_versions or estore.stop_requested(None)
+    due = version - last >= cfg.eval_every_versions or estore.stop_requested(None)
     if not (due or force):
         return None
-    from training.evaluate import evaluate_version
+    from training.evaluate import evaluate_snapshot
 
-    record = evaluate_version(cfg, estore)
+    record = evaluate_snapshot(cfg, estore, snapshot)
     log.info("%s: eval %s", experiment, record)
     return record
 
@@ -417,15 +419,25 @@ def finalize_experiment(store_url: str, experiment: str) -> dict[str, Any]:
     """After the islands: a last merge, a last eval, and drop the experiment from the registry
     once every island of its config is done."""
     from training.config import parse_config
+    from training.evaluate import end_of_run_report
 
     merged = merge_experiments([{"store_url": store_url, "experiment": experiment}])
     record = evaluate_if_due(store_url, experiment, force=True)
     estore = hooks.open_experiment(store_url, experiment)
+    report = end_of_run_report(estore)
+    if report["warning"]:
+        log.warning("%s: %s", experiment, report["warning"])
     cfg = parse_config(estore.read_config())
     done = set(estore.done())
     if {i.name for i in cfg.islands} <= done:
         unregister_experiment(store_url, experiment)
-    return {"merged": merged, "eval": record, "done": sorted(done)}
+    return {
+        "merged": merged,
+        "eval": record,
+        "best": report.get("best"),
+        "warning": report["warning"],
+        "done": sorted(done),
+    }
 
 
 # ------------------------------------------------------------------ chaos

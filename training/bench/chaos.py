@@ -185,8 +185,8 @@ def run_one(cfg: ExperimentConfig, rate: float, p: BenchParams) -> dict:
         states[n] = dict(elapsed_s=end, seconds=seconds, wall=end)
     g = experiment_goodput(cfg, states)
     loop = loop_for(cfg)
-    head = store.load_global()
-    eval_loss = loop.eval_loss(loop.put_params(head.params), _eval_set(cfg))
+    snapshot = store.current_snapshot()
+    eval_loss = loop.eval_loss(loop.put_params(store.load_params(snapshot)), _eval_set(cfg))
     return dict(
         goodput=g["goodput"],
         badput=g["badput"],
@@ -196,8 +196,8 @@ def run_one(cfg: ExperimentConfig, rate: float, p: BenchParams) -> dict:
         virtual_time=end,
         tokens=tokens(),
         merges=merges,
-        final_version=head.version,
-        tokens_merged=int(head.manifest.get("tokens_merged", 0)),
+        final_version=list(snapshot.versions),
+        tokens_merged=snapshot.tokens_merged,
         quarantined=len(store.quarantined()),
         kill_log=kills,
     )

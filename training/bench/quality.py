@@ -179,9 +179,9 @@ def run_islands(cfg: ExperimentConfig, eval_dt: float, progress) -> dict:
 
     def evaluate():
         nonlocal seen_version
-        g = store.load_global()
-        loss = loop.eval_loss(loop.put_params(g.params), evals)
-        seen_version = g.version
+        snapshot = store.current_snapshot()
+        loss = loop.eval_loss(loop.put_params(store.load_params(snapshot)), evals)
+        seen_version = sum(snapshot.versions)
         curve.add(clock.t, merged_tokens, loss)
         progress(clock.t, curve.tokens[-1], loss)
 

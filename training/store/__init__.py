@@ -4,9 +4,10 @@ from training.store.experiment import (
     DoubleApply,
     ExperimentExists,
     ExperimentStore,
-    GlobalVersion,
+    FragmentVersion,
     HeadPointer,
     PseudoGradRef,
+    Snapshot,
 )
 from training.store.objectstore import (
     CorruptObject,
@@ -27,7 +28,8 @@ __all__ = [
     "ExperimentExists",
     "ExperimentStore",
     "Generation",
-    "GlobalVersion",
+    "FragmentVersion",
+    "Snapshot",
     "HeadPointer",
     "ObjectNotFound",
     "ObjectStore",

@@ -2,9 +2,13 @@
 
 The contract (what "committed" means, what a retry may repeat, how exactly-once is kept) is in
 docs/STORE.md. In short: payloads go to unique names first, a small marker written last commits
-them, readers ignore anything without its marker, HEAD advances only by compare-and-swap, and the
-ledger of applied pseudo-gradients is create-only. The named fault points (training/faults.py)
-sit between those steps so chaos tests can kill a process there.
+them, readers ignore anything without its marker, each fragment's HEAD advances only by compare-
+and-swap, and the ledger of applied pseudo-gradients is create-only. The named fault points
+(training/faults.py) sit between those steps so chaos tests can kill a process there.
+
+This module holds the experiment's own objects (config, pseudo-gradients, ledger, quarantine,
+heartbeats, checkpoints, metrics, control); the per-fragment version chains and snapshots are in
+training/store/versions.py, garbage collection in training/store/gc.py, names in layout.py.
 """
 
 from __future__ import annotations
@@ -15,230 +19,78 @@ import os
 import re
 import threading
 import time
-import uuid
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import numpy as np
 
 from training.faults import fault_point
 from training.names import validate_name
-from training.store.objectstore import (
-    CorruptObject,
-    Generation,
-    ObjectNotFound,
-    ObjectStore,
-    StoreError,
+from training.store.gc import GarbageCollection, GCPlan
+from training.store.layout import (
+    _LEDGER_ENTRY,
+    _METRIC,
+    _NAME_RE,
+    _PER_ISLAND,
+    _PG_MARKER,
+    _PG_RESERVED,
+    _QUARANTINE_ENTRY,
+    LAYOUT_VERSION,
+    DoubleApply,
+    ExperimentExists,
+    FragmentVersion,
+    HeadPointer,
+    PseudoGradRef,
+    Snapshot,
+    _is_int,
+    _now,
+    _unique_time_ns,
+    _uuid8,
+    dump_json,
+    iso,
+    load_json,
+    parse_pseudograd_id,
+    pseudograd_id,
 )
+from training.store.objectstore import CorruptObject, ObjectNotFound, ObjectStore, StoreError
 from training.store.tensors import decode_tensors, encode_tensors, sha256
+from training.store.versions import FragmentVersions
+
+__all__ = [
+    "DoubleApply",
+    "ExperimentExists",
+    "ExperimentStore",
+    "FragmentVersion",
+    "GCPlan",
+    "HeadPointer",
+    "LayoutMismatch",
+    "PseudoGradRef",
+    "Snapshot",
+    "dump_json",
+    "load_json",
+    "parse_pseudograd_id",
+    "pseudograd_id",
+]
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-MAX_FRAGMENT = 999
-_NAME = r"[a-z0-9][a-z0-9-]{0,62}"
-_PG_ID = re.compile(rf"^({_NAME})/(\d{{8,}})-f(\d{{3}})$")
-_GLOBAL_DIR = re.compile(r"^global/v(\d{8,})-[0-9a-f]{8}$")
-_PG_MARKER = re.compile(rf"^pseudograds/({_NAME}/\d{{8,}}-f\d{{3}})\.json$")
-_LEDGER_ENTRY = re.compile(rf"^ledger/({_NAME}/\d{{8,}}-f\d{{3}})\.json$")
-_QUARANTINE_ENTRY = re.compile(rf"^quarantine/({_NAME}/\d{{8,}}-f\d{{3}})\.json$")
-_PER_ISLAND = re.compile(rf"^[a-z]+/({_NAME})\.json$")
-_NAME_RE = re.compile(_NAME)
-_METRIC = re.compile(r"^metrics/[a-z0-9-]+/\d{20}-[0-9a-f]{8}\.json$")
 
-_GLOBAL_RESERVED = frozenset(
-    {"experiment", "version", "parent_version", "parent_dir", "created_at", "applied"}
-    | {"sha256", "nbytes"}
-)
-_PG_RESERVED = frozenset(
-    {"experiment", "island", "seq", "fragment", "payload", "nbytes", "sha256", "created_at"}
-)
+class LayoutMismatch(StoreError):
+    """config.json records another store layout than the one this code reads."""
 
 
-class ExperimentExists(StoreError):
-    """config.json already exists with different content."""
-
-
-class DoubleApply(StoreError):
-    """A pseudo-gradient is already recorded as applied in a different version."""
-
-
-# ---------------------------------------------------------------------------------------------
-# JSON and ids
-
-
-def _json_default(value: Any) -> Any:
-    if isinstance(value, np.generic):
-        return value.item()
-    if isinstance(value, np.ndarray):
-        return value.tolist()
-    raise TypeError(f"not JSON serializable: {type(value).__name__}")
-
-
-def dump_json(obj: Any) -> bytes:
-    """The one JSON encoding used for every store object: sorted keys, compact, UTF-8.
-
-    numpy scalars and arrays become plain numbers and lists. NaN/inf are written as NaN/Infinity
-    (what Python's json reads back), so metrics with a diverged loss still round-trip.
-    """
-    return json.dumps(
-        obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=_json_default
-    ).encode()
-
-
-def load_json(data: bytes, what: str) -> dict[str, Any]:
-    """Parse a JSON object; CorruptObject naming `what` if it is not one."""
-    try:
-        obj = json.loads(data)
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise CorruptObject(f"{what}: not valid JSON ({exc})") from None
-    if not isinstance(obj, dict):
-        raise CorruptObject(f"{what}: not a JSON object")
-    return obj
-
-
-def pseudograd_id(island: str, seq: int, fragment: int) -> str:
-    """The id of a pseudo-gradient: "{island}/{seq:08d}-f{fragment:03d}"."""
-    validate_name("island", island)
-    if isinstance(seq, bool) or not isinstance(seq, int) or seq < 0:
-        raise ValueError(f"invalid seq {seq!r}: must be an int >= 0")
-    if isinstance(fragment, bool) or not isinstance(fragment, int):
-        raise ValueError(f"invalid fragment {fragment!r}: must be an int")
-    if not 0 <= fragment <= MAX_FRAGMENT:
-        raise ValueError(f"invalid fragment {fragment!r}: must be in [0, {MAX_FRAGMENT}]")
-    return f"{island}/{seq:08d}-f{fragment:03d}"
-
-
-def parse_pseudograd_id(pg_id: str) -> tuple[str, int, int]:
-    """(island, seq, fragment) of a canonical pseudo-gradient id; ValueError otherwise."""
-    match = _PG_ID.fullmatch(pg_id) if isinstance(pg_id, str) else None
-    if match is None or pseudograd_id(match[1], int(match[2]), int(match[3])) != pg_id:
-        raise ValueError(f"invalid pseudo-gradient id {pg_id!r}: expected island/SSSSSSSS-fFFF")
-    return match[1], int(match[2]), int(match[3])
-
-
-def _now() -> float:
-    return round(time.time(), 3)
-
-
-def _uuid8() -> str:
-    return uuid.uuid4().hex[:8]
-
-
-_last_time_ns = 0
-_time_ns_lock = threading.Lock()
-
-
-def _unique_time_ns() -> int:
-    """time.time_ns(), strictly increasing within this process (orders metric records)."""
-    global _last_time_ns
-    with _time_ns_lock:
-        _last_time_ns = max(time.time_ns(), _last_time_ns + 1)
-        return _last_time_ns
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-# ---------------------------------------------------------------------------------------------
-# Refs
-
-
-@dataclass(frozen=True)
-class HeadPointer:
-    """What global/HEAD.json says, plus its store generation (the CAS token)."""
-
-    version: int
-    dir: str
-    generation: Generation
-
-
-@dataclass(frozen=True, eq=False)
-class GlobalVersion:
-    """A committed, checksum-verified global version."""
-
-    version: int
-    params: dict[str, np.ndarray]
-    outer_state: dict[str, np.ndarray]
-    manifest: dict[str, Any]
-
-
-@dataclass(frozen=True)
-class PseudoGradRef:
-    """A committed pseudo-gradient. `payload_key` is relative to the experiment root."""
-
-    island: str
-    seq: int
-    fragment: int
-    id: str
-    manifest: dict[str, Any] = field(compare=False)
-    payload_key: str
-
-
-@dataclass
-class GCPlan:
-    """What a garbage collection deletes (docs/STORE.md, "Garbage collection").
-
-    `versions`: committed versions whose payloads go (their manifest.json stays, so HEAD's chain
-    and its `applied` lists stay readable); `orphan_dirs`: global directories off HEAD's chain
-    that can never be committed; `pseudograds`: merged pseudo-gradients (marker and payload)
-    applied outside the retention window; `orphan_payloads`: pseudo-gradient payloads their
-    marker does not name; `checkpoints`: checkpoint directories older than the island's LATEST.
-    `protected`: the versions kept (HEAD, the window, version 0, every island's base).
-    """
-
-    head: int | None = None
-    keep_last: int = 0
-    protected: list[int] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    version_dirs: dict[int, str] = field(default_factory=dict)
-    orphan_dirs: list[str] = field(default_factory=list)
-    pseudograds: list[str] = field(default_factory=list)
-    orphan_payloads: list[str] = field(default_factory=list)
-    checkpoints: list[str] = field(default_factory=list)
-
-    @property
-    def empty(self) -> bool:
-        return not (
-            self.versions
-            or self.orphan_dirs
-            or self.pseudograds
-            or self.orphan_payloads
-            or self.checkpoints
-        )
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "head": self.head,
-            "keep_last": self.keep_last,
-            "protected": self.protected,
-            "versions": self.versions,
-            "orphan_dirs": self.orphan_dirs,
-            "pseudograds": self.pseudograds,
-            "orphan_payloads": self.orphan_payloads,
-            "checkpoints": self.checkpoints,
-        }
-
-
-# ---------------------------------------------------------------------------------------------
-# The store
-
-
-class ExperimentStore:
+class ExperimentStore(FragmentVersions, GarbageCollection):
     """The objects of one experiment under `<store root>/<experiment>/` (layout: docs/STORE.md).
 
     Every method is safe to call from several threads and processes at once; every write is safe
     to repeat after a crash (see "What a retry may repeat" in docs/STORE.md).
     """
 
-    HEAD = "global/HEAD.json"
     CONFIG = "config.json"
     STOP = "control/STOP"
-    COLLECTED = "collected.json"
 
     def __init__(self, store: ObjectStore, experiment: str, max_workers: int = 16):
         self.store = store
@@ -274,10 +126,11 @@ class ExperimentStore:
     def _create_json(self, relative: str, obj: Any) -> bool:
         return self.store.create(self._key(relative), dump_json(obj))
 
-    def _list(self, relative_prefix: str) -> list[str]:
-        """Keys under `relative_prefix`, relative to the experiment root, sorted."""
+    def _list(self, relative_prefix: str, start_after: str | None = None) -> list[str]:
+        """Keys under `relative_prefix` (after `start_after`), relative to the experiment root."""
         root = self._key("")
-        return [k[len(root) :] for k in self.store.list(root + relative_prefix)]
+        after = None if start_after is None else root + start_after
+        return [k[len(root) :] for k in self.store.list(root + relative_prefix, after)]
 
     def _parallel(self, fn: Callable[[str], T], items: Sequence[str]) -> list[T]:
         """map(fn, items) on a thread pool (object stores are latency bound); keeps order."""
@@ -319,9 +172,9 @@ class ExperimentStore:
 
     # config --------------------------------------------------------------------------------
     def write_config(self, cfg: Mapping[str, Any]) -> None:
-        """Create config.json. Re-creating it with equal content is a no-op; different content
-        raises ExperimentExists (an experiment name is never reused for another config)."""
-        data = dump_json(cfg)
+        """Create config.json (recording `layout`). Re-creating it with equal content is a
+        no-op; different content raises ExperimentExists (a name is never reused)."""
+        data = dump_json({**dict(cfg), "layout": LAYOUT_VERSION})
         if self.store.create(self._key(self.CONFIG), data):
             return
         if self._read_json(self.CONFIG) != json.loads(data):
@@ -330,8 +183,16 @@ class ExperimentStore:
             )
 
     def read_config(self) -> dict[str, Any]:
-        """config.json; ObjectNotFound if the experiment has none."""
-        return self._read_json(self.CONFIG)
+        """config.json without its `layout` key; ObjectNotFound if the experiment has none,
+        LayoutMismatch if it was written for another store layout."""
+        cfg = self._read_json(self.CONFIG)
+        layout = cfg.pop("layout", 1)
+        if layout != LAYOUT_VERSION:
+            raise LayoutMismatch(
+                f"{self.url} uses store layout {layout!r}; this version reads layout "
+                f"{LAYOUT_VERSION} only (start a new experiment, or use the release that wrote it)"
+            )
+        return cfg
 
     def update_config(
         self, change: Callable[[dict[str, Any]], dict[str, Any]], attempts: int = 20
@@ -349,10 +210,16 @@ class ExperimentStore:
                 raise ObjectNotFound(f"{self.url}/{self.CONFIG} does not exist")
             data, generation = got
             current = load_json(data, f"{self.url}/{self.CONFIG}")
-            new = change(json.loads(data))
+            layout = current.pop("layout", 1)
+            if layout != LAYOUT_VERSION:
+                raise LayoutMismatch(
+                    f"{self.url} uses store layout {layout!r}, not {LAYOUT_VERSION}"
+                )
+            new = change(json.loads(dump_json(current)))
             if new == current:
                 return current
-            if self.store.compare_and_swap(key, dump_json(new), generation):
+            stored = {**new, "layout": LAYOUT_VERSION}
+            if self.store.compare_and_swap(key, dump_json(stored), generation):
                 return json.loads(dump_json(new))
             time.sleep(min(1.0, 0.05 * 2**attempt))
         raise StoreError(f"{self.url}/{self.CONFIG} kept changing: gave up after {attempts} tries")
@@ -369,152 +236,6 @@ class ExperimentStore:
 
         wanted = [dict(i) for i in islands]
         return self.update_config(lambda current: join_islands(current, wanted))
-
-    # global versions -----------------------------------------------------------------------
-    def head(self) -> HeadPointer | None:
-        """The current HEAD pointer (with its generation), or None before the first publish."""
-        got = self.store.read_versioned(self._key(self.HEAD))
-        if got is None:
-            return None
-        data, generation = got
-        obj = load_json(data, f"{self.url}/{self.HEAD}")
-        version, directory = obj.get("version"), obj.get("dir")
-        match = _GLOBAL_DIR.fullmatch(directory) if isinstance(directory, str) else None
-        if not _is_int(version) or match is None or int(match[1]) != version:
-            raise CorruptObject(f"{self.url}/{self.HEAD}: invalid pointer {obj!r}")
-        return HeadPointer(version=version, dir=directory, generation=generation)
-
-    def publish_global(
-        self,
-        version: int,
-        params: Mapping[str, np.ndarray],
-        outer_state: Mapping[str, np.ndarray],
-        manifest_extra: Mapping[str, Any] | None = None,
-        applied: Iterable[str] = (),
-        expected: HeadPointer | None = None,
-    ) -> HeadPointer | None:
-        """Write version `version` and advance HEAD to it if HEAD is still `expected`.
-
-        `version` must be expected.version + 1 (any int >= 0 when `expected` is None: the first
-        version). Writes both payloads, then manifest.json (commit marker of the directory), then
-        compare-and-swaps HEAD, then records `applied` in the ledger. Returns the new HEAD, or None
-        when another writer advanced HEAD first: the directory stays as an unreferenced orphan
-        and nothing is recorded. `manifest_extra` may not set the fields filled here
-        (ValueError); `fragment_versions` defaults to {}.
-        """
-        if not _is_int(version) or version < 0:
-            raise ValueError(f"invalid version {version!r}")
-        if expected is not None and version != expected.version + 1:
-            raise ValueError(f"version {version} does not follow the expected head {expected}")
-        extra = dict(manifest_extra or {})
-        clash = sorted(_GLOBAL_RESERVED & extra.keys())
-        if clash:
-            raise ValueError(f"manifest_extra may not set {clash}")
-        ids = list(applied)
-        for pg_id in ids:
-            parse_pseudograd_id(pg_id)
-        if len(set(ids)) != len(ids):
-            raise ValueError("applied lists a pseudo-gradient twice")
-
-        directory = f"global/v{version:08d}-{_uuid8()}"
-        payloads = {"params": encode_tensors(params), "outer_state": encode_tensors(outer_state)}
-        for name, data in payloads.items():
-            self.store.write(self._key(f"{directory}/{name}.safetensors"), data)
-        fault_point("global.payload-written")
-        manifest = {
-            "fragment_versions": {},
-            **extra,
-            "experiment": self.experiment,
-            "version": version,
-            "parent_version": None if expected is None else expected.version,
-            "parent_dir": None if expected is None else expected.dir,
-            "created_at": _now(),
-            "applied": sorted(ids),
-            "sha256": {name: sha256(data) for name, data in payloads.items()},
-            "nbytes": {name: len(data) for name, data in payloads.items()},
-        }
-        if not self._create_json(f"{directory}/manifest.json", manifest):
-            raise StoreError(f"{self.url}/{directory}/manifest.json exists: uuid collision")
-        fault_point("global.before-cas")
-
-        pointer = dump_json({"version": version, "dir": directory})
-        generation = self.store.compare_and_swap_generation(
-            self._key(self.HEAD), pointer, None if expected is None else expected.generation
-        )
-        if generation is None:
-            log.info("%s: lost the race to publish version %d (%s)", self.url, version, directory)
-            return None
-        fault_point("global.after-cas")
-        self.record_applied(ids, version)
-        return HeadPointer(version=version, dir=directory, generation=generation)
-
-    def _global_manifest(self, head: HeadPointer) -> dict[str, Any]:
-        relative = f"{head.dir}/manifest.json"
-        manifest = self._read_json_or_none(relative)
-        if manifest is None:
-            raise CorruptObject(f"{self.url}/{relative} is missing but HEAD points to it")
-        if manifest.get("version") != head.version or manifest.get("experiment") != self.experiment:
-            raise CorruptObject(f"{self.url}/{relative} does not describe version {head.version}")
-        return manifest
-
-    def load_global(self, head: HeadPointer | None = None) -> GlobalVersion:
-        """Load `head` (default: the current HEAD), verifying both payloads' size and sha256
-        against the manifest (CorruptObject). ObjectNotFound if nothing was published yet."""
-        head = head or self.head()
-        if head is None:
-            raise ObjectNotFound(f"{self.url}: no global version published yet")
-        manifest = self._global_manifest(head)
-        digests, sizes = manifest.get("sha256"), manifest.get("nbytes")
-        if not isinstance(digests, dict) or not isinstance(sizes, dict):
-            raise CorruptObject(f"{self.url}/{head.dir}/manifest.json lacks sha256 / nbytes")
-        what = f"{self.url} version {head.version}"
-        try:
-            tensors = {
-                name: self._verified_tensors(
-                    f"{head.dir}/{name}.safetensors", digests.get(name), sizes.get(name), what
-                )
-                for name in ("params", "outer_state")
-            }
-        except CorruptObject:
-            if self.store.exists(self._key(f"{head.dir}/{self.COLLECTED}")):
-                raise ObjectNotFound(f"{what} was garbage-collected (payloads deleted)") from None
-            raise
-        return GlobalVersion(head.version, tensors["params"], tensors["outer_state"], manifest)
-
-    def find_version(self, version: int) -> HeadPointer:
-        """A pointer to committed version `version` (HEAD or one of its ancestors)."""
-        head = self.head()
-        if head is None:
-            raise ObjectNotFound(f"{self.url}: no global version published yet")
-        chain = self.list_global_versions()
-        for child in chain[::-1]:
-            if child.get("version") == version + 1 and isinstance(child.get("parent_dir"), str):
-                return HeadPointer(version=version, dir=child["parent_dir"], generation=0)
-        if head.version == version:
-            return head
-        raise ObjectNotFound(f"{self.url}: no committed version {version}")
-
-    def list_global_versions(self) -> list[dict[str, Any]]:
-        """Manifests of the committed versions (HEAD and its ancestors), oldest first.
-
-        Directories that lost the HEAD race are not versions and are left out. The chain stops
-        at the first missing manifest (an ancestor deleted to save space).
-        """
-        head = self.head()
-        if head is None:
-            return []
-        relatives = [k for k in self._list("global/") if k.endswith("/manifest.json")]
-        raw: dict[str, bytes] = {}
-        for relative, data in zip(relatives, self._read_many(relatives), strict=True):
-            if data is not None:
-                raw[relative.removesuffix("/manifest.json")] = data
-        chain: list[dict[str, Any]] = []
-        directory: Any = head.dir
-        while isinstance(directory, str) and directory in raw and len(chain) < len(raw):
-            manifest = load_json(raw[directory], f"{self.url}/{directory}/manifest.json")
-            chain.append(manifest)
-            directory = manifest.get("parent_dir")
-        return chain[::-1]
 
     # pseudo-gradients ----------------------------------------------------------------------
     def _pg_ref(self, island: str, seq: int, fragment: int, manifest: dict[str, Any]):
@@ -574,22 +295,33 @@ class ExperimentStore:
         self.store.delete(self._key(payload))
         return self._pg_ref(island, seq, fragment, self._read_json(f"{stem}.json"))
 
+    @staticmethod
+    def _after_seq(folder: str, island: str, after_seq: int | None) -> str | None:
+        """The listing offset that skips every object of `island` with seq <= after_seq."""
+        return None if after_seq is None else f"{folder}/{island}/{after_seq:08d}~"
+
     def list_pseudograds(
-        self, island: str | None = None, exclude: Collection[str] = ()
+        self,
+        island: str | None = None,
+        exclude: Collection[str] = (),
+        after_seq: int | None = None,
     ) -> list[PseudoGradRef]:
         """Committed pseudo-gradients (those with a manifest), by (island, seq, fragment).
 
         Payloads without a manifest are ignored. Ids in `exclude` (e.g. applied or quarantined
-        ones) are skipped without reading their manifests. A manifest that is not valid JSON
-        yields a ref with an empty manifest, which load_pseudograd rejects (so it can be
-        quarantined rather than silently ignored).
+        ones) are skipped without reading their manifests. `after_seq` (with `island`): only
+        seqs above it, listed from there (a merger's cursor: the history is never re-listed).
+        A manifest that is not valid JSON yields a ref with an empty manifest, which
+        load_pseudograd rejects (so it can be quarantined rather than silently ignored).
         """
+        if after_seq is not None and island is None:
+            raise ValueError("after_seq needs an island")
         prefix = (
             "pseudograds/" if island is None else f"pseudograds/{validate_name('island', island)}/"
         )
         excluded = set(exclude)
         ids = []
-        for relative in self._list(prefix):
+        for relative in self._list(prefix, self._after_seq("pseudograds", island, after_seq)):
             match = _PG_MARKER.fullmatch(relative)
             if match is not None and match[1] not in excluded:
                 ids.append(match[1])
@@ -639,6 +371,11 @@ class ExperimentStore:
         """Ids of applied pseudo-gradients, from a listing only (no reads)."""
         return {m[1] for k in self._list("ledger/") if (m := _LEDGER_ENTRY.fullmatch(k))}
 
+    def is_applied(self, pg_id: str) -> bool:
+        """Whether `pg_id` has a ledger entry (one existence check, whatever the history)."""
+        parse_pseudograd_id(pg_id)
+        return self.store.exists(self._key(f"ledger/{pg_id}.json"))
+
     def applied(self) -> dict[str, int]:
         """pseudo-gradient id -> the version that applied it, from the ledger.
 
@@ -666,7 +403,8 @@ class ExperimentStore:
         ids = list(ids)
         for pg_id in ids:
             parse_pseudograd_id(pg_id)
-        entry = dump_json({"version": version})
+        at = _now()
+        entry = dump_json({"version": version, "at": at, "at_iso": iso(at)})
 
         def record(pg_id: str) -> str | None:
             relative = f"ledger/{pg_id}.json"
@@ -687,27 +425,23 @@ class ExperimentStore:
                 f"version, not recorded for version {version}: {shown}"
             )
 
-    def repair_ledger(self, head: HeadPointer | None = None) -> None:
-        """Record the `applied` list of `head` (default: current HEAD) in the ledger.
-
-        A merger calls this before choosing what to merge: it completes the ledger writes that a
-        crash between the HEAD swap and record_applied left undone (see docs/STORE.md).
-        """
-        head = head or self.head()
-        if head is not None:
-            applied = self._global_manifest(head).get("applied", [])
-            if not isinstance(applied, list):
-                raise CorruptObject(f"{self.url}/{head.dir}/manifest.json: invalid applied list")
-            self.record_applied(applied, head.version)
-
     def quarantine(self, pg_id: str, reason: str) -> None:
         """Mark a pseudo-gradient as never to be applied (overwrites an earlier reason)."""
         parse_pseudograd_id(pg_id)
-        self._write_json(f"quarantine/{pg_id}.json", {"reason": reason, "at": _now()})
+        at = _now()
+        self._write_json(
+            f"quarantine/{pg_id}.json", {"reason": reason, "at": at, "at_iso": iso(at)}
+        )
 
-    def quarantined(self) -> dict[str, str]:
-        """pseudo-gradient id -> reason."""
-        ids = [m[1] for k in self._list("quarantine/") if (m := _QUARANTINE_ENTRY.fullmatch(k))]
+    def quarantined(
+        self, island: str | None = None, after_seq: int | None = None
+    ) -> dict[str, str]:
+        """pseudo-gradient id -> reason (of `island` above `after_seq`, if given)."""
+        prefix = (
+            "quarantine/" if island is None else f"quarantine/{validate_name('island', island)}/"
+        )
+        after = None if island is None else self._after_seq("quarantine", island, after_seq)
+        ids = [m[1] for k in self._list(prefix, after) if (m := _QUARANTINE_ENTRY.fullmatch(k))]
         result = {}
         for pg_id, data in zip(
             ids, self._read_many([f"quarantine/{i}.json" for i in ids]), strict=True
@@ -834,181 +568,3 @@ class ExperimentStore:
         if self.store.exists(self._key(self.STOP)):
             return True
         return island is not None and self.store.exists(self._key(self._stop_key(island)))
-
-    # garbage collection --------------------------------------------------------------------
-    def _head_chain(self) -> tuple[HeadPointer | None, dict[int, str], bool]:
-        """(head, version -> directory along HEAD's chain, whether the chain reaches its root)."""
-        head = self.head()
-        if head is None:
-            return None, {}, True
-        dirs = {head.version: head.dir}
-        complete = False
-        for manifest in self.list_global_versions():
-            parent, parent_dir = manifest.get("parent_version"), manifest.get("parent_dir")
-            if parent_dir is None:
-                complete = True
-            elif _is_int(parent) and isinstance(parent_dir, str):
-                dirs[parent] = parent_dir
-        return head, dirs, complete
-
-    def referenced_versions(self, keep_last: int = 1, keep_first: bool = True) -> set[int]:
-        """Versions that must keep their payloads: HEAD, the newest `keep_last` of its chain,
-        version 0 (`keep_first`: the baseline evaluations compare against), and every version an
-        island's heartbeat or latest checkpoint names as its base."""
-        head, dirs, _ = self._head_chain()
-        if head is None:
-            return set()
-        keep = {head.version} | {v for v in dirs if v > head.version - max(1, keep_last)}
-        if keep_first and 0 in dirs:
-            keep.add(0)
-        bases: list[Any] = [b.get("base_version") for b in self.heartbeats().values()]
-        latest = [k for k in self._list("checkpoints/") if k.endswith("/LATEST.json")]
-        for pointer in self._read_many(latest):
-            if pointer is None:
-                continue
-            directory = load_json(pointer, "checkpoint LATEST.json").get("dir")
-            if isinstance(directory, str) and directory.startswith("checkpoints/"):
-                meta = self._read_json_or_none(f"{directory}/meta.json") or {}
-                found = meta.get("base_version")
-                bases += found if isinstance(found, list) else [found]
-        keep |= {b for b in bases if _is_int(b)}
-        return keep
-
-    def plan_gc(self, keep_last: int = 5, keep_first: bool = True) -> GCPlan:
-        """What `collect_garbage` would delete now; reads only (see GCPlan)."""
-        if not _is_int(keep_last) or keep_last < 1:
-            raise ValueError(f"keep_last must be an int >= 1, got {keep_last!r}")
-        head, dirs, complete = self._head_chain()
-        plan = GCPlan(head=None if head is None else head.version, keep_last=keep_last)
-        if head is None:
-            return plan
-        protected = self.referenced_versions(keep_last, keep_first)
-        plan.protected = sorted(protected)
-
-        files: dict[str, set[str]] = {}
-        for key in self._list("global/v"):
-            directory, _, name = key.rpartition("/")
-            files.setdefault(directory, set()).add(name)
-        payloads = {"params.safetensors", "outer_state.safetensors"}
-        for version, directory in sorted(dirs.items()):
-            if version not in protected and files.get(directory, set()) & payloads:
-                plan.versions.append(version)
-                plan.version_dirs[version] = directory
-        on_chain = set(dirs.values())
-        if complete:  # a broken chain (a manifest deleted by hand) hides what is committed
-            for directory in sorted(files):
-                match = _GLOBAL_DIR.fullmatch(directory)
-                if match and directory not in on_chain and int(match[1]) <= head.version:
-                    plan.orphan_dirs.append(directory)
-
-        applied = self.applied()
-        quarantined = set(self.quarantined())
-        markers: set[str] = set()
-        payload_keys: dict[str, list[str]] = {}
-        payload_re = re.compile(
-            rf"^pseudograds/({_NAME}/\d{{8,}}-f\d{{3}})-[0-9a-f]{{8}}\.safetensors$"
-        )
-        for key in self._list("pseudograds/"):
-            if m := _PG_MARKER.fullmatch(key):
-                markers.add(m[1])
-            elif m := payload_re.fullmatch(key):
-                payload_keys.setdefault(m[1], []).append(key)
-        window_start = head.version - keep_last + 1
-        for pg_id in sorted(markers | set(payload_keys)):
-            version = applied.get(pg_id)
-            if version is not None and version < window_start and pg_id not in quarantined:
-                plan.pseudograds.append(pg_id)
-        collected = set(plan.pseudograds)
-        several = [i for i in sorted(markers - collected) if len(payload_keys.get(i, [])) > 1]
-        for pg_id, data in zip(
-            several, self._read_many([f"pseudograds/{i}.json" for i in several]), strict=True
-        ):
-            named = load_json(data, f"pseudograds/{pg_id}.json").get("payload") if data else None
-            if isinstance(named, str):
-                plan.orphan_payloads += [k for k in payload_keys[pg_id] if k != named]
-
-        ckpt_dirs: dict[str, set[str]] = {}
-        for key in self._list("checkpoints/"):
-            parts = key.split("/")
-            if len(parts) == 4 and re.fullmatch(r"c\d{10,}-[0-9a-f]{8}", parts[2]):
-                ckpt_dirs.setdefault(parts[1], set()).add("/".join(parts[:3]))
-        for island, directories in sorted(ckpt_dirs.items()):
-            latest = self._read_json_or_none(f"checkpoints/{island}/LATEST.json") or {}
-            step = latest.get("step")
-            if not _is_int(step):
-                continue  # no committed checkpoint: everything may still be in flight
-            for directory in sorted(directories):
-                if int(directory.rsplit("/c", 1)[1].split("-")[0]) < step:
-                    plan.checkpoints.append(directory)
-        return plan
-
-    def _delete_prefix(self, relative_prefix: str) -> int:
-        keys = self._list(relative_prefix)
-        self._parallel(lambda k: self.store.delete(self._key(k)), keys)
-        return len(keys)
-
-    def delete_global_version(self, version: int, protected: Collection[int] = ()) -> bool:
-        """Delete the payloads of committed version `version` (params, outer state).
-
-        Its manifest.json stays (HEAD's chain and the `applied` history stay readable) next to a
-        `collected.json` marker, written first; `load_global` of it then raises ObjectNotFound.
-        Refuses (ValueError) HEAD, any version in `protected`, and any version
-        `referenced_versions()` keeps. False if the version has no payloads left.
-        """
-        head, dirs, _ = self._head_chain()
-        if head is None or version not in dirs:
-            raise ObjectNotFound(f"{self.url}: no committed version {version}")
-        if version >= head.version or version in protected:
-            raise ValueError(f"{self.url}: version {version} is HEAD or protected; not deleted")
-        if version in self.referenced_versions(keep_last=1, keep_first=False):
-            raise ValueError(f"{self.url}: version {version} is still referenced; not deleted")
-        return self._collect_version(dirs[version])
-
-    def _collect_version(self, directory: str) -> bool:
-        names = [f"{directory}/params.safetensors", f"{directory}/outer_state.safetensors"]
-        present = [n for n in names if self.store.exists(self._key(n))]
-        if not present:
-            return False
-        self._write_json(f"{directory}/{self.COLLECTED}", {"at": _now()})
-        for name in present:
-            self.store.delete(self._key(name))
-        return True
-
-    def delete_pseudograd(self, pg: str | PseudoGradRef) -> int:
-        """Delete a merged pseudo-gradient: its marker first, then every payload of its id.
-
-        Refuses (ValueError) one without a ledger entry (not merged). Its ledger entry stays:
-        it keeps the id applied, so a replay of it is never merged again. Returns the number of
-        objects deleted.
-        """
-        pg_id = pg.id if isinstance(pg, PseudoGradRef) else pg
-        parse_pseudograd_id(pg_id)
-        if not self.store.exists(self._key(f"ledger/{pg_id}.json")):
-            raise ValueError(f"{self.url}: pseudo-gradient {pg_id} is not merged; not deleted")
-        marker = self._key(f"pseudograds/{pg_id}.json")
-        deleted = int(self.store.exists(marker))
-        self.store.delete(marker)
-        return deleted + self._delete_prefix(f"pseudograds/{pg_id}-")
-
-    def collect_garbage(self, plan: GCPlan) -> dict[str, int]:
-        """Delete what `plan` (from `plan_gc`) lists; safe to repeat. Counts of what went."""
-        counts = dict.fromkeys(
-            ("versions", "orphan_dirs", "pseudograds", "orphan_payloads", "checkpoints"), 0
-        )
-        head = self.head()
-        protected = set(plan.protected) | ({head.version} if head else set())
-        for version in plan.versions:
-            directory = plan.version_dirs.get(version)
-            if version in protected or directory is None:
-                continue
-            counts["versions"] += int(self._collect_version(directory))
-        for directory in plan.orphan_dirs:
-            counts["orphan_dirs"] += int(self._delete_prefix(f"{directory}/") > 0)
-        for pg_id in plan.pseudograds:
-            counts["pseudograds"] += int(self.delete_pseudograd(pg_id) > 0)
-        for key in plan.orphan_payloads:
-            self.store.delete(self._key(key))
-            counts["orphan_payloads"] += 1
-        for directory in plan.checkpoints:
-            counts["checkpoints"] += int(self._delete_prefix(f"{directory}/") > 0)
-        return counts

@@ -216,8 +216,12 @@ class ObjectStore(ABC):
         """Whether the object exists."""
 
     @abstractmethod
-    def list(self, prefix: str) -> list[str]:
-        """Keys starting with `prefix` (a plain string prefix, recursive), sorted; never cached."""
+    def list(self, prefix: str, start_after: str | None = None) -> list[str]:
+        """Keys starting with `prefix` (a plain string prefix, recursive), sorted; never cached.
+
+        `start_after` (a full key): only keys sorting after it. On GCS this is a server-side
+        `start_offset`, so a poller that remembers where it stopped never re-lists the history.
+        """
 
     @abstractmethod
     def delete(self, key: str) -> None:
@@ -461,7 +465,7 @@ class LocalStore(ObjectStore):
     def exists(self, key: str) -> bool:
         return self._path(key).is_file()
 
-    def list(self, prefix: str) -> list[str]:
+    def list(self, prefix: str, start_after: str | None = None) -> list[str]:
         validate_prefix(prefix)
         directory, _, _ = prefix.rpartition("/")
         start = self.root.joinpath(*directory.split("/")) if directory else self.root
@@ -480,7 +484,7 @@ class LocalStore(ObjectStore):
                 for name in filenames
                 if not name.startswith(".") and (base + name).startswith(prefix)
             )
-        return sorted(keys)
+        return sorted(k for k in keys if start_after is None or k > start_after)
 
     def delete(self, key: str) -> None:
         path = self._path(key)
@@ -579,10 +583,11 @@ class MemoryStore(ObjectStore):
         with self._bucket.lock:
             return key in self._bucket.objects
 
-    def list(self, prefix: str) -> list[str]:
+    def list(self, prefix: str, start_after: str | None = None) -> list[str]:
         validate_prefix(prefix)
         with self._bucket.lock:
-            return sorted(k for k in self._bucket.objects if k.startswith(prefix))
+            keys = [k for k in self._bucket.objects if k.startswith(prefix)]
+        return sorted(k for k in keys if start_after is None or k > start_after)
 
     def delete(self, key: str) -> None:
         validate_key(key)
@@ -777,16 +782,18 @@ class GCSStore(ObjectStore):
         blob = self._blob(key)
         return self._run("exists", key, lambda: blob.exists(retry=None, timeout=self.timeout))
 
-    def list(self, prefix: str) -> list[str]:
+    def list(self, prefix: str, start_after: str | None = None) -> list[str]:
         validate_prefix(prefix)
         root = f"{self.prefix}/" if self.prefix else ""
+        offset = {} if start_after is None else {"start_offset": root + start_after}
 
         def attempt() -> list[str]:
             blobs = self._client().list_blobs(
-                self.bucket, prefix=root + prefix, retry=None, timeout=self.timeout
+                self.bucket, prefix=root + prefix, retry=None, timeout=self.timeout, **offset
             )
             # Skip "folder" placeholder objects (names ending in '/') made by the console.
-            return sorted(b.name[len(root) :] for b in blobs if not b.name.endswith("/"))
+            names = (b.name[len(root) :] for b in blobs if not b.name.endswith("/"))
+            return sorted(k for k in names if start_after is None or k > start_after)
 
         return self._run("list", prefix, attempt)
 

@@ -203,15 +203,20 @@ def _metadata(header: dict[str, Any]) -> dict[str, str]:
     return metadata
 
 
-def _slice(data: bytes, start: int, dtype: np.dtype, shape: tuple[int, ...], begin: int):
-    """A writable copy of one tensor's bytes as an array."""
+def _slice(
+    data: bytes, start: int, dtype: np.dtype, shape: tuple[int, ...], begin: int, copy: bool = True
+):
+    """One tensor's bytes as an array: a writable copy, or (copy=False) a view into `data`."""
     count = math.prod(shape)
-    array = np.frombuffer(data, dtype=dtype, count=count, offset=start + begin)
-    return array.reshape(shape).copy()
+    array = np.frombuffer(data, dtype=dtype, count=count, offset=start + begin).reshape(shape)
+    return array.copy() if copy else array
 
 
-def decode_tensors(data: bytes) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    """(tensors, metadata) from safetensors bytes; arrays are writable copies.
+def decode_tensors(
+    data: bytes | bytearray | memoryview, copy: bool = True
+) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """(tensors, metadata) from safetensors bytes; arrays are writable copies, or with
+    copy=False views into `data` (zero-copy: writable only if `data` is a bytearray).
 
     A strict reader of the safetensors format (header JSON, known dtypes, sizes that match
     shapes, data regions that cover the data exactly with no gap or overlap). Truncated or
@@ -235,7 +240,7 @@ def decode_tensors(data: bytes) -> tuple[dict[str, np.ndarray], dict[str, str]]:
             f"data is {len(data) - start} bytes but the header describes {position} (truncated?)"
         )
     tensors = {
-        name: _slice(data, start, dtype, shape, begin)
+        name: _slice(data, start, dtype, shape, begin, copy)
         for name, (dtype, shape, begin, _) in layouts.items()
     }
     return tensors, metadata

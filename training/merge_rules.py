@@ -1,0 +1,386 @@
+"""The merge's decisions and arithmetic as pure functions, testable without a store.
+
+The merger (training/merge.py) is the I/O shell around these:
+- `check_manifest`: is a committed pseudo-gradient admissible (claims, staleness, codec)? A
+  `Candidate` or the reason to quarantine it. Reads no payload.
+- `select`: which candidates of one fragment to apply now (quorum K, grace window, sync).
+- `decode_checked`: a payload's tensors decoded one at a time, each checked (tree, dtype, shape,
+  finiteness) as it is decoded.
+- `Combiner`: folds islands' votes into one update, tensor by tensor, in float32: radial-
+  directional averaging (RDA) over the non-embedding tensors, the weighted mean for embeddings.
+  It holds one fragment-sized accumulator, never every contribution.
+- `outer_step_`: the outer optimizer applied in place on host arrays, with its state as one
+  typed `OuterFragmentState` per fragment. `tests/test_merge_rules.py` checks it against the
+  optax transforms of training/outer.py (`optax.sgd(..., nesterov=True)`, `delayed_nesterov`).
+
+Sign convention: deltas are pseudo-gradients (global minus local, training/pseudograd.py); the
+outer step moves the parameters against them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from training import codecs
+from training.config import ExperimentConfig, OuterConfig
+from training.fragments import is_embedding
+
+NORM_HISTORY = 64  # merged norms kept per fragment for the clipping median
+QUARANTINE_FACTOR = 1000.0  # a norm over this x the clip limit is quarantined, not clipped
+
+
+# -- outer optimizer state and step ------------------------------------------------------------
+
+
+class OuterFragmentState(NamedTuple):
+    """All outer-optimizer state of one fragment (serialized: training/merge.py)."""
+
+    steps: int  # outer steps applied
+    seen: int  # contributions seen (Delayed Nesterov's counter)
+    momentum: dict[str, np.ndarray]  # per tensor; empty when momentum = 0
+    buffer: dict[str, np.ndarray]  # Delayed Nesterov's D; empty for other methods
+
+
+def init_state(outer: OuterConfig, shapes: Mapping[str, tuple[int, ...]]) -> OuterFragmentState:
+    zeros = {n: np.zeros(s, np.float32) for n, s in shapes.items()}
+    momentum = zeros if outer.momentum else {}
+    buffer = {n: np.zeros(s, np.float32) for n, s in shapes.items()}
+    return OuterFragmentState(
+        0, 0, momentum, buffer if outer.method == "delayed_nesterov" and outer.momentum else {}
+    )
+
+
+def outer_step_(
+    outer: OuterConfig,
+    period: int,
+    params: dict[str, np.ndarray],
+    state: OuterFragmentState,
+    delta: dict[str, np.ndarray],
+    final: bool = False,
+) -> OuterFragmentState:
+    """theta <- outer step(theta, delta), in place on `params` and the state's arrays.
+
+    - momentum 0: theta -= lr * g;
+    - SGD with momentum (Nesterov or not), as optax.sgd: m <- beta m + g; theta -= lr (g + beta
+      m) with Nesterov, lr m without;
+    - Delayed Nesterov with period N (arXiv 2401.09135): D += g; on every N-th contribution
+      m <- beta m + D / N, theta -= lr (g / N + beta m), D <- 0; otherwise theta -= lr g / N.
+    `final` (an island's last, partial interval): theta -= lr g and the state does not move, so
+    a few steps' remainder never buys a full momentum step (the end-of-run degradation).
+    `delta` may be overwritten.
+    """
+    lr, beta = np.float32(outer.lr), np.float32(outer.momentum)
+    if final or not outer.momentum:
+        for n, g in delta.items():
+            params[n] -= lr * g
+        return state if final else state._replace(steps=state.steps + 1, seen=state.seen + 1)
+    if outer.method == "delayed_nesterov":
+        seen = state.seen + 1
+        flush = seen % period == 0
+        inv = np.float32(1.0 / period)
+        for n, g in delta.items():
+            d, m = state.buffer[n], state.momentum[n]
+            d += g
+            g *= inv
+            if flush:
+                m *= beta
+                m += inv * d
+                d[...] = 0
+                g += beta * m
+            params[n] -= lr * g
+        return state._replace(steps=state.steps + 1, seen=seen)
+    for n, g in delta.items():
+        m = state.momentum[n]
+        m *= beta
+        m += g
+        if outer.nesterov:
+            g += beta * m
+            params[n] -= lr * g
+        else:
+            params[n] -= lr * m
+    return state._replace(steps=state.steps + 1, seen=state.seen + 1)
+
+
+def state_tensors(state: OuterFragmentState) -> dict[str, np.ndarray]:
+    """The state's arrays as named tensors ("momentum/<name>", "buffer/<name>")."""
+    out = {f"momentum/{n}": v for n, v in state.momentum.items()}
+    out.update({f"buffer/{n}": v for n, v in state.buffer.items()})
+    return out
+
+
+def state_from_tensors(
+    outer: OuterConfig,
+    shapes: Mapping[str, tuple[int, ...]],
+    tensors: Mapping[str, np.ndarray],
+    steps: int,
+    seen: int,
+) -> OuterFragmentState:
+    """Rebuild a fragment's state; ValueError naming the first tensor that does not fit."""
+    template = init_state(outer, shapes)
+    expected = state_tensors(template)
+    if sorted(tensors) != sorted(expected):
+        raise ValueError(f"outer state tensors {sorted(tensors)[:4]} != {sorted(expected)[:4]}")
+    for k, v in tensors.items():
+        if v.dtype != np.float32 or v.shape != expected[k].shape:
+            raise ValueError(f"outer state {k}: {v.dtype} {v.shape}, expected {expected[k].shape}")
+    pick = {
+        kind: {n[len(kind) + 1 :]: v for n, v in tensors.items() if n.startswith(kind + "/")}
+        for kind in ("momentum", "buffer")
+    }
+    return OuterFragmentState(steps, seen, pick["momentum"], pick["buffer"])
+
+
+# -- admission: manifests ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A committed pseudo-gradient whose manifest passed `check_manifest`."""
+
+    id: str
+    island: str
+    seq: int
+    fragment: int
+    tokens: int
+    steps: int
+    staleness: int
+    published_at: float
+    step_time_s: float
+    codec: str
+    final: bool
+    manifest: Mapping[str, Any]
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_real(v: Any) -> bool:
+    return (_is_int(v) or isinstance(v, float)) and math.isfinite(v)
+
+
+def check_manifest(
+    cfg: ExperimentConfig,
+    ref_id: str,
+    island: str,
+    seq: int,
+    fragment: int,
+    manifest: Mapping[str, Any],
+    head_version: int,
+) -> Candidate | str:
+    """A Candidate, or the one-line reason to quarantine the pseudo-gradient."""
+    m = manifest
+    if m.get("experiment") != cfg.name:
+        return f"manifest names experiment {m.get('experiment')!r}, not {cfg.name!r}"
+    if m.get("island") != island or m.get("fragment") != fragment:
+        return "manifest island/fragment do not match its name"
+    if not 0 <= fragment < cfg.fragments.count:
+        return f"fragment {fragment} out of range (P = {cfg.fragments.count})"
+    base = m.get("base_version")
+    if not _is_int(base) or base < 0 or base > head_version:
+        return f"base_version {base!r} is not a committed version (head {head_version})"
+    staleness = head_version - base
+    if staleness > cfg.outer.max_staleness:
+        return f"stale: base version {base}, fragment head {head_version}"
+    steps, tokens = m.get("steps"), m.get("tokens")
+    if not (_is_int(steps) and _is_int(tokens) and 0 < steps < 2**53 and 0 < tokens < 2**53):
+        return f"bad steps/tokens in manifest: {steps!r}/{tokens!r}"
+    per_step = cfg.data.batch_size * cfg.data.seq_len
+    if tokens > steps * per_step:
+        return f"tokens {tokens} exceed {steps} steps x {per_step} tokens per step"
+    for key in ("published_at", "step_time_s"):
+        if key in m and not _is_real(m[key]):
+            return f"bad {key} in manifest: {m[key]!r}"
+    codec = m.get("codec")
+    if codec not in codecs.CODECS:
+        return f"unknown codec {codec!r}"
+    final = m.get("final", False)
+    if not isinstance(final, bool):
+        return f"bad final flag in manifest: {final!r}"
+    return Candidate(
+        ref_id,
+        island,
+        seq,
+        fragment,
+        tokens,
+        steps,
+        staleness,
+        float(m.get("published_at", 0.0)),
+        float(m.get("step_time_s", 0.0)),
+        codec,
+        final,
+        m,
+    )
+
+
+def vote_weight(outer: OuterConfig, tokens: int, steps: int, staleness: int) -> float:
+    """Quantity x quality (tokens^2 / steps), divided by 1 + staleness (fragment versions)."""
+    weight = float(tokens) ** 2 / float(steps) if outer.token_weighting else 1.0
+    return weight / (1.0 + staleness) if outer.staleness_decay else weight
+
+
+# -- selection -----------------------------------------------------------------------------------
+
+
+def grace_seconds(cfg: ExperimentConfig, group: Sequence[Candidate], sync_s: float) -> float:
+    """gamma * (tau * step_time - time to quorum - sync time), capped, >= 0."""
+    o = cfg.outer
+    step_s = float(np.median([c.step_time_s for c in group]))
+    quorum_at = group[min(o.quorum, len(group)) - 1].published_at
+    slack = cfg.inner.tau * step_s - (quorum_at - group[0].published_at) - sync_s
+    return float(min(o.max_grace_s, max(0.0, o.grace_gamma * slack)))
+
+
+def select(
+    cfg: ExperimentConfig,
+    candidates: Sequence[Candidate],
+    active: set[str],
+    now: float,
+    sync_s: float,
+) -> tuple[list[list[Candidate]], float | None]:
+    """The groups of one fragment's candidates to apply now (one outer step each, in order),
+    and when to look again if the grace window holds them back (else None)."""
+    cands = sorted(candidates, key=lambda c: (c.published_at, c.island, c.seq))
+    if not cands:
+        return [], None
+    method = cfg.outer.method
+    if method in ("nesterov", "delayed_nesterov"):
+        return [[c] for c in cands], None
+    if method == "sync":
+        first: dict[str, Candidate] = {}
+        for c in cands:
+            first.setdefault(c.island, c)
+        if active and active <= set(first):
+            return [[first[i] for i in sorted(first)]], None
+        return [], None
+    islands = {c.island for c in cands}
+    if len(islands) < min(cfg.outer.quorum, max(len(active), 1)):
+        return [], None
+    deadline = cands[0].published_at + grace_seconds(cfg, cands, sync_s)
+    if not active <= islands and now < deadline:
+        return [], deadline
+    regular = [c for c in cands if not c.final]
+    final = [c for c in cands if c.final]
+    return [g for g in (regular, final) if g], None
+
+
+# -- payloads ------------------------------------------------------------------------------------
+
+
+def decode_checked(
+    payload: Mapping[str, np.ndarray],
+    codec: str,
+    shapes: Mapping[str, tuple[int, ...]],
+    fragment: int = 0,
+) -> Iterator[tuple[str, np.ndarray]]:
+    """(name, float32 tensor) for each tensor of the fragment, decoded one at a time from the
+    payload and checked; ValueError with the reason at the first problem."""
+    names = sorted(k for k in payload if ".__" not in k)
+    if names != sorted(shapes):
+        extra = sorted(set(names) - set(shapes))[:3]
+        missing = sorted(set(shapes) - set(names))[:3]
+        raise ValueError(f"wrong tree for fragment {fragment}: extra {extra}, missing {missing}")
+    allowed = codecs.payload_keys(names, codec)
+    unexpected = sorted(set(payload) - allowed)
+    if unexpected:
+        raise ValueError(
+            f"unreadable payload: unexpected payload tensors for codec {codec!r}: {unexpected[:3]}"
+        )
+    for n in names:
+        try:
+            v = codecs.decode_tensor(payload, n, codec)
+        except (ValueError, KeyError) as err:
+            raise ValueError(f"unreadable payload: {str(err).strip(chr(39))}") from None
+        if v.dtype != np.float32:
+            raise ValueError(f"wrong dtype for {n}: {v.dtype}")
+        if tuple(v.shape) != tuple(shapes[n]):
+            raise ValueError(f"wrong shape for {n}: {tuple(v.shape)}, expected {tuple(shapes[n])}")
+        if not np.isfinite(v).all():
+            raise ValueError(f"non-finite values in {n}")
+        yield n, v
+
+
+def sq_norm(x: np.ndarray) -> float:
+    flat = x.reshape(-1)
+    return float(np.dot(flat, flat))
+
+
+def clip_limit(outer: OuterConfig, norms: Sequence[float]) -> float | None:
+    """k x the running median of merged norms, or None until four norms are known."""
+    return outer.clip_multiplier * float(np.median(norms)) if len(norms) >= 4 else None
+
+
+def norm_verdict(
+    outer: OuterConfig, norm: float, limit: float | None, params_norm: float
+) -> tuple[float, str | None]:
+    """(scale to apply, reason to quarantine or None) for a contribution of norm `norm`.
+
+    Over the clip limit it is scaled down to it; over 1000x the limit it is quarantined. Until
+    the median exists the bound is 1000 x k x the fragment parameters' norm.
+    """
+    if limit is not None and limit > 0:
+        if not norm <= QUARANTINE_FACTOR * limit:
+            return 0.0, f"norm {norm:.3g} is over 1000x the clip limit {limit:.3g}"
+        return (limit / norm if norm > limit else 1.0), None
+    bound = QUARANTINE_FACTOR * outer.clip_multiplier * params_norm
+    if params_norm > 0 and not norm <= bound:
+        return 0.0, (
+            f"norm {norm:.3g} is over 1000x the bound {bound / QUARANTINE_FACTOR:.3g} "
+            "(k x the parameters' norm; no running median yet)"
+        )
+    return 1.0, None
+
+
+# -- combination ---------------------------------------------------------------------------------
+
+
+class Combiner:
+    """Folds weighted votes into one update for a fragment, tensor by tensor, in float32.
+
+    RDA (arXiv 2604.21428) over the non-embedding tensors taken together as one vector:
+    `(sum w |v| / sum w) * unit(sum w unit(v))`; the weighted mean for embedding tensors (and
+    for everything when rda=False). One accumulator per tensor; a vote is folded in once.
+    """
+
+    def __init__(self, shapes: Mapping[str, tuple[int, ...]], rda: bool):
+        self.rda = rda
+        self.acc = {n: np.zeros(s, np.float32) for n, s in shapes.items()}
+        self.body = [n for n in shapes if rda and not is_embedding(n)]
+        self.total_weight = 0.0
+        self.norm_sum = 0.0  # sum w |v_body|
+        self.votes = 0
+
+    def add(self, vote: Mapping[str, np.ndarray], weight: float, scale: float = 1.0) -> None:
+        """Fold one island's vote (scaled by `scale`, e.g. a clip) with `weight`."""
+        if weight <= 0:
+            raise ValueError(f"vote weight must be positive, got {weight}")
+        body_norm = math.sqrt(sum(sq_norm(vote[n]) for n in self.body)) * scale
+        direction = np.float32(weight * scale / body_norm) if body_norm > 0 else np.float32(0)
+        mean = np.float32(weight * scale)
+        for n, v in vote.items():
+            self.acc[n] += (direction if n in self.body else mean) * v
+        self.total_weight += weight
+        self.norm_sum += weight * body_norm
+        self.votes += 1
+
+    def result(self) -> dict[str, np.ndarray]:
+        """The combined update (in place in the accumulators: the Combiner is spent)."""
+        if not self.votes:
+            raise ValueError("no votes to combine")
+        inv = np.float32(1.0 / self.total_weight)
+        body = set(self.body)
+        for n, a in self.acc.items():
+            if n not in body:
+                a *= inv
+        if body:
+            direction_norm = math.sqrt(sum(sq_norm(self.acc[n]) for n in body))
+            target = self.norm_sum / self.total_weight
+            factor = np.float32(target / direction_norm) if direction_norm > 0 else np.float32(0)
+            for n in body:
+                self.acc[n] *= factor
+        return self.acc

@@ -1,0 +1,282 @@
+"""Garbage collection of an experiment (docs/STORE.md, "Garbage collection").
+
+`plan_gc` reads only and says what may go; `collect_garbage` deletes it and is safe to repeat.
+Per fragment, a version is *protected* (keeps its payloads) when it is that fragment's HEAD, one
+of the newest `keep_last` of its chain, version 0, the base an island's heartbeat or latest
+checkpoint names, or part of the BEST snapshot. A collected version keeps its manifest.json, so
+every chain and every `applied` list stays readable.
+
+A mixin of `ExperimentStore` (training/store/experiment.py), which supplies the I/O helpers.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Collection
+from dataclasses import dataclass, field
+from typing import Any
+
+from training.store.layout import (
+    _FRAGMENT_DIR,
+    _NAME,
+    _PG_MARKER,
+    _is_int,
+    _now,
+    fragment_root,
+    load_json,
+    parse_pseudograd_id,
+)
+from training.store.objectstore import ObjectNotFound
+
+_PG_PAYLOAD = re.compile(rf"^pseudograds/({_NAME}/\d{{8,}}-f\d{{3}})-[0-9a-f]{{8}}\.safetensors$")
+_CHECKPOINT_DIR = re.compile(r"c\d{10,}-[0-9a-f]{8}")
+_PAYLOAD_FILES = ("params.safetensors", "outer_state.safetensors")
+
+
+@dataclass
+class GCPlan:
+    """What a garbage collection deletes.
+
+    `versions`: committed fragment version directories whose payloads go (manifest stays);
+    `orphan_dirs`: fragment directories off their HEAD's chain that can never be committed;
+    `pseudograds`: merged pseudo-gradients (marker and payloads) applied outside the retention
+    window of their fragment; `orphan_payloads`: pseudo-gradient payloads their marker does not
+    name; `checkpoints`: checkpoint directories older than the island's LATEST.
+    `heads` and `protected`: per fragment, its HEAD version and the versions kept.
+    """
+
+    keep_last: int = 0
+    heads: dict[int, int] = field(default_factory=dict)
+    protected: dict[int, list[int]] = field(default_factory=dict)
+    versions: list[str] = field(default_factory=list)
+    orphan_dirs: list[str] = field(default_factory=list)
+    pseudograds: list[str] = field(default_factory=list)
+    orphan_payloads: list[str] = field(default_factory=list)
+    checkpoints: list[str] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not (
+            self.versions
+            or self.orphan_dirs
+            or self.pseudograds
+            or self.orphan_payloads
+            or self.checkpoints
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "keep_last": self.keep_last,
+            "heads": {str(p): v for p, v in self.heads.items()},
+            "protected": {str(p): v for p, v in self.protected.items()},
+            "versions": self.versions,
+            "orphan_dirs": self.orphan_dirs,
+            "pseudograds": self.pseudograds,
+            "orphan_payloads": self.orphan_payloads,
+            "checkpoints": self.checkpoints,
+        }
+
+
+def _version_of(directory: str) -> tuple[int, int] | None:
+    match = _FRAGMENT_DIR.fullmatch(directory)
+    return None if match is None else (int(match[1]), int(match[2]))
+
+
+class GarbageCollection:
+    """plan_gc / collect_garbage (mixed into ExperimentStore)."""
+
+    def _chain(self, fragment: int) -> tuple[int | None, dict[int, str], bool]:
+        """(head version, version -> directory along HEAD's chain, whether it reaches v0's root)."""
+        head = self.head(fragment)
+        if head is None:
+            return None, {}, True
+        dirs = {head.version: head.dir}
+        complete = False
+        for manifest in self.list_fragment_versions(fragment):
+            parent, parent_dir = manifest.get("parent_version"), manifest.get("parent_dir")
+            if parent_dir is None:
+                complete = True
+            elif _is_int(parent) and isinstance(parent_dir, str):
+                dirs[parent] = parent_dir
+        return head.version, dirs, complete
+
+    def _island_bases(self) -> list[Any]:
+        """Every base version an island names (heartbeat and latest checkpoint): per-fragment
+        lists, or one int for every fragment."""
+        bases: list[Any] = [b.get("base_version") for b in self.heartbeats().values()]
+        latest = [k for k in self._list("checkpoints/") if k.endswith("/LATEST.json")]
+        for pointer in self._read_many(latest):
+            if pointer is None:
+                continue
+            directory = load_json(pointer, "checkpoint LATEST.json").get("dir")
+            if isinstance(directory, str) and directory.startswith("checkpoints/"):
+                meta = self._read_json_or_none(f"{directory}/meta.json") or {}
+                bases.append(meta.get("base_version"))
+        return bases
+
+    def referenced_versions(
+        self, keep_last: int = 1, keep_first: bool = True
+    ) -> dict[int, set[int]]:
+        """Per fragment, the versions that must keep their payloads (see the module docstring)."""
+        bases = self._island_bases()
+        best = self.best() or {}
+        best_versions = best.get("versions") if isinstance(best.get("versions"), list) else []
+        keep: dict[int, set[int]] = {}
+        for p in range(self.num_fragments()):
+            head, dirs, _ = self._chain(p)
+            if head is None:
+                continue
+            kept = {head} | {v for v in dirs if v > head - max(1, keep_last)}
+            if keep_first and 0 in dirs:
+                kept.add(0)
+            for base in bases:
+                if _is_int(base):
+                    kept.add(base)
+                elif isinstance(base, list) and p < len(base) and _is_int(base[p]):
+                    kept.add(base[p])
+            if p < len(best_versions) and _is_int(best_versions[p]):
+                kept.add(best_versions[p])
+            keep[p] = kept
+        return keep
+
+    def plan_gc(self, keep_last: int = 5, keep_first: bool = True) -> GCPlan:
+        """What `collect_garbage` would delete now; reads only (see GCPlan)."""
+        if not _is_int(keep_last) or keep_last < 1:
+            raise ValueError(f"keep_last must be an int >= 1, got {keep_last!r}")
+        plan = GCPlan(keep_last=keep_last)
+        protected = self.referenced_versions(keep_last, keep_first)
+        plan.protected = {p: sorted(v) for p, v in protected.items()}
+        for p in range(self.num_fragments()):
+            head, dirs, complete = self._chain(p)
+            if head is None:
+                continue
+            plan.heads[p] = head
+            files: dict[str, set[str]] = {}
+            for key in self._list(f"{fragment_root(p)}/v"):
+                directory, _, name = key.rpartition("/")
+                files.setdefault(directory, set()).add(name)
+            for version, directory in sorted(dirs.items()):
+                if version not in protected[p] and files.get(directory, set()) & set(
+                    _PAYLOAD_FILES
+                ):
+                    plan.versions.append(directory)
+            on_chain = set(dirs.values())
+            if complete:  # a broken chain (a manifest deleted by hand) hides what is committed
+                for directory in sorted(files):
+                    found = _version_of(directory)
+                    if found and directory not in on_chain and found[1] <= head:
+                        plan.orphan_dirs.append(directory)
+
+        applied = self.applied()
+        quarantined = set(self.quarantined())
+        markers: set[str] = set()
+        payload_keys: dict[str, list[str]] = {}
+        for key in self._list("pseudograds/"):
+            if m := _PG_MARKER.fullmatch(key):
+                markers.add(m[1])
+            elif m := _PG_PAYLOAD.fullmatch(key):
+                payload_keys.setdefault(m[1], []).append(key)
+        for pg_id in sorted(markers | set(payload_keys)):
+            version = applied.get(pg_id)
+            head = plan.heads.get(parse_pseudograd_id(pg_id)[2])
+            window_start = None if head is None else head - keep_last + 1
+            stale = version is not None and window_start is not None and version < window_start
+            if stale and pg_id not in quarantined:
+                plan.pseudograds.append(pg_id)
+        collected = set(plan.pseudograds)
+        several = [i for i in sorted(markers - collected) if len(payload_keys.get(i, [])) > 1]
+        for pg_id, data in zip(
+            several, self._read_many([f"pseudograds/{i}.json" for i in several]), strict=True
+        ):
+            named = load_json(data, f"pseudograds/{pg_id}.json").get("payload") if data else None
+            if isinstance(named, str):
+                plan.orphan_payloads += [k for k in payload_keys[pg_id] if k != named]
+
+        ckpt_dirs: dict[str, set[str]] = {}
+        for key in self._list("checkpoints/"):
+            parts = key.split("/")
+            if len(parts) == 4 and _CHECKPOINT_DIR.fullmatch(parts[2]):
+                ckpt_dirs.setdefault(parts[1], set()).add("/".join(parts[:3]))
+        for island, directories in sorted(ckpt_dirs.items()):
+            latest = self._read_json_or_none(f"checkpoints/{island}/LATEST.json") or {}
+            step = latest.get("step")
+            if not _is_int(step):
+                continue  # no committed checkpoint: everything may still be in flight
+            for directory in sorted(directories):
+                if int(directory.rsplit("/c", 1)[1].split("-")[0]) < step:
+                    plan.checkpoints.append(directory)
+        return plan
+
+    def _delete_prefix(self, relative_prefix: str) -> int:
+        keys = self._list(relative_prefix)
+        self._parallel(lambda k: self.store.delete(self._key(k)), keys)
+        return len(keys)
+
+    def delete_fragment_version(
+        self, fragment: int, version: int, protected: Collection[int] = ()
+    ) -> bool:
+        """Delete the payloads of committed version `version` of `fragment`.
+
+        Its manifest.json stays next to a `collected.json` marker, written first; loading it
+        then raises ObjectNotFound. Refuses (ValueError) HEAD, any version in `protected`, and
+        any version `referenced_versions()` keeps. False if it has no payloads left.
+        """
+        head, dirs, _ = self._chain(fragment)
+        if head is None or version not in dirs:
+            raise ObjectNotFound(f"{self.url}: fragment {fragment} has no version {version}")
+        if version >= head or version in protected:
+            raise ValueError(
+                f"{self.url}: fragment {fragment} version {version} is HEAD or protected"
+            )
+        if version in self.referenced_versions(keep_last=1, keep_first=False).get(fragment, set()):
+            raise ValueError(
+                f"{self.url}: fragment {fragment} version {version} is still referenced"
+            )
+        return self._collect_version(dirs[version])
+
+    def _collect_version(self, directory: str) -> bool:
+        names = [f"{directory}/{n}" for n in _PAYLOAD_FILES]
+        present = [n for n in names if self.store.exists(self._key(n))]
+        if not present:
+            return False
+        self._write_json(f"{directory}/{self.COLLECTED}", {"at": _now()})
+        for name in present:
+            self.store.delete(self._key(name))
+        return True
+
+    def delete_pseudograd(self, pg) -> int:
+        """Delete a merged pseudo-gradient: its marker first, then every payload of its id.
+
+        Refuses (ValueError) one without a ledger entry (not merged). Its ledger entry stays, so
+        the id stays applied. Returns the number of objects deleted.
+        """
+        pg_id = pg if isinstance(pg, str) else pg.id
+        parse_pseudograd_id(pg_id)
+        if not self.store.exists(self._key(f"ledger/{pg_id}.json")):
+            raise ValueError(f"{self.url}: pseudo-gradient {pg_id} is not merged; not deleted")
+        marker = self._key(f"pseudograds/{pg_id}.json")
+        deleted = int(self.store.exists(marker))
+        self.store.delete(marker)
+        return deleted + self._delete_prefix(f"pseudograds/{pg_id}-")
+
+    def collect_garbage(self, plan: GCPlan) -> dict[str, int]:
+        """Delete what `plan` (from `plan_gc`) lists; safe to repeat. Counts of what went."""
+        counts = dict.fromkeys(
+            ("versions", "orphan_dirs", "pseudograds", "orphan_payloads", "checkpoints"), 0
+        )
+        protected = self.referenced_versions(plan.keep_last or 1)
+        for directory in plan.versions:
+            found = _version_of(directory)
+            if found is None or found[1] in protected.get(found[0], {found[1]}):
+                continue
+            counts["versions"] += int(self._collect_version(directory))
+        for directory in plan.orphan_dirs:
+            counts["orphan_dirs"] += int(self._delete_prefix(f"{directory}/") > 0)
+        for pg_id in plan.pseudograds:
+            counts["pseudograds"] += int(self.delete_pseudograd(pg_id) > 0)
+        for key in plan.orphan_payloads:
+            self.store.delete(self._key(key))
+            counts["orphan_payloads"] += 1
+        for directory in plan.checkpoints:
+            counts["checkpoints"] += int(self._delete_prefix(f"{directory}/") > 0)
+        return counts

@@ -1,0 +1,331 @@
+"""Per-fragment global state (store layout 2): one version chain per fragment, and snapshots.
+
+Each fragment p has its own HEAD (`fragments/f{p:03d}/HEAD.json`, advanced only by compare-and-
+swap), its own chain of immutable version directories (params, outer-optimizer state, manifest
+written last) and its own slice of the ledger: a merge of fragment p writes only fragment p, and
+two merges of different fragments never contend. A *snapshot* is a vector of fragment versions
+(`snapshots/{time_ns}-{uuid8}.json`, JSON only): what evaluation, status, export and garbage
+collection name when they mean "the whole model at one point of the run". `snapshots/BEST.json`
+names the best evaluated snapshot. The protocol is in docs/STORE.md.
+
+A mixin of `ExperimentStore` (training/store/experiment.py), which supplies the I/O helpers.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from training.faults import fault_point
+from training.store.layout import (
+    _FRAGMENT_DIR,
+    _FRAGMENT_RESERVED,
+    _SNAPSHOT,
+    FragmentVersion,
+    HeadPointer,
+    Snapshot,
+    _is_int,
+    _now,
+    _unique_time_ns,
+    _uuid8,
+    dump_json,
+    fragment_root,
+    iso,
+    load_json,
+    parse_pseudograd_id,
+)
+from training.store.objectstore import CorruptObject, ObjectNotFound, StoreError
+from training.store.tensors import encode_tensors, sha256
+
+log = logging.getLogger(__name__)
+
+BEST = "snapshots/BEST.json"
+PAYLOADS = ("params", "outer_state")
+
+
+class FragmentVersions:
+    """Fragment heads, versions and snapshots (mixed into ExperimentStore)."""
+
+    COLLECTED = "collected.json"
+
+    # heads ---------------------------------------------------------------------------------
+    def num_fragments(self) -> int:
+        """P, from config.json (fixed for the life of the experiment)."""
+        count = self.read_config().get("fragments", {}).get("count", 1)
+        if not _is_int(count) or not 1 <= count <= 999:
+            raise CorruptObject(f"{self.url}/config.json: invalid fragments.count {count!r}")
+        return count
+
+    def head(self, fragment: int) -> HeadPointer | None:
+        """Fragment p's HEAD pointer (with its generation), or None before its first version."""
+        relative = f"{fragment_root(fragment)}/HEAD.json"
+        got = self.store.read_versioned(self._key(relative))
+        if got is None:
+            return None
+        data, generation = got
+        obj = load_json(data, f"{self.url}/{relative}")
+        version, directory = obj.get("version"), obj.get("dir")
+        match = _FRAGMENT_DIR.fullmatch(directory) if isinstance(directory, str) else None
+        if (
+            not _is_int(version)
+            or match is None
+            or int(match[1]) != fragment
+            or int(match[2]) != version
+        ):
+            raise CorruptObject(f"{self.url}/{relative}: invalid pointer {obj!r}")
+        return HeadPointer(fragment, version, directory, generation)
+
+    def heads(self, fragments: Sequence[int] | None = None) -> list[HeadPointer | None]:
+        """The HEADs of `fragments` (default: all P), read in parallel, in that order."""
+        wanted = list(range(self.num_fragments())) if fragments is None else list(fragments)
+        return self._parallel(self.head, wanted)
+
+    # versions ------------------------------------------------------------------------------
+    def publish_fragment(
+        self,
+        fragment: int,
+        version: int,
+        params: Mapping[str, np.ndarray],
+        outer_state: Mapping[str, np.ndarray],
+        manifest_extra: Mapping[str, Any] | None = None,
+        applied: Iterable[str] = (),
+        expected: HeadPointer | None = None,
+    ) -> HeadPointer | None:
+        """Write version `version` of `fragment` and advance its HEAD if it is still `expected`.
+
+        `version` must be expected.version + 1 (any int >= 0 when `expected` is None: HEAD must
+        not exist). Writes both payloads, then manifest.json (the directory's commit marker), then
+        compare-and-swaps HEAD, then records `applied` in the ledger. Returns the new HEAD, or
+        None when another writer advanced HEAD first: the directory stays an unreferenced orphan
+        and nothing is recorded. `manifest_extra` may not set the fields filled here.
+        """
+        root = fragment_root(fragment)
+        if not _is_int(version) or version < 0:
+            raise ValueError(f"invalid version {version!r}")
+        if expected is not None and (
+            expected.fragment != fragment or version != expected.version + 1
+        ):
+            raise ValueError(f"version {version} of fragment {fragment} does not follow {expected}")
+        extra = dict(manifest_extra or {})
+        clash = sorted(_FRAGMENT_RESERVED & extra.keys())
+        if clash:
+            raise ValueError(f"manifest_extra may not set {clash}")
+        ids = list(applied)
+        for pg_id in ids:
+            if parse_pseudograd_id(pg_id)[2] != fragment:
+                raise ValueError(f"{pg_id} is not a pseudo-gradient of fragment {fragment}")
+        if len(set(ids)) != len(ids):
+            raise ValueError("applied lists a pseudo-gradient twice")
+
+        directory = f"{root}/v{version:08d}-{_uuid8()}"
+        sums, sizes = {}, {}
+        for name, tensors in (("params", params), ("outer_state", outer_state)):
+            data = encode_tensors(tensors)
+            sums[name], sizes[name] = sha256(data), len(data)
+            self.store.write(self._key(f"{directory}/{name}.safetensors"), data)
+            del data
+        fault_point("global.payload-written")
+        created = _now()
+        manifest = {
+            **extra,
+            "experiment": self.experiment,
+            "fragment": fragment,
+            "version": version,
+            "parent_version": None if expected is None else expected.version,
+            "parent_dir": None if expected is None else expected.dir,
+            "created_at": created,
+            "created_at_iso": iso(created),
+            "applied": sorted(ids),
+            "sha256": sums,
+            "nbytes": sizes,
+        }
+        if not self._create_json(f"{directory}/manifest.json", manifest):
+            raise StoreError(f"{self.url}/{directory}/manifest.json exists: uuid collision")
+        fault_point("global.before-cas")
+        pointer = dump_json({"version": version, "dir": directory})
+        generation = self.store.compare_and_swap_generation(
+            self._key(f"{root}/HEAD.json"),
+            pointer,
+            None if expected is None else expected.generation,
+        )
+        if generation is None:
+            log.info("%s: lost the race for fragment %d version %d", self.url, fragment, version)
+            return None
+        fault_point("global.after-cas")
+        self.record_applied(ids, version)
+        return HeadPointer(fragment, version, directory, generation)
+
+    def fragment_manifest(self, head: HeadPointer) -> dict[str, Any]:
+        """The manifest of the version `head` points at; CorruptObject if it does not match."""
+        relative = f"{head.dir}/manifest.json"
+        manifest = self._read_json_or_none(relative)
+        if manifest is None:
+            raise CorruptObject(f"{self.url}/{relative} is missing but a pointer names it")
+        if [manifest.get(k) for k in ("experiment", "fragment", "version")] != [
+            self.experiment,
+            head.fragment,
+            head.version,
+        ]:
+            raise CorruptObject(f"{self.url}/{relative} does not describe {head}")
+        return manifest
+
+    def load_fragment(
+        self, head: HeadPointer, outer_state: bool = False, manifest: dict | None = None
+    ) -> FragmentVersion:
+        """The verified params (and, if asked, outer state) of the version `head` points at.
+
+        Each payload is read once, its size and sha256 checked against the manifest, and its
+        tensors decoded as writable arrays. ObjectNotFound if the version was garbage-collected.
+        """
+        manifest = manifest if manifest is not None else self.fragment_manifest(head)
+        digests, sizes = manifest.get("sha256"), manifest.get("nbytes")
+        if not isinstance(digests, dict) or not isinstance(sizes, dict):
+            raise CorruptObject(f"{self.url}/{head.dir}/manifest.json lacks sha256 / nbytes")
+        what = f"{self.url} fragment {head.fragment} version {head.version}"
+        names = PAYLOADS if outer_state else ("params",)
+        try:
+            tensors = {
+                name: self._verified_tensors(
+                    f"{head.dir}/{name}.safetensors", digests.get(name), sizes.get(name), what
+                )
+                for name in names
+            }
+        except CorruptObject:
+            if self.store.exists(self._key(f"{head.dir}/{self.COLLECTED}")):
+                raise ObjectNotFound(f"{what} was garbage-collected (payloads deleted)") from None
+            raise
+        return FragmentVersion(
+            head.fragment, head.version, tensors["params"], tensors.get("outer_state", {}), manifest
+        )
+
+    def list_fragment_versions(self, fragment: int) -> list[dict[str, Any]]:
+        """Manifests of fragment p's committed versions (HEAD and its ancestors), oldest first.
+
+        Directories that lost the HEAD race are not versions and are left out; the chain stops
+        at the first missing manifest.
+        """
+        head = self.head(fragment)
+        if head is None:
+            return []
+        root = fragment_root(fragment)
+        relatives = [k for k in self._list(f"{root}/v") if k.endswith("/manifest.json")]
+        raw: dict[str, bytes] = {}
+        for relative, data in zip(relatives, self._read_many(relatives), strict=True):
+            if data is not None:
+                raw[relative.removesuffix("/manifest.json")] = data
+        chain: list[dict[str, Any]] = []
+        directory: Any = head.dir
+        while isinstance(directory, str) and directory in raw and len(chain) < len(raw):
+            manifest = load_json(raw[directory], f"{self.url}/{directory}/manifest.json")
+            chain.append(manifest)
+            directory = manifest.get("parent_dir")
+        return chain[::-1]
+
+    def find_version(self, fragment: int, version: int) -> HeadPointer:
+        """A pointer to committed version `version` of `fragment` (HEAD or an ancestor)."""
+        head = self.head(fragment)
+        if head is not None and head.version == version:
+            return head
+        for manifest in self.list_fragment_versions(fragment):
+            if manifest.get("version") == version + 1 and isinstance(
+                manifest.get("parent_dir"), str
+            ):
+                return HeadPointer(fragment, version, manifest["parent_dir"], 0)
+        raise ObjectNotFound(f"{self.url}: fragment {fragment} has no committed version {version}")
+
+    def repair_ledger(self, head: HeadPointer, manifest: dict | None = None) -> None:
+        """Record the `applied` list of `head` in the ledger (see docs/STORE.md): completes the
+        ledger writes that a crash between the HEAD swap and record_applied left undone."""
+        manifest = manifest if manifest is not None else self.fragment_manifest(head)
+        applied = manifest.get("applied", [])
+        if not isinstance(applied, list):
+            raise CorruptObject(f"{self.url}/{head.dir}/manifest.json: invalid applied list")
+        self.record_applied(applied, head.version)
+
+    # snapshots -----------------------------------------------------------------------------
+    def current_snapshot(self) -> Snapshot | None:
+        """The snapshot of every fragment's HEAD now (None until every fragment has one).
+
+        `tokens_merged` is exact with P > 1: each fragment's contributions count the tokens
+        trained since that fragment's last publish, so the model holds the mean over fragments.
+        """
+        heads = self.heads()
+        if any(h is None for h in heads):
+            return None
+        manifests = self._parallel(self.fragment_manifest, heads)
+        tokens = [int(m.get("tokens_merged", 0)) for m in manifests]
+        return Snapshot(
+            versions=tuple(h.version for h in heads),
+            dirs=tuple(h.dir for h in heads),
+            tokens_merged=sum(tokens) // len(tokens),
+            at=max(float(m.get("created_at", 0.0)) for m in manifests),
+        )
+
+    def record_snapshot(self, snapshot: Snapshot, extra: Mapping[str, Any] | None = None) -> str:
+        """Write `snapshot` as snapshots/{time_ns:020d}-{uuid8}.json; returns its name."""
+        name = f"snapshots/{_unique_time_ns():020d}-{_uuid8()}.json"
+        self._write_json(name, {**dict(extra or {}), **snapshot.to_dict()})
+        return name
+
+    def snapshots(self) -> list[dict[str, Any]]:
+        """Every recorded snapshot, oldest first."""
+        relatives = [k for k in self._list("snapshots/") if _SNAPSHOT.fullmatch(k)]
+        return [
+            load_json(data, f"{self.url}/{relative}")
+            for relative, data in zip(relatives, self._read_many(relatives), strict=True)
+            if data is not None
+        ]
+
+    def snapshot_of(self, record: Mapping[str, Any]) -> Snapshot:
+        """The Snapshot a recorded snapshot (or an eval / BEST record) names; CorruptObject if
+        its versions and dirs do not describe committed fragment directories."""
+        versions, dirs = record.get("versions"), record.get("dirs")
+        if not (
+            isinstance(versions, list) and isinstance(dirs, list) and len(versions) == len(dirs)
+        ):
+            raise CorruptObject(f"{self.url}: invalid snapshot {dict(record)!r:.200}")
+        for p, (v, d) in enumerate(zip(versions, dirs, strict=True)):
+            match = _FRAGMENT_DIR.fullmatch(d) if isinstance(d, str) else None
+            if not _is_int(v) or match is None or int(match[1]) != p or int(match[2]) != v:
+                raise CorruptObject(f"{self.url}: snapshot entry {p} is invalid: {v!r} {d!r}")
+        return Snapshot(tuple(versions), tuple(dirs), int(record.get("tokens_merged", 0)))
+
+    def load_params(self, snapshot: Snapshot | None = None) -> dict[str, np.ndarray]:
+        """The whole model's parameters at `snapshot` (default: every fragment's HEAD now),
+        verified fragment by fragment. ObjectNotFound before the first version."""
+        snapshot = snapshot or self.current_snapshot()
+        if snapshot is None:
+            raise ObjectNotFound(f"{self.url}: no global version published yet")
+        pointers = [
+            HeadPointer(p, v, d, 0)
+            for p, (v, d) in enumerate(zip(snapshot.versions, snapshot.dirs, strict=True))
+        ]
+        params: dict[str, np.ndarray] = {}
+        for fv in self._parallel(self.load_fragment, pointers):
+            params.update(fv.params)
+        return params
+
+    def best(self) -> dict[str, Any] | None:
+        """snapshots/BEST.json: the best evaluated snapshot with its eval record, or None."""
+        return self._read_json_or_none(BEST)
+
+    def offer_best(self, record: Mapping[str, Any]) -> bool:
+        """Make `record` (an eval record naming a snapshot and its `loss`) BEST if its loss is
+        lower than BEST's, by compare-and-swap (racing evaluators keep the lowest). True if
+        it became BEST."""
+        loss = record.get("loss")
+        if not isinstance(loss, float | int) or not np.isfinite(loss):
+            return False
+        key = self._key(BEST)
+        for _ in range(10):
+            got = self.store.read_versioned(key)
+            if got is not None:
+                current = load_json(got[0], f"{self.url}/{BEST}").get("loss")
+                if isinstance(current, float | int) and current <= loss:
+                    return False
+            if self.store.compare_and_swap(key, dump_json(dict(record)), got and got[1]):
+                return True
+        return False
