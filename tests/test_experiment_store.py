@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 
 import numpy as np
@@ -13,9 +14,10 @@ from training.store.experiment import (
     DoubleApply,
     ExperimentExists,
     ExperimentStore,
+    LayoutMismatch,
     dump_json,
 )
-from training.store.objectstore import CorruptObject
+from training.store.objectstore import CorruptObject, ObjectNotFound
 from training.store.tensors import encode_tensors, sha256
 
 LOCAL_BACKENDS = ["memory", "file"]
@@ -26,6 +28,11 @@ def _params(value: float = 1.0) -> dict[str, np.ndarray]:
         "embed": np.full((4, 2), value, np.float32),
         "blocks/0/w": np.arange(6, dtype=np.float32),
     }
+
+
+def _fragment(p: int, value: float = 1.0) -> dict[str, np.ndarray]:
+    """Fragment p's slice of a model: its own tensor names."""
+    return {f"blocks/{p}/w": np.full((3,), value, np.float32)}
 
 
 def _state() -> dict[str, np.ndarray]:
@@ -43,8 +50,35 @@ def exp_any(request, tmp_path) -> ExperimentStore:
     return ExperimentStore(open_backend(request.param, request, tmp_path), "exp")
 
 
-def _publish_v0(exp: ExperimentStore):
-    return exp.publish_global(0, _params(), _state(), {}, [], expected=None)
+def _publish_v0(exp: ExperimentStore, p: int = 0):
+    return exp.publish_fragment(p, 0, _fragment(p, 0.0), _state(), expected=None)
+
+
+def _publish(exp: ExperimentStore, head, value: float = 1.0, applied=()):
+    """Publish the version after `head` on head's fragment."""
+    return exp.publish_fragment(
+        head.fragment,
+        head.version + 1,
+        _fragment(head.fragment, value),
+        _state(),
+        {},
+        applied,
+        head,
+    )
+
+
+def _concurrently(fn, args) -> None:
+    """Run fn(arg) for each arg on its own thread; return when all are done."""
+    threads = [threading.Thread(target=fn, args=(a,)) for a in args]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+def _two_fragments(exp: ExperimentStore) -> ExperimentStore:
+    exp.write_config({"fragments": {"count": 2}})
+    return exp
 
 
 # --- names -------------------------------------------------------------------------------------
@@ -65,7 +99,7 @@ def test_experiment_store_rejects_an_invalid_experiment_name(exp):
         ExperimentStore(exp.store, "../escape")
 
 
-# --- config ------------------------------------------------------------------------------------
+# --- config and layout -------------------------------------------------------------------------
 
 
 def test_write_config_twice_with_equal_content_is_fine(exp_any):
@@ -78,6 +112,31 @@ def test_write_config_with_different_content_raises_experiment_exists(exp_any):
     exp_any.write_config({"lr": 0.1})
     with pytest.raises(ExperimentExists):
         exp_any.write_config({"lr": 0.2})
+
+
+def test_config_json_records_layout_2(exp):
+    exp.write_config({"lr": 0.1})
+    assert json.loads(exp.store.read("exp/config.json")) == {"layout": 2, "lr": 0.1}
+
+
+@pytest.mark.parametrize("raw", [{"lr": 0.1}, {"layout": 1, "lr": 0.1}, {"layout": 3}])
+def test_a_store_of_another_layout_is_refused_with_one_line(exp, raw):
+    exp.store.write("exp/config.json", dump_json(raw))
+    with pytest.raises(LayoutMismatch, match="layout") as info:
+        exp.read_config()
+    assert "\n" not in str(info.value)
+
+
+def test_fragment_heads_of_another_layout_are_refused(exp):
+    exp.store.write("exp/config.json", dump_json({"fragments": {"count": 2}}))
+    with pytest.raises(LayoutMismatch):
+        exp.heads()
+
+
+def test_update_config_refuses_another_layout(exp):
+    exp.store.write("exp/config.json", dump_json({"layout": 1, "islands": []}))
+    with pytest.raises(LayoutMismatch):
+        exp.update_config(lambda cfg: {**cfg, "lr": 1.0})
 
 
 def test_json_is_sorted_and_compact():
@@ -167,26 +226,77 @@ def test_caller_manifest_may_not_override_filled_fields(exp):
         exp.publish_pseudograd("isl-a", 1, 0, _params(), {"payload": "../x"})
 
 
-# --- global versions ---------------------------------------------------------------------------
+@pytest.mark.parametrize("after_seq", [0, 3, 5, 9])
+def test_list_pseudograds_after_seq_never_returns_an_earlier_seq(exp, after_seq):
+    for seq in range(1, 6):
+        for fragment in (0, 1):
+            exp.publish_pseudograd("isl-a", seq, fragment, _params(), {})
+        exp.publish_pseudograd("isl-b", seq + 10, 0, _params(), {})
+    exp.store.write("exp/pseudograds/isl-a/00000009-f000-0123abcd.safetensors", b"uncommitted")
+    ids = [r.id for r in exp.list_pseudograds("isl-a", after_seq=after_seq)]
+    assert ids == [f"isl-a/{s:08d}-f{p:03d}" for s in range(after_seq + 1, 6) for p in (0, 1)]
+
+
+def test_list_pseudograds_after_seq_needs_an_island(exp):
+    with pytest.raises(ValueError, match="needs an island"):
+        exp.list_pseudograds(after_seq=3)
+
+
+@pytest.mark.integration
+def test_list_pseudograds_after_seq_is_a_server_side_start_offset_on_gcs(
+    request, tmp_path, monkeypatch
+):
+    exp = ExperimentStore(open_backend("gs", request, tmp_path), "exp")
+    for seq in range(1, 6):
+        exp.publish_pseudograd("isl-a", seq, 0, _params(), {})
+    client, calls = exp.store._client(), []
+    real = client.list_blobs
+
+    def spy(*args, **kwargs):
+        blobs = list(real(*args, **kwargs))
+        calls.append((kwargs.get("start_offset"), [b.name.rsplit("/", 1)[1][:8] for b in blobs]))
+        return blobs
+
+    monkeypatch.setattr(client, "list_blobs", spy)
+    assert [r.seq for r in exp.list_pseudograds("isl-a", after_seq=3)] == [4, 5]
+    offset = f"{exp.store.prefix}/exp/pseudograds/isl-a/00000003~"
+    assert calls == [(offset, ["00000004", "00000004", "00000005", "00000005"])]
+
+
+def test_quarantined_after_seq_lists_only_later_seqs_of_that_island(exp):
+    for pg_id in ("isl-a/00000002-f000", "isl-a/00000004-f001", "isl-b/00000005-f000"):
+        exp.quarantine(pg_id, "bad")
+    assert exp.quarantined("isl-a", after_seq=2) == {"isl-a/00000004-f001": "bad"}
+
+
+# --- fragment versions -------------------------------------------------------------------------
 
 
 def test_head_is_none_before_the_first_publish(exp_any):
-    assert exp_any.head() is None
+    assert exp_any.head(0) is None
 
 
-def test_published_global_loads_back(exp_any):
+def test_published_fragment_loads_back_with_its_outer_state(exp_any):
     head = _publish_v0(exp_any)
-    loaded = exp_any.load_global()
-    assert loaded.version == head.version == 0 and np.array_equal(
-        loaded.params["blocks/0/w"], _params()["blocks/0/w"]
+    loaded = exp_any.load_fragment(head, outer_state=True)
+    assert (loaded.fragment, loaded.version) == (0, 0) and all(
+        np.array_equal(got, want)
+        for got, want in [
+            (loaded.params["blocks/0/w"], _fragment(0, 0.0)["blocks/0/w"]),
+            (loaded.outer_state["momentum/embed"], _state()["momentum/embed"]),
+        ]
     )
+
+
+def test_load_fragment_leaves_out_the_outer_state_unless_asked(exp):
+    assert exp.load_fragment(_publish_v0(exp)).outer_state == {}
 
 
 def test_publish_with_stale_expected_head_returns_none_and_keeps_head(exp_any):
     v0 = _publish_v0(exp_any)
-    v1 = exp_any.publish_global(1, _params(2.0), _state(), {}, [], expected=v0)
-    assert exp_any.publish_global(1, _params(3.0), _state(), {}, [], expected=v0) is None
-    assert exp_any.head() == v1
+    v1 = _publish(exp_any, v0, 2.0)
+    assert _publish(exp_any, v0, 3.0) is None
+    assert exp_any.head(0) == v1
 
 
 def test_first_publish_loses_when_head_already_exists(exp):
@@ -194,76 +304,220 @@ def test_first_publish_loses_when_head_already_exists(exp):
     assert _publish_v0(exp) is None
 
 
-def test_two_threads_racing_publish_global_have_exactly_one_winner(exp_any):
+def test_two_threads_racing_on_one_fragment_have_exactly_one_winner(exp_any):
     v0 = _publish_v0(exp_any)
     barrier, results = threading.Barrier(2), [None, None]
 
     def merger(i: int) -> None:
-        barrier.wait()
-        results[i] = exp_any.publish_global(
-            1, _params(i), _state(), {}, [f"isl-{i}/00000001-f000"], expected=v0
-        )
+        barrier.wait(timeout=30)
+        results[i] = _publish(exp_any, v0, float(i), [f"isl-{i}/00000001-f000"])
 
-    threads = [threading.Thread(target=merger, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    _concurrently(merger, range(2))
     winners = [r for r in results if r is not None]
-    assert len(winners) == 1 and exp_any.head() == winners[0]
+    assert len(winners) == 1 and exp_any.head(0) == winners[0]
+
+
+def test_two_threads_publishing_different_fragments_both_win(exp_any):
+    heads = [_publish_v0(exp_any, 0), _publish_v0(exp_any, 1)]
+    barrier, results = threading.Barrier(2), [None, None]
+
+    def merger(p: int) -> None:
+        barrier.wait(timeout=30)
+        results[p] = _publish(exp_any, heads[p], 1.0, [f"isl-a/00000001-f{p:03d}"])
+
+    _concurrently(merger, range(2))
+    assert [exp_any.head(p) for p in (0, 1)] == results and None not in results
+
+
+def test_a_cas_on_fragment_0_never_affects_fragment_1(exp):
+    f0, f1 = _publish_v0(exp, 0), _publish_v0(exp, 1)
+    _publish(exp, f0)
+    assert _publish(exp, f0) is None  # a lost CAS on fragment 0
+    assert exp.head(1) == f1  # same version, dir and generation
+    assert _publish(exp, f1) is not None  # fragment 1's pointer from before still wins
 
 
 def test_racing_loser_applies_nothing(exp):
     v0 = _publish_v0(exp)
-    exp.publish_global(1, _params(), _state(), {}, ["isl-a/00000001-f000"], expected=v0)
-    exp.publish_global(1, _params(), _state(), {}, ["isl-b/00000001-f000"], expected=v0)
+    _publish(exp, v0, applied=["isl-a/00000001-f000"])
+    _publish(exp, v0, applied=["isl-b/00000001-f000"])
     assert exp.applied() == {"isl-a/00000001-f000": 1}
 
 
-def test_load_global_detects_a_flipped_byte_in_params(exp_any):
+def test_load_fragment_detects_a_flipped_byte_in_params(exp_any):
     head = _publish_v0(exp_any)
     key = f"exp/{head.dir}/params.safetensors"
     data = bytearray(exp_any.store.read(key))
     data[len(data) // 2] ^= 0x01
     exp_any.store.write(key, bytes(data))
     with pytest.raises(CorruptObject, match="params"):
-        exp_any.load_global()
+        exp_any.load_fragment(head)
 
 
-def test_manifest_records_parent_applied_and_extra(exp):
-    v0 = _publish_v0(exp)
-    exp.publish_global(
-        1, _params(), _state(), {"fragment_versions": {"0": 1}}, ["a/00000002-f000"], v0
+def test_manifest_records_fragment_parent_applied_and_extra(exp):
+    v0 = _publish_v0(exp, 1)
+    v1 = exp.publish_fragment(
+        1, 1, _fragment(1), _state(), {"tokens_merged": 64}, ["a/00000002-f001"], v0
     )
-    m = exp.load_global().manifest
-    assert (m["parent_version"], m["applied"], m["fragment_versions"]) == (
+    m = exp.fragment_manifest(v1)
+    assert [m[k] for k in ("fragment", "parent_version", "parent_dir", "applied")] == [
+        1,
         0,
-        ["a/00000002-f000"],
-        {"0": 1},
-    )
+        v0.dir,
+        ["a/00000002-f001"],
+    ] and m["tokens_merged"] == 64
 
 
-def test_version_must_follow_the_expected_head(exp):
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"version": 5},  # does not follow the expected head
+        {"fragment": 1},  # the expected head is fragment 0's
+        {"applied": ["a/00000001-f001"]},  # a pseudo-gradient of another fragment
+        {"applied": ["a/00000001-f000", "a/00000001-f000"]},
+        {"manifest_extra": {"applied": []}},  # a field publish_fragment fills
+    ],
+)
+def test_publish_fragment_refuses_inconsistent_arguments(exp, change):
     v0 = _publish_v0(exp)
+    args = {"fragment": 0, "version": 1, "params": _fragment(0), "outer_state": _state()}
     with pytest.raises(ValueError):
-        exp.publish_global(5, _params(), _state(), {}, [], expected=v0)
+        exp.publish_fragment(**{**args, **change}, expected=v0)
 
 
-def test_list_global_versions_follows_head_and_skips_race_losers(exp):
+def test_list_fragment_versions_follows_head_and_skips_race_losers(exp):
     v0 = _publish_v0(exp)
-    v1 = exp.publish_global(1, _params(), _state(), {}, [], expected=v0)
-    exp.publish_global(1, _params(), _state(), {}, [], expected=v0)  # loses: orphan dir
-    exp.publish_global(2, _params(), _state(), {}, [], expected=v1)
-    assert [m["version"] for m in exp.list_global_versions()] == [0, 1, 2]
+    v1 = _publish(exp, v0)
+    _publish(exp, v0)  # loses: orphan dir
+    _publish(exp, v1)
+    assert [m["version"] for m in exp.list_fragment_versions(0)] == [0, 1, 2]
+
+
+def test_find_version_points_at_a_committed_ancestor(exp):
+    v0 = _publish_v0(exp)
+    _publish(exp, _publish(exp, v0, 1.0), 2.0)
+    pointer = exp.find_version(0, 1)
+    assert exp.load_fragment(pointer).params["blocks/0/w"][0] == 1.0
+
+
+def test_find_version_of_an_unknown_version_raises_object_not_found(exp):
+    _publish_v0(exp, 0)
+    _publish_v0(exp, 1)
+    with pytest.raises(ObjectNotFound):
+        exp.find_version(1, 1)
+
+
+def test_a_version_directory_is_not_committed_before_its_head_swap(exp, monkeypatch):
+    v0 = _publish_v0(exp)
+    real = exp.store.compare_and_swap_generation
+
+    def crash(key, *args):
+        if key.endswith("/HEAD.json"):
+            raise RuntimeError("killed before the HEAD swap")
+        return real(key, *args)
+
+    monkeypatch.setattr(exp.store, "compare_and_swap_generation", crash)
+    with pytest.raises(RuntimeError):
+        _publish(exp, v0)  # payloads and manifest written, HEAD still at v0
+    monkeypatch.undo()
+    manifests = [k for k in exp.store.list("exp/fragments/f000/") if k.endswith("manifest.json")]
+    assert len(manifests) == 2 and [m["version"] for m in exp.list_fragment_versions(0)] == [0]
+    assert _publish(exp, v0) is not None
+
+
+def test_heads_reads_every_fragment_in_order(exp):
+    _two_fragments(exp)
+    f1 = _publish_v0(exp, 1)
+    assert exp.heads() == [None, f1]
+
+
+# --- snapshots ---------------------------------------------------------------------------------
+
+
+def test_current_snapshot_is_none_until_every_fragment_has_a_head(exp):
+    _two_fragments(exp)
+    _publish_v0(exp, 0)
+    assert exp.current_snapshot() is None
+
+
+def test_a_recorded_snapshot_reloads_the_whole_model_after_fragments_advance(exp):
+    _two_fragments(exp)
+    heads = [_publish_v0(exp, 0), _publish_v0(exp, 1)]
+    heads = [_publish(exp, h, 1.0 + p) for p, h in enumerate(heads)]
+    exp.record_snapshot(exp.current_snapshot(), {"step": 7})
+    for h in heads:
+        _publish(exp, h, 9.0)
+    (record,) = exp.snapshots()
+    params = exp.load_params(exp.snapshot_of(record))
+    assert (record["step"], record["versions"], sorted(params)) == (
+        7,
+        [1, 1],
+        ["blocks/0/w", "blocks/1/w"],
+    ) and [float(params[f"blocks/{p}/w"][0]) for p in (0, 1)] == [1.0, 2.0]
+
+
+def test_current_snapshot_counts_the_mean_tokens_over_fragments(exp):
+    _two_fragments(exp)
+    for p, tokens in ((0, 100), (1, 300)):
+        exp.publish_fragment(p, 0, _fragment(p), {}, {"tokens_merged": tokens})
+    assert exp.current_snapshot().tokens_merged == 200
+
+
+def test_snapshot_of_refuses_a_directory_of_another_fragment(exp):
+    f0, f1 = _publish_v0(exp, 0), _publish_v0(exp, 1)
+    with pytest.raises(CorruptObject, match="entry 0"):
+        exp.snapshot_of({"versions": [0, 0], "dirs": [f1.dir, f0.dir]})
+
+
+def test_offer_best_keeps_the_lower_loss(exp):
+    assert exp.offer_best({"loss": 2.0, "versions": [1]})
+    assert not exp.offer_best({"loss": 3.0, "versions": [2]})
+    assert not exp.offer_best({"loss": float("nan"), "versions": [3]})
+    assert exp.best() == {"loss": 2.0, "versions": [1]}
+
+
+def test_offer_best_keeps_the_lowest_loss_when_two_writers_race(exp_any, monkeypatch):
+    """Both writers read BEST before either swaps; whichever swaps first, 0.3 ends up BEST."""
+    exp_any.offer_best({"loss": 1.0, "versions": [0]})
+    barrier, first_read = threading.Barrier(2), threading.local()
+    real = exp_any.store.read_versioned
+
+    def read_versioned(key):
+        got = real(key)
+        if key.endswith("snapshots/BEST.json") and not getattr(first_read, "done", False):
+            first_read.done = True
+            barrier.wait(timeout=30)
+        return got
+
+    monkeypatch.setattr(exp_any.store, "read_versioned", read_versioned)
+    results = {}
+
+    def evaluator(loss: float) -> None:
+        results[loss] = exp_any.offer_best({"loss": loss, "versions": [int(loss * 10)]})
+
+    _concurrently(evaluator, (0.5, 0.3))
+    monkeypatch.undo()
+    assert results[0.3] and exp_any.best() == {"loss": 0.3, "versions": [3]}
 
 
 # --- ledger and quarantine ---------------------------------------------------------------------
 
 
-def test_publish_global_records_its_applied_list_in_the_ledger(exp_any):
+def test_publish_fragment_records_its_applied_list_in_the_ledger(exp_any):
     v0 = _publish_v0(exp_any)
-    exp_any.publish_global(1, _params(), _state(), {}, ["isl-a/00000001-f000"], expected=v0)
+    _publish(exp_any, v0, applied=["isl-a/00000001-f000"])
     assert exp_any.applied() == {"isl-a/00000001-f000": 1}
+
+
+def test_ledger_entries_carry_their_time(exp):
+    exp.record_applied(["isl-a/00000001-f000"], 3)
+    entry = json.loads(exp.store.read("exp/ledger/isl-a/00000001-f000.json"))
+    assert entry["version"] == 3 and entry["at_iso"].endswith("Z") and entry["at"] > 0
+
+
+def test_is_applied_checks_one_ledger_entry(exp):
+    exp.record_applied(["isl-a/00000001-f000"], 3)
+    assert exp.is_applied("isl-a/00000001-f000") and not exp.is_applied("isl-a/00000002-f000")
 
 
 def test_record_applied_again_with_the_same_version_is_fine(exp):
@@ -281,15 +535,21 @@ def test_record_applied_with_a_different_version_raises_double_apply(exp_any):
 def test_repair_ledger_completes_entries_lost_in_a_crash_after_the_head_swap(exp, monkeypatch):
     v0 = _publish_v0(exp)
     monkeypatch.setattr(exp, "record_applied", lambda ids, version: None)  # crash before ledger
-    exp.publish_global(1, _params(), _state(), {}, ["isl-a/00000001-f000"], expected=v0)
+    v1 = _publish(exp, v0, applied=["isl-a/00000001-f000"])
     monkeypatch.undo()
-    exp.repair_ledger()
+    exp.repair_ledger(v1)
     assert exp.applied() == {"isl-a/00000001-f000": 1}
 
 
 def test_quarantine_is_listed_with_its_reason(exp):
     exp.quarantine("isl-a/00000002-f001", "sha256 mismatch")
     assert exp.quarantined() == {"isl-a/00000002-f001": "sha256 mismatch"}
+
+
+def test_quarantine_entries_carry_their_time(exp):
+    exp.quarantine("isl-a/00000002-f001", "bad")
+    entry = json.loads(exp.store.read("exp/quarantine/isl-a/00000002-f001.json"))
+    assert entry["reason"] == "bad" and entry["at_iso"].endswith("Z") and entry["at"] > 0
 
 
 def test_invalid_pseudograd_id_is_refused(exp):
@@ -364,14 +624,20 @@ def test_layout_keys_are_the_documented_ones(exp):
     exp.write_config({})
     head = _publish_v0(exp)
     exp.publish_pseudograd("isl-a", 1, 0, _params(), {})
+    exp.record_applied(["isl-a/00000001-f000"], 0)
     exp.write_heartbeat("isl-a", {})
+    snapshot = exp.record_snapshot(exp.current_snapshot())
+    exp.offer_best({"loss": 1.0, **exp.current_snapshot().to_dict()})
     keys = set(exp.store.list("exp/"))
     assert {
         "exp/config.json",
-        "exp/global/HEAD.json",
+        "exp/fragments/f000/HEAD.json",
         f"exp/{head.dir}/manifest.json",
         f"exp/{head.dir}/params.safetensors",
         f"exp/{head.dir}/outer_state.safetensors",
         "exp/pseudograds/isl-a/00000001-f000.json",
+        "exp/ledger/isl-a/00000001-f000.json",
         "exp/heartbeats/isl-a.json",
-    } <= keys
+        f"exp/{snapshot}",
+        "exp/snapshots/BEST.json",
+    } <= keys and head.dir.startswith("fragments/f000/v00000000-")

@@ -59,13 +59,13 @@ def test_maintenance_dag_relaunch_ttl_and_gc(tmp_path):
     runs = tmp_path / "runs"
     estore = ExperimentStore(open_store(url), "maint")
     estore.write_config({"name": "maint"})
-    head = estore.publish_global(0, {"w": np.zeros(4, np.float32)}, {}, expected=None)
+    head = estore.publish_fragment(0, 0, {"w": np.zeros(4, np.float32)}, {}, expected=None)
     for v in range(1, 9):
         ref = estore.publish_pseudograd(
-            "fine", v - 1, 0, {"d": np.ones(2, np.float32)}, {"base_version": v - 1}
+            "fine", v - 1, 0, {"d": np.ones(2, np.float32)}, {"base_version": [v - 1]}
         )
-        head = estore.publish_global(
-            v, {"w": np.full(4, v, np.float32)}, {}, applied=[ref.id], expected=head
+        head = estore.publish_fragment(
+            0, v, {"w": np.full(4, v, np.float32)}, {}, applied=[ref.id], expected=head
         )
 
     # a stalled island (process alive, heartbeat 1000 s old) and a healthy one
@@ -82,8 +82,8 @@ def test_maintenance_dag_relaunch_ttl_and_gc(tmp_path):
     for spec in specs.values():
         local.launch(spec, local.provision(spec))
     now = time.time()
-    estore.write_heartbeat("stuck", {"time": now - 1000, "base_version": 8})
-    estore.write_heartbeat("fine", {"time": now, "base_version": 8})
+    estore.write_heartbeat("stuck", {"time": now - 1000, "base_version": [8]})
+    estore.write_heartbeat("fine", {"time": now, "base_version": [8]})
 
     with FakeTpuApi() as fake:
         tpu = get_backend(
@@ -169,10 +169,10 @@ def test_maintenance_dag_relaunch_ttl_and_gc(tmp_path):
         for spec in specs.values():
             local.teardown(spec, {})
 
-    # garbage collection: versions 1..5 lost their payloads (HEAD 8, keep 3, 0 kept)
+    # garbage collection: versions 1..5 of fragment 0 lost their payloads (HEAD 8, keep 3, 0 kept)
     plan = estore.plan_gc(keep_last=3)
     assert plan.empty, plan
-    kept = [k for k in estore.store.list("maint/global/") if k.endswith("params.safetensors")]
+    kept = [k for k in estore.store.list("maint/fragments/") if k.endswith("params.safetensors")]
     assert len(kept) == 4  # versions 0, 6, 7, 8
-    assert [m["version"] for m in estore.list_global_versions()] == list(range(9))
+    assert [m["version"] for m in estore.list_fragment_versions(0)] == list(range(9))
     assert {r.id for r in estore.list_pseudograds()} == {f"fine/{s:08d}-f000" for s in (5, 6, 7)}

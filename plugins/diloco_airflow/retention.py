@@ -1,11 +1,16 @@
 """Maintenance: stalled islands, expired cloud resources, and garbage collection of the store.
 
-Retention policy (`ExperimentStore.plan_gc`, docs/STORE.md "Garbage collection"): keep the
-payloads of HEAD, of the newest ``keep_last`` versions on its chain, of version 0 (the baseline
-evaluations compare against) and of every version an island's heartbeat or latest checkpoint
-names as its base; delete the payloads of the other versions (their manifests stay), global
-directories that lost the HEAD race, merged pseudo-gradients applied outside the window (their
-ledger entries stay), payloads no marker names, and checkpoints older than each island's LATEST.
+Retention policy (`ExperimentStore.plan_gc`, docs/STORE.md "Garbage collection"), per fragment:
+keep the payloads of its HEAD, of the newest ``keep_last`` versions of its chain, of version 0
+(the baseline evaluations compare against), of the version an island's heartbeat or latest
+checkpoint names as its base for that fragment, and of the BEST snapshot's version; delete the
+payloads of its other versions (their manifests stay), its directories that lost the HEAD race,
+and the merged pseudo-gradients of that fragment applied outside its window (their ledger entries
+stay). Also deleted: payloads no marker names, and checkpoints older than each island's LATEST.
+
+The report of `collect` is JSON (an Airflow XCom): the plan (`GCPlan.to_dict`: `heads` and
+`protected` keyed by the fragment as a string, `versions` as fragment version directories), plus
+`dry_run` and `deleted` (counts per kind).
 
 Knobs (environment of the workers): ``DILOCO_GC_KEEP_LAST`` (5), ``DILOCO_GC_DRY_RUN`` (set to
 1 to only report the plan).
@@ -32,7 +37,9 @@ def dry_run_default() -> bool:
 
 
 def collect(estore, keep_last: int | None = None, dry_run: bool | None = None) -> dict[str, Any]:
-    """Plan the garbage collection of one experiment and, unless ``dry_run``, carry it out."""
+    """Plan the garbage collection of one experiment and, unless ``dry_run``, carry it out.
+
+    Returns the JSON report described in the module docstring."""
     keep_last = keep_last_default() if keep_last is None else keep_last
     dry_run = dry_run_default() if dry_run is None else dry_run
     plan = estore.plan_gc(keep_last=keep_last)
@@ -41,13 +48,20 @@ def collect(estore, keep_last: int | None = None, dry_run: bool | None = None) -
         log.info("%s: gc plan%s: %s", estore.experiment, " (dry run)" if dry_run else "", report)
         return report
     report["deleted"] = estore.collect_garbage(plan)
-    log.info("%s: gc deleted %s (plan %s)", estore.experiment, report["deleted"], report)
+    log.info(
+        "%s: gc deleted %s (heads %s, protected %s)",
+        estore.experiment,
+        report["deleted"],
+        report["heads"],
+        report["protected"],
+    )
     return report
 
 
 def collect_all(
     experiments: list[dict[str, Any]], keep_last: int | None = None, dry_run: bool | None = None
 ) -> list[dict[str, Any]]:
+    """`collect` for each registered experiment; one that fails reports {"error": ...}."""
     out = []
     for e in experiments:
         try:
