@@ -1,0 +1,87 @@
+"""Islands keep their progress while the syncer lags, and stop at the budget by themselves."""
+
+import numpy as np
+
+from tests.helpers import new_store, small_config
+from training import codecs, inner
+from training.island import Island
+from training.merge import Merger
+
+
+def _cfg(**sections):
+    # one island, P = 1, fp32: every publish is exact
+    return small_config(islands=("a",), **{"outer": {"method": "nesterov"}, **sections})
+
+
+def test_a_stalled_syncer_loses_nothing_and_counts_nothing_twice():
+    """Three intervals without any merge: the island keeps training on its own parameters (no
+    reset to version 0), each pseudo-gradient holds only its own interval, and together they
+    are exactly version 0 minus the island's parameters."""
+    cfg = _cfg(inner={"H": 4, "tau": 0})
+    store = new_store(cfg)
+    theta0 = store.load_params()
+    island = Island(cfg, "a", store)
+    island.start()
+    for _ in range(3 * cfg.inner.H):
+        island.step()
+    refs = store.list_pseudograds("a")
+    assert [r.seq for r in refs] == [0, 1, 2]
+    assert all(r.manifest["steps"] == cfg.inner.H and r.manifest["base_version"] == 0 for r in refs)
+    deltas = [codecs.decode(store.load_pseudograd(r), "fp32") for r in refs]
+    local = inner.to_host(island.params)
+    for name in theta0:
+        total = sum(d[name] for d in deltas)
+        np.testing.assert_allclose(total, theta0[name] - local[name], atol=1e-5)
+    assert island.base_version == [0]
+
+
+def test_late_merge_of_the_pending_increments_reaches_the_islands_parameters():
+    """FedAvg identity for one island over a lagging syncer: outer SGD lr 1 without momentum
+    applied to the sum of its pending increments gives exactly its parameters."""
+    cfg = _cfg(inner={"H": 4, "tau": 0}, outer={"method": "decoupled", "lr": 1.0, "momentum": 0.0})
+    store = new_store(cfg)
+    island = Island(cfg, "a", store)
+    island.start()
+    for _ in range(3 * cfg.inner.H):
+        island.step()
+    r = Merger(cfg, store).merge_once()
+    assert len(r.applied) == 3 and r.version == 1
+    merged = store.load_params()
+    local = inner.to_host(island.params)
+    for name in merged:
+        np.testing.assert_allclose(merged[name], local[name], atol=1e-5)
+
+
+def test_an_island_adopts_only_a_version_newer_than_its_own():
+    cfg = _cfg(inner={"H": 4, "tau": 1})
+    store = new_store(cfg)
+    island = Island(cfg, "a", store)
+    island.start()
+    for _ in range(cfg.inner.H + 1):  # publish, then the adopt step finds nothing newer
+        island.step()
+    assert island.base_version == [0] and island.bytes_received == _model_bytes(store)
+    local = inner.to_host(island.params)
+    assert any(not np.array_equal(local[n], v) for n, v in store.load_params().items())
+
+
+def test_islands_stop_at_the_budget_without_a_syncer():
+    """No merger runs at all: the two islands still stop within one publish interval each of
+    the token budget (heartbeats after every publish round carry their trained tokens)."""
+    per_step = 4 * 32  # batch 4 x seq 32
+    budget = 10 * per_step
+    cfg = small_config(inner={"H": 2}, token_budget=budget)
+    store = new_store(cfg)
+    islands = [Island(cfg, n, store) for n in ("a", "b")]
+    for isl in islands:
+        isl.start()
+    for _ in range(100):
+        for isl in islands:
+            if not isl.finished():
+                isl.step()
+    assert all(isl.finished() for isl in islands)
+    trained = sum(isl.tokens for isl in islands)
+    assert budget <= trained <= budget + 2 * cfg.inner.H * per_step
+
+
+def _model_bytes(store):
+    return sum(int(v.nbytes) for v in store.load_params().values())

@@ -1,0 +1,125 @@
+"""The merge's pure rules: the in-place outer step against optax, the streaming combiner against
+the whole-array reference, and the end-of-run rule for final remainders."""
+
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from tests.helpers import new_store, publish_delta, random_delta, small_config
+from training import merge_rules as rules
+from training import outer
+from training.config import OuterConfig
+from training.merge import Merger
+
+SHAPES = {"blocks/0/w": (3, 4), "blocks/1/b": (5,), "embed/tokens": (6, 2)}
+
+
+def _deltas(n, seed=0):
+    rng = np.random.default_rng(seed)
+    return [{k: rng.normal(size=s).astype(np.float32) for k, s in SHAPES.items()} for _ in range(n)]
+
+
+def _run_optax(tx, steps):
+    params = {k: jnp.zeros(s) for k, s in SHAPES.items()}
+    state = tx.init(params)
+    for g in steps:
+        updates, state = tx.update({k: jnp.asarray(v) for k, v in g.items()}, state, params)
+        params = optax.apply_updates(params, updates)
+    return params
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_in_place_outer_step_equals_optax_sgd_with_momentum(nesterov):
+    cfg = OuterConfig(method="decoupled", lr=0.7, momentum=0.9, nesterov=nesterov)
+    steps = _deltas(4)
+    expected = _run_optax(optax.sgd(0.7, momentum=0.9, nesterov=nesterov), steps)
+    params = {k: np.zeros(s, np.float32) for k, s in SHAPES.items()}
+    state = rules.init_state(cfg, SHAPES)
+    for g in steps:
+        state = rules.outer_step_(cfg, 1, params, state, {k: v.copy() for k, v in g.items()})
+    assert state.steps == 4
+    for k in SHAPES:
+        np.testing.assert_allclose(params[k], np.asarray(expected[k]), rtol=1e-5, atol=1e-6)
+
+
+def test_in_place_delayed_nesterov_equals_the_optax_transform():
+    cfg = OuterConfig(method="delayed_nesterov", lr=0.5, momentum=0.8, delay_period=2)
+    steps = _deltas(5, seed=1)
+    expected = _run_optax(outer.delayed_nesterov(0.5, 0.8, period=2), steps)
+    params = {k: np.zeros(s, np.float32) for k, s in SHAPES.items()}
+    state = rules.init_state(cfg, SHAPES)
+    for g in steps:
+        state = rules.outer_step_(cfg, 2, params, state, {k: v.copy() for k, v in g.items()})
+    for k in SHAPES:
+        np.testing.assert_allclose(params[k], np.asarray(expected[k]), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("rda", [True, False])
+def test_streaming_combiner_equals_the_whole_array_combine(rda):
+    votes, weights = _deltas(3, seed=2), [1.0, 3.0, 0.5]
+    expected = outer.combine(votes, weights, rda=rda)
+    combiner = rules.Combiner(SHAPES, rda)
+    for v, w in zip(votes, weights, strict=True):
+        combiner.add({k: x.copy() for k, x in v.items()}, w)
+    got = combiner.result()
+    for k in SHAPES:
+        np.testing.assert_allclose(got[k], expected[k], rtol=1e-5, atol=1e-6)
+
+
+def test_rda_keeps_the_norm_of_orthogonal_votes():
+    # two orthogonal body votes of norm 2: the mean has norm sqrt(2), RDA keeps 2
+    shapes = {"blocks/0/w": (2,)}
+    combiner = rules.Combiner(shapes, rda=True)
+    combiner.add({"blocks/0/w": np.array([2.0, 0.0], np.float32)}, 1.0)
+    combiner.add({"blocks/0/w": np.array([0.0, 2.0], np.float32)}, 1.0)
+    assert np.linalg.norm(combiner.result()["blocks/0/w"]) == pytest.approx(2.0)
+
+
+def test_a_final_remainder_moves_the_parameters_by_lr_times_delta_only():
+    cfg = OuterConfig(method="decoupled", lr=0.5, momentum=0.9)
+    params = {k: np.zeros(s, np.float32) for k, s in SHAPES.items()}
+    state = rules.init_state(cfg, SHAPES)
+    for g in _deltas(3, seed=3):  # build up momentum
+        state = rules.outer_step_(cfg, 1, params, state, g)
+    before = {k: v.copy() for k, v in params.items()}
+    momentum = {k: v.copy() for k, v in state.momentum.items()}
+    tiny = {k: np.full(s, 1e-3, np.float32) for k, s in SHAPES.items()}
+    after_state = rules.outer_step_(cfg, 1, params, state, dict(tiny), final=True)
+    for k in SHAPES:  # -lr * delta (to float32 rounding); a momentum step adds ~lr*beta^2*m
+        np.testing.assert_allclose(params[k] - before[k], -0.5 * tiny[k], atol=1e-6)
+        np.testing.assert_array_equal(after_state.momentum[k], momentum[k])
+    assert after_state.steps == state.steps
+
+
+def test_merger_applies_an_islands_final_remainder_without_a_momentum_step():
+    """The end-of-run degradation: a remainder of a few steps merged with a full Nesterov step
+    moves the model by lr * beta^2 * m, whatever its own size. Merged as final, it moves by
+    lr * delta only."""
+    cfg = small_config(outer={"method": "decoupled", "lr": 0.5, "momentum": 0.9, "rda": False})
+    store = new_store(cfg)
+    theta = store.load_params()
+    merger = Merger(cfg, store)
+    for seq in range(3):  # momentum builds up over three merged rounds of both islands
+        for n, island in enumerate("ab"):
+            publish_delta(store, cfg, island, seq, random_delta(theta, 10 * seq + n), seq)
+        assert merger.merge_once().version == seq + 1
+    before = store.load_params()
+    tiny = {k: np.full(v.shape, 1e-4, np.float32) for k, v in theta.items()}
+    for island in "ab":
+        payload_ref = publish_delta(
+            store, cfg, island, 3, tiny, base_version=3, steps=1, tokens=128
+        )
+        manifest = dict(payload_ref.manifest, final=True)
+        store.store.write(store._key(f"pseudograds/{payload_ref.id}.json"), _json(manifest))
+    r = merger.merge_once()
+    assert sorted(r.applied) == ["a/00000003-f000", "b/00000003-f000"]
+    after = store.load_params()
+    for k in theta:
+        np.testing.assert_allclose(after[k] - before[k], -0.5 * tiny[k], atol=1e-6)
+
+
+def _json(obj):
+    from training.store.layout import dump_json
+
+    return dump_json(obj)
