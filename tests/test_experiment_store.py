@@ -56,24 +56,40 @@ def _publish_v0(exp: ExperimentStore, p: int = 0):
 
 def _publish(exp: ExperimentStore, head, value: float = 1.0, applied=()):
     """Publish the version after `head` on head's fragment."""
-    return exp.publish_fragment(
-        head.fragment,
-        head.version + 1,
-        _fragment(head.fragment, value),
-        _state(),
-        {},
-        applied,
-        head,
-    )
+    p, v = head.fragment, head.version + 1
+    return exp.publish_fragment(p, v, _fragment(p, value), _state(), {}, applied, head)
 
 
 def _concurrently(fn, args) -> None:
-    """Run fn(arg) for each arg on its own thread; return when all are done."""
-    threads = [threading.Thread(target=fn, args=(a,)) for a in args]
+    """Run fn(arg) for each arg on its own thread; re-raise the first error once all are done."""
+    errors: list[BaseException] = []
+
+    def run(arg) -> None:
+        try:
+            fn(arg)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(a,)) for a in args]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    if errors:
+        raise errors[0]
+
+
+def _meet_before_head_cas(exp: ExperimentStore, monkeypatch, parties: int = 2) -> None:
+    """Make `parties` publishers wait for each other just before their HEAD compare-and-swap
+    (payloads and manifests written): their swaps then really race."""
+    barrier, real = threading.Barrier(parties), exp.store.compare_and_swap_generation
+
+    def cas(key, *args):
+        if key.endswith("/HEAD.json"):
+            barrier.wait(timeout=30)
+        return real(key, *args)
+
+    monkeypatch.setattr(exp.store, "compare_and_swap_generation", cas)
 
 
 def _two_fragments(exp: ExperimentStore) -> ExperimentStore:
@@ -119,24 +135,20 @@ def test_config_json_records_layout_2(exp):
     assert json.loads(exp.store.read("exp/config.json")) == {"layout": 2, "lr": 0.1}
 
 
-@pytest.mark.parametrize("raw", [{"lr": 0.1}, {"layout": 1, "lr": 0.1}, {"layout": 3}])
-def test_a_store_of_another_layout_is_refused_with_one_line(exp, raw):
-    exp.store.write("exp/config.json", dump_json(raw))
+READERS = {
+    "read_config": lambda exp: exp.read_config(),
+    "heads": lambda exp: exp.heads(),
+    "update_config": lambda exp: exp.update_config(lambda cfg: {**cfg, "lr": 1.0}),
+}
+
+
+@pytest.mark.parametrize("reader", sorted(READERS))
+@pytest.mark.parametrize("layout", [{}, {"layout": 1}, {"layout": 3}])
+def test_a_store_of_another_layout_is_refused_with_one_line(exp, reader, layout):
+    exp.store.write("exp/config.json", dump_json({**layout, "fragments": {"count": 2}}))
     with pytest.raises(LayoutMismatch, match="layout") as info:
-        exp.read_config()
+        READERS[reader](exp)
     assert "\n" not in str(info.value)
-
-
-def test_fragment_heads_of_another_layout_are_refused(exp):
-    exp.store.write("exp/config.json", dump_json({"fragments": {"count": 2}}))
-    with pytest.raises(LayoutMismatch):
-        exp.heads()
-
-
-def test_update_config_refuses_another_layout(exp):
-    exp.store.write("exp/config.json", dump_json({"layout": 1, "islands": []}))
-    with pytest.raises(LayoutMismatch):
-        exp.update_config(lambda cfg: {**cfg, "lr": 1.0})
 
 
 def test_json_is_sorted_and_compact():
@@ -278,14 +290,9 @@ def test_head_is_none_before_the_first_publish(exp_any):
 
 def test_published_fragment_loads_back_with_its_outer_state(exp_any):
     head = _publish_v0(exp_any)
-    loaded = exp_any.load_fragment(head, outer_state=True)
-    assert (loaded.fragment, loaded.version) == (0, 0) and all(
-        np.array_equal(got, want)
-        for got, want in [
-            (loaded.params["blocks/0/w"], _fragment(0, 0.0)["blocks/0/w"]),
-            (loaded.outer_state["momentum/embed"], _state()["momentum/embed"]),
-        ]
-    )
+    got = exp_any.load_fragment(head, outer_state=True)
+    assert (got.fragment, got.version, got.params["blocks/0/w"].tolist()) == (0, 0, [0.0] * 3)
+    assert np.array_equal(got.outer_state["momentum/embed"], _state()["momentum/embed"])
 
 
 def test_load_fragment_leaves_out_the_outer_state_unless_asked(exp):
@@ -304,28 +311,30 @@ def test_first_publish_loses_when_head_already_exists(exp):
     assert _publish_v0(exp) is None
 
 
-def test_two_threads_racing_on_one_fragment_have_exactly_one_winner(exp_any):
+def test_two_threads_racing_on_one_fragment_have_exactly_one_winner(exp_any, monkeypatch):
     v0 = _publish_v0(exp_any)
-    barrier, results = threading.Barrier(2), [None, None]
+    _meet_before_head_cas(exp_any, monkeypatch)
+    results = [None, None]
 
     def merger(i: int) -> None:
-        barrier.wait(timeout=30)
         results[i] = _publish(exp_any, v0, float(i), [f"isl-{i}/00000001-f000"])
 
     _concurrently(merger, range(2))
+    monkeypatch.undo()
     winners = [r for r in results if r is not None]
     assert len(winners) == 1 and exp_any.head(0) == winners[0]
 
 
-def test_two_threads_publishing_different_fragments_both_win(exp_any):
+def test_two_threads_publishing_different_fragments_both_win(exp_any, monkeypatch):
     heads = [_publish_v0(exp_any, 0), _publish_v0(exp_any, 1)]
-    barrier, results = threading.Barrier(2), [None, None]
+    _meet_before_head_cas(exp_any, monkeypatch)
+    results = [None, None]
 
     def merger(p: int) -> None:
-        barrier.wait(timeout=30)
         results[p] = _publish(exp_any, heads[p], 1.0, [f"isl-a/00000001-f{p:03d}"])
 
     _concurrently(merger, range(2))
+    monkeypatch.undo()
     assert [exp_any.head(p) for p in (0, 1)] == results and None not in results
 
 
@@ -360,12 +369,8 @@ def test_manifest_records_fragment_parent_applied_and_extra(exp):
         1, 1, _fragment(1), _state(), {"tokens_merged": 64}, ["a/00000002-f001"], v0
     )
     m = exp.fragment_manifest(v1)
-    assert [m[k] for k in ("fragment", "parent_version", "parent_dir", "applied")] == [
-        1,
-        0,
-        v0.dir,
-        ["a/00000002-f001"],
-    ] and m["tokens_merged"] == 64
+    fields = ("fragment", "parent_version", "parent_dir", "applied", "tokens_merged")
+    assert [m[k] for k in fields] == [1, 0, v0.dir, ["a/00000002-f001"], 64]
 
 
 @pytest.mark.parametrize(
@@ -449,11 +454,11 @@ def test_a_recorded_snapshot_reloads_the_whole_model_after_fragments_advance(exp
         _publish(exp, h, 9.0)
     (record,) = exp.snapshots()
     params = exp.load_params(exp.snapshot_of(record))
-    assert (record["step"], record["versions"], sorted(params)) == (
-        7,
-        [1, 1],
-        ["blocks/0/w", "blocks/1/w"],
-    ) and [float(params[f"blocks/{p}/w"][0]) for p in (0, 1)] == [1.0, 2.0]
+    assert (record["step"], record["versions"]) == (7, [1, 1])
+    assert {name: t.tolist() for name, t in params.items()} == {
+        "blocks/0/w": [1.0] * 3,
+        "blocks/1/w": [2.0] * 3,
+    }
 
 
 def test_current_snapshot_counts_the_mean_tokens_over_fragments(exp):
@@ -469,6 +474,13 @@ def test_snapshot_of_refuses_a_directory_of_another_fragment(exp):
         exp.snapshot_of({"versions": [0, 0], "dirs": [f1.dir, f0.dir]})
 
 
+@pytest.mark.parametrize("tokens", ["many", None, 1.5, True])
+def test_snapshot_of_refuses_an_invalid_token_count(exp, tokens):
+    f0 = _publish_v0(exp, 0)
+    with pytest.raises(CorruptObject, match="tokens_merged"):
+        exp.snapshot_of({"versions": [0], "dirs": [f0.dir], "tokens_merged": tokens})
+
+
 def test_offer_best_keeps_the_lower_loss(exp):
     assert exp.offer_best({"loss": 2.0, "versions": [1]})
     assert not exp.offer_best({"loss": 3.0, "versions": [2]})
@@ -476,20 +488,32 @@ def test_offer_best_keeps_the_lower_loss(exp):
     assert exp.best() == {"loss": 2.0, "versions": [1]}
 
 
-def test_offer_best_keeps_the_lowest_loss_when_two_writers_race(exp_any, monkeypatch):
-    """Both writers read BEST before either swaps; whichever swaps first, 0.3 ends up BEST."""
+@pytest.mark.parametrize("first", [0.5, 0.3])
+def test_offer_best_keeps_the_lowest_loss_when_two_writers_race(exp_any, monkeypatch, first):
+    """Both writers read BEST (1.0) before either swaps; `first` swaps first, the other's swap
+    then fails on the generation and re-reads: either way 0.3 ends up BEST."""
     exp_any.offer_best({"loss": 1.0, "versions": [0]})
-    barrier, first_read = threading.Barrier(2), threading.local()
-    real = exp_any.store.read_versioned
+    both_read, first_swapped, seen = threading.Barrier(2), threading.Event(), threading.local()
+    read, swap = exp_any.store.read_versioned, exp_any.store.compare_and_swap
 
     def read_versioned(key):
-        got = real(key)
-        if key.endswith("snapshots/BEST.json") and not getattr(first_read, "done", False):
-            first_read.done = True
-            barrier.wait(timeout=30)
+        got = read(key)
+        if key.endswith("/snapshots/BEST.json") and not getattr(seen, "read", False):
+            seen.read = True
+            both_read.wait(timeout=30)
         return got
 
+    def compare_and_swap(key, data, expected):
+        if json.loads(data)["loss"] != first:
+            assert first_swapped.wait(timeout=30)
+            return swap(key, data, expected)
+        try:
+            return swap(key, data, expected)
+        finally:
+            first_swapped.set()
+
     monkeypatch.setattr(exp_any.store, "read_versioned", read_versioned)
+    monkeypatch.setattr(exp_any.store, "compare_and_swap", compare_and_swap)
     results = {}
 
     def evaluator(loss: float) -> None:
@@ -497,7 +521,10 @@ def test_offer_best_keeps_the_lowest_loss_when_two_writers_race(exp_any, monkeyp
 
     _concurrently(evaluator, (0.5, 0.3))
     monkeypatch.undo()
-    assert results[0.3] and exp_any.best() == {"loss": 0.3, "versions": [3]}
+    assert (results, exp_any.best()) == (
+        {0.5: first == 0.5, 0.3: True},
+        {"loss": 0.3, "versions": [3]},
+    )
 
 
 # --- ledger and quarantine ---------------------------------------------------------------------
