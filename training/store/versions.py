@@ -291,7 +291,10 @@ class FragmentVersions:
             match = _FRAGMENT_DIR.fullmatch(d) if isinstance(d, str) else None
             if not _is_int(v) or match is None or int(match[1]) != p or int(match[2]) != v:
                 raise CorruptObject(f"{self.url}: snapshot entry {p} is invalid: {v!r} {d!r}")
-        return Snapshot(tuple(versions), tuple(dirs), int(record.get("tokens_merged", 0)))
+        tokens = record.get("tokens_merged", 0)
+        if not _is_int(tokens):
+            raise CorruptObject(f"{self.url}: snapshot has invalid tokens_merged {tokens!r:.50}")
+        return Snapshot(tuple(versions), tuple(dirs), tokens)
 
     def load_params(self, snapshot: Snapshot | None = None) -> dict[str, np.ndarray]:
         """The whole model's parameters at `snapshot` (default: every fragment's HEAD now),
