@@ -126,7 +126,9 @@ class OuterConfig(_Frozen):
 
 class FragmentConfig(_Frozen):
     count: int = Field(1, gt=0)
-    strategy: Literal["strided", "balanced"] = "strided"
+    strategy: Literal["strided", "balanced", "tensors"] = Field(
+        "strided", description="strided layers, balanced layer groups, or balanced single tensors"
+    )
 
 
 class IslandConfig(_Frozen):
@@ -218,10 +220,11 @@ class ExperimentConfig(_Frozen):
                 f"data.seq_len {self.data.seq_len} exceeds the model's max_seq_len "
                 f"{dims['max_seq_len']}"
             )
-        if self.fragments.count > dims["n_layers"]:
+        if self.fragments.strategy == "strided" and self.fragments.count > dims["n_layers"]:
             raise ValueError(
                 f"fragments.count {self.fragments.count} exceeds the model's "
-                f"{dims['n_layers']} transformer blocks"
+                f"{dims['n_layers']} transformer blocks (strided; 'balanced' or 'tensors' "
+                "allow more)"
             )
         return self
 

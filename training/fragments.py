@@ -7,6 +7,8 @@ group of its own. Strategies:
   larger than the number of blocks, so that no fragment is empty.
 - "balanced": greedy longest-processing-time bin packing of the groups by element count into P
   fragments. Its largest fragment is at most (4/3 - 1/(3P)) times the optimal (Graham, 1969).
+- "tensors": the same bin packing over single tensors (a layer may span fragments), so P can
+  reach the number of tensors: the paper's P = 24 on models with fewer than 24 layers.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-STRATEGIES = ("strided", "balanced")
+STRATEGIES = ("strided", "balanced", "tensors")
 _BLOCK = re.compile(r"(?:^|/)blocks/(\d+)(?:/|$)")
 
 
@@ -45,10 +47,11 @@ def assign_fragments(
     """Tensor name -> fragment index in [0, num_fragments); every name exactly once."""
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown fragment strategy {strategy!r}; expected one of {STRATEGIES}")
-    groups = layer_groups(shapes)
+    groups = layer_groups(shapes) if strategy != "tensors" else {n: [n] for n in shapes}
     if not 1 <= num_fragments <= max(1, len(groups)):
+        unit = "tensors" if strategy == "tensors" else "layer groups"
         raise ValueError(
-            f"num_fragments must be between 1 and the number of layer groups ({len(groups)}), "
+            f"num_fragments must be between 1 and the number of {unit} ({len(groups)}), "
             f"got {num_fragments}"
         )
     if num_fragments == 1:

@@ -157,7 +157,7 @@ class ExperimentStore(FragmentVersions, GarbageCollection):
         return self._parallel(read, relatives)
 
     def _verified_tensors(
-        self, relative: str, digest: Any, nbytes: Any, what: str
+        self, relative: str, digest: Any, nbytes: Any, what: str, copy: bool = True
     ) -> dict[str, np.ndarray]:
         """Read a payload, check its size and sha256 against the manifest, decode it."""
         try:
@@ -168,7 +168,7 @@ class ExperimentStore(FragmentVersions, GarbageCollection):
             raise CorruptObject(f"{what}: payload {relative} has {len(data)} bytes, not {nbytes}")
         if sha256(data) != digest:
             raise CorruptObject(f"{what}: payload {relative} fails its sha256 check")
-        return decode_tensors(data)[0]
+        return decode_tensors(data, copy=copy)[0]
 
     # config --------------------------------------------------------------------------------
     def write_config(self, cfg: Mapping[str, Any]) -> None:
@@ -323,7 +323,10 @@ class ExperimentStore(FragmentVersions, GarbageCollection):
         ids = []
         for relative in self._list(prefix, self._after_seq("pseudograds", island, after_seq)):
             match = _PG_MARKER.fullmatch(relative)
-            if match is not None and match[1] not in excluded:
+            if match is None or match[1] in excluded:
+                continue
+            # the offset relies on the 8-digit padding; this keeps the promise past 10^8
+            if after_seq is None or parse_pseudograd_id(match[1])[1] > after_seq:
                 ids.append(match[1])
         refs = []
         for pg_id, data in zip(
@@ -364,7 +367,8 @@ class ExperimentStore(FragmentVersions, GarbageCollection):
             )
         if payload != ref.payload_key:
             raise CorruptObject(f"{what}: ref payload_key {ref.payload_key!r} != manifest")
-        return self._verified_tensors(payload, m.get("sha256"), m.get("nbytes"), what)
+        # read-only views over the downloaded bytes: the merger decodes them, never mutates them
+        return self._verified_tensors(payload, m.get("sha256"), m.get("nbytes"), what, copy=False)
 
     # ledger and quarantine -----------------------------------------------------------------
     def applied_ids(self) -> set[str]:

@@ -1,0 +1,314 @@
+"""Merge benchmark: one fragment merge of M contributions, against a memcpy of the same bytes.
+
+Per (preset, P) row: a store on local disk gets version 0 and M int8 contributions to the
+largest fragment (setup, in a child process); then a fresh child process times one
+`Merger(fragments=[p]).merge_once()` and reports its peak RSS above its own baseline (after
+imports and the Merger's construction, before the merge), and a memcpy of the bytes the merge
+moves (M payloads in, the fragment's params and outer state in and out) in the same process.
+Peak RSS is sampled every millisecond during the merge.
+`fragment_bytes` is the fragment's params + outer state (fp32). Rows for 1b and 12b are computed
+from the largest measured row's throughput and peak ratio. Codec rows time int8 / int4 encode
+and decode of one 16M-element tensor against a memcpy of its fp32 bytes.
+
+    diloco bench merge --json runs/bench_merge.json [--presets tiny small 125m] [--fragments 1 4 24]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+COMPUTED = ("1b", "12b")
+TARGET_WORKER_BYTES = 16 * 2**30
+
+
+def _cfg(preset: str, P: int, M: int, codec: str):
+    from training.config import parse_config
+
+    return parse_config(
+        {
+            "name": "bench-merge",
+            "model": {"preset": preset},
+            "fragments": {"count": P, "strategy": "strided" if P == 1 else "tensors"},
+            "codec": codec,
+            "outer": {"method": "decoupled", "quorum": 1, "max_grace_s": 0.0},
+            "islands": [{"name": f"island-{m}"} for m in range(M)],
+            "token_budget": 10**12,
+        }
+    )
+
+
+def _fragment_sizes(cfg) -> list[int]:
+    from training import model
+    from training.runtime import fragment_names
+
+    shapes = {k: v.shape for k, v in model.abstract_params(cfg.model).items()}
+    return [sum(math.prod(shapes[n]) for n in names) for names in fragment_names(cfg)]
+
+
+def setup(url: str, preset: str, P: int, M: int, codec: str) -> dict:
+    """Version 0 and M contributions to the largest fragment; returns what the row needs."""
+    from training import codecs
+    from training.merge import initial_version
+    from training.runtime import fragment_names
+    from training.store.experiment import ExperimentStore
+    from training.store.objectstore import open_store
+
+    cfg = _cfg(preset, P, M, codec)
+    store = ExperimentStore(open_store(url), cfg.name)
+    store.write_config(cfg.model_dump(mode="json"))
+    initial_version(cfg, store)
+    sizes = _fragment_sizes(cfg)
+    p = int(np.argmax(sizes))
+    params = store.load_fragment(store.head(p)).params
+    rng = np.random.default_rng(0)
+    payload_bytes = 0
+    for m in range(M):
+        delta = {n: rng.normal(0, 1e-3, v.shape).astype(np.float32) for n, v in params.items()}
+        payload, _ = codecs.encode(delta, codec)
+        payload_bytes += codecs.payload_nbytes(payload)
+        manifest = dict(
+            base_version=0,
+            steps=24,
+            tokens=24 * 1024,
+            codec=codec,
+            step_time_s=1.0,
+            published_at=time.time(),
+            loss=1.0,
+        )
+        store.publish_pseudograd(f"island-{m}", 0, p, payload, manifest)
+        del delta, payload
+    largest = max(int(v.nbytes) for v in params.values())
+    del fragment_names
+    return dict(fragment=p, fragment_elems=sizes[p], payload_bytes=payload_bytes, largest=largest)
+
+
+def measure(url: str, preset: str, P: int, M: int, codec: str, fragment: int) -> dict:
+    """One merge of `fragment` in this (fresh) process: seconds and peak RSS above baseline."""
+    from training.merge import Merger
+    from training.store.experiment import ExperimentStore
+    from training.store.objectstore import open_store
+
+    cfg = _cfg(preset, P, M, codec)
+    store = ExperimentStore(open_store(url), cfg.name)
+    merger = Merger(cfg, store, fragments=[fragment])
+    baseline = _rss()
+    peak_rss = [baseline]
+    done = threading.Event()
+
+    def sample() -> None:  # RSS every millisecond (ru_maxrss would include start-up peaks)
+        while not done.wait(0.001):
+            peak_rss[0] = max(peak_rss[0], _rss())
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    t = time.perf_counter()
+    r = merger.merge_once()
+    seconds = time.perf_counter() - t
+    done.set()
+    sampler.join()
+    peak = max(peak_rss[0], _rss()) - baseline
+    if len(r.applied) != M:
+        raise RuntimeError(f"merge applied {len(r.applied)} of {M} contributions")
+    return dict(seconds=seconds, peak_rss_bytes=max(0, peak))
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def memcpy_seconds(nbytes: int, repeats: int = 3) -> float:
+    """Best of `repeats` copies of `nbytes` between two preallocated buffers (in chunks)."""
+    chunk = min(nbytes, 256 * 2**20)
+    src, dst = np.ones(chunk, np.uint8), np.empty(chunk, np.uint8)
+    best = math.inf
+    for _ in range(repeats):
+        t = time.perf_counter()
+        left = nbytes
+        while left > 0:
+            n = min(left, chunk)
+            np.copyto(dst[:n], src[:n])
+            left -= n
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def codec_rows(elems: int = 16 * 2**20) -> list[dict]:
+    from training import codecs
+
+    x = np.random.default_rng(0).normal(size=elems).astype(np.float32)
+    copy_s = memcpy_seconds(x.nbytes)
+    rows = []
+    for codec in ("bf16", "int8", "int4"):
+        t = time.perf_counter()
+        payload, _ = codecs.encode({"x": x}, codec)
+        enc = time.perf_counter() - t
+        t = time.perf_counter()
+        codecs.decode(payload, codec)
+        dec = time.perf_counter() - t
+        rows.append(
+            dict(
+                codec=codec,
+                elems=elems,
+                encode_s=enc,
+                decode_s=dec,
+                memcpy_s=copy_s,
+                encode_vs_memcpy=copy_s / enc,
+                decode_vs_memcpy=copy_s / dec,
+            )
+        )
+    return rows
+
+
+def run_row(preset: str, P: int, M: int, codec: str) -> dict:
+    with tempfile.TemporaryDirectory(prefix="bench-merge-") as tmp:
+        url = f"file://{tmp}/store"
+        info = _child("setup", url, preset, P, M, codec)
+        got = _child("measure", url, preset, P, M, codec, info["fragment"])
+    fragment_bytes = 2 * 4 * info["fragment_elems"]  # params + momentum, fp32
+    bytes_moved = info["payload_bytes"] + 2 * fragment_bytes
+    copy_s = memcpy_seconds(bytes_moved)
+    return dict(
+        preset=preset,
+        fragments=P,
+        contributions=M,
+        codec=codec,
+        measured=True,
+        seconds=got["seconds"],
+        bytes_moved=bytes_moved,
+        memcpy_seconds=copy_s,
+        vs_memcpy=got["seconds"] / copy_s,
+        peak_rss_bytes=got["peak_rss_bytes"],
+        fragment_bytes=fragment_bytes,
+        largest_tensor_bytes=info["largest"],
+        peak_vs_fragment=got["peak_rss_bytes"] / fragment_bytes,
+    )
+
+
+def computed_rows(measured: list[dict], fragments: list[int], M: int, codec: str) -> list[dict]:
+    """1b / 12b rows from the largest measured row: its bytes/s and its peak / fragment ratio."""
+    from training import codecs
+
+    ref = max(measured, key=lambda r: r["bytes_moved"])
+    rate = ref["bytes_moved"] / ref["seconds"]
+    per_elem = {
+        "fp32": 4,
+        "bf16": 2,
+        "int8": 1 + 4 / codecs.DEFAULT_BLOCK,
+        "int4": 0.5 + 4 / codecs.DEFAULT_BLOCK,
+    }[codec]
+    rows = []
+    for preset in COMPUTED:
+        from training import model
+        from training.config import ModelConfig
+
+        total = sum(
+            math.prod(v.shape) for v in model.abstract_params(ModelConfig(preset=preset)).values()
+        )
+        for P in fragments:
+            elems = total / P  # balanced over tensors: about even
+            fragment_bytes = 8 * elems
+            moved = M * per_elem * elems + 2 * fragment_bytes
+            peak = ref["peak_vs_fragment"] * fragment_bytes
+            rows.append(
+                dict(
+                    preset=preset,
+                    fragments=P,
+                    contributions=M,
+                    codec=codec,
+                    measured=False,
+                    seconds=moved / rate,
+                    bytes_moved=int(moved),
+                    fragment_bytes=int(fragment_bytes),
+                    peak_rss_bytes=int(peak),
+                    fits_16gb=peak < TARGET_WORKER_BYTES,
+                    derived_from=f"{ref['preset']} P={ref['fragments']}",
+                )
+            )
+    return rows
+
+
+def _child(*args) -> dict:
+    cmd = [sys.executable, "-m", "training.bench.merge", "--child", *map(str, args)]
+    out = subprocess.run(
+        cmd, capture_output=True, text=True, env=dict(os.environ, JAX_PLATFORMS="cpu")
+    )
+    if out.returncode != 0:
+        raise RuntimeError(f"bench child {args[0]} failed: {out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def format_table(rows: list[dict]) -> str:
+    head = f"{'preset':7s} {'P':>3s} {'M':>2s} {'seconds':>8s} {'x memcpy':>8s} {'moved MB':>9s} {'frag MB':>8s} {'peak MB':>8s} {'peak/frag':>9s}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        x = f"{r['vs_memcpy']:.1f}" if r.get("measured") else "(calc)"
+        lines.append(
+            f"{r['preset']:7s} {r['fragments']:3d} {r['contributions']:2d} {r['seconds']:8.3f} {x:>8s} "
+            f"{r['bytes_moved'] / 2**20:9.1f} {r['fragment_bytes'] / 2**20:8.1f} "
+            f"{r['peak_rss_bytes'] / 2**20:8.1f} {r['peak_rss_bytes'] / r['fragment_bytes']:9.2f}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="diloco bench merge", description=__doc__.split("\n")[0])
+    ap.add_argument("--presets", nargs="+", default=["tiny", "small", "125m"])
+    ap.add_argument("--fragments", nargs="+", type=int, default=[1, 4, 24])
+    ap.add_argument("--contributions", type=int, default=4)
+    ap.add_argument("--codec", default="int8")
+    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--child", nargs="+", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        kind, url, preset, P, M, codec, *rest = args.child
+        if kind == "setup":
+            out = setup(url, preset, int(P), int(M), codec)
+        else:
+            out = measure(url, preset, int(P), int(M), codec, int(rest[0]))
+        print(json.dumps(out))
+        return 0
+    rows = []
+    for preset in args.presets:
+        for P in args.fragments:
+            try:
+                _cfg(preset, P, args.contributions, args.codec)
+                _fragment_sizes(_cfg(preset, P, args.contributions, args.codec))
+            except ValueError as exc:
+                print(f"{preset} P={P}: skipped ({str(exc).splitlines()[0]})", flush=True)
+                continue
+            row = run_row(preset, P, args.contributions, args.codec)
+            print(
+                f"{preset} P={P}: {row['seconds']:.3f} s, {row['vs_memcpy']:.1f}x memcpy, "
+                f"peak {row['peak_vs_fragment']:.2f}x fragment",
+                flush=True,
+            )
+            rows.append(row)
+    rows += computed_rows(
+        [r for r in rows if r["measured"]], args.fragments, args.contributions, args.codec
+    )
+    codec_table = codec_rows()
+    print(format_table(rows))
+    for c in codec_table:
+        print(
+            f"codec {c['codec']}: encode {c['encode_vs_memcpy']:.0%} of memcpy speed, decode {c['decode_vs_memcpy']:.0%}"
+        )
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"rows": rows, "codecs": codec_table}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
