@@ -112,6 +112,17 @@ class Merger:
         shapes = {k: tuple(v.shape) for k, v in model.abstract_params(cfg.model).items()}
         self.shapes = [{n: shapes[n] for n in names} for names in self.frags]
         self._snapshot_at = 0.0
+        self._manifests: dict[str, dict] = {}  # version dir -> manifest (immutable once committed)
+        self._repaired: set[str] = set()  # version dirs whose ledger entries this merger wrote
+
+    def _manifest(self, head: HeadPointer) -> dict:
+        """The manifest of a committed version, read once per version (a poll re-reads only
+        the small HEAD pointers)."""
+        if head.dir not in self._manifests:
+            if len(self._manifests) > 4 * len(self.fragments):
+                self._manifests.clear()
+            self._manifests[head.dir] = self.store.fragment_manifest(head)
+        return self._manifests[head.dir]
 
     def _active_islands(self) -> set[str]:
         gone = set(self.store.done()) | set(self.store.stopped_islands())
@@ -140,9 +151,7 @@ class Merger:
         heads' cursors; lists from there, never the history)."""
         heads = self.store.heads(self.fragments)
         cursors = {
-            h.fragment: dict(self.store.fragment_manifest(h)["merge_state"]["cursors"])
-            for h in heads
-            if h is not None
+            h.fragment: dict(self._manifest(h)["merge_state"]["cursors"]) for h in heads if h
         }
         return self._pending(cursors) if len(cursors) == len(self.fragments) else {}
 
@@ -152,9 +161,11 @@ class Merger:
         heads = self.store.heads(self.fragments)
         if any(h is None for h in heads):
             raise RuntimeError(f"experiment {self.cfg.name!r} has no global version: run init")
-        manifests = {h.fragment: self.store.fragment_manifest(h) for h in heads}
+        manifests = {h.fragment: self._manifest(h) for h in heads}
         for h in heads:
-            self.store.repair_ledger(h, manifests[h.fragment])
+            if h.dir not in self._repaired:
+                self.store.repair_ledger(h, manifests[h.fragment])
+                self._repaired.add(h.dir)
         cursors = {p: dict(m["merge_state"]["cursors"]) for p, m in manifests.items()}
         pending = self._pending(cursors)
         fault_point("merge.after-read")
@@ -296,6 +307,7 @@ class Merger:
             result.lost_race = True
             return
         result.versions[p] = new.version
+        self._repaired.add(new.dir)  # publish_fragment wrote its ledger entries after the CAS
         result.applied += applied
         result.contributions += details
         for d in details:
@@ -358,7 +370,7 @@ class Merger:
     def _after_merge(self, result: MergeResult) -> None:
         """Budget, metrics and (at most every SNAPSHOT_EVERY_S) a snapshot, after a round."""
         heads = self.store.heads(self.fragments)
-        manifests = [self.store.fragment_manifest(h) for h in heads if h is not None]
+        manifests = [self._manifest(h) for h in heads if h is not None]
         result.tokens_merged = sum(int(m["tokens_merged"]) for m in manifests) // max(
             len(manifests), 1
         )
