@@ -307,7 +307,6 @@ class Merger:
             result.lost_race = True
             return
         result.versions[p] = new.version
-        self._repaired.add(new.dir)  # publish_fragment wrote its ledger entries after the CAS
         result.applied += applied
         result.contributions += details
         for d in details:
