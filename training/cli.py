@@ -6,7 +6,7 @@
     diloco eval    --store URL --experiment NAME [--version N] [--record]
     diloco status  --store URL --experiment NAME [--json]
     diloco stop    --store URL --experiment NAME [--island NAME]
-    diloco bench   quality | goodput-sim | chaos  [...]
+    diloco bench   quality | goodput-sim | chaos | merge  [...]
 
 Every error a user can cause (a bad config, name or URL, an unreachable store, a corrupt object)
 ends with one line on stderr and exit status 2.
@@ -150,6 +150,10 @@ def cmd_bench(args, rest: list[str]) -> int:
         from training.bench import goodput_sim
 
         return goodput_sim.main(rest)
+    if args.bench == "merge":
+        from training.bench import merge
+
+        return merge.main(rest)
     if args.bench == "chaos":
         from training.bench import chaos
 
@@ -205,8 +209,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--island", default=None)
     sp.set_defaults(fn=cmd_stop)
 
-    sp = sub.add_parser("bench", help="benchmarks: quality, goodput-sim, chaos")
-    sp.add_argument("bench", choices=["quality", "goodput-sim", "chaos"])
+    sp = sub.add_parser("bench", help="benchmarks: quality, goodput-sim, chaos, merge")
+    sp.add_argument("bench", choices=["quality", "goodput-sim", "chaos", "merge"])
     sp.set_defaults(fn=None)
     return p
 
