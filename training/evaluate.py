@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from training.config import ExperimentConfig
 from training.data import eval_batches
 from training.island import corpus_for, loop_for
@@ -24,9 +26,18 @@ def evaluate_version(cfg: ExperimentConfig, store, version: int | None = None) -
         version=g.version,
         loss=eval_loss(cfg, g.params),
         tokens_merged=int(g.manifest.get("tokens_merged", 0)),
+        at=time.time(),
     )
     store.append_metric("eval", record)
     return record
+
+
+def evaluate_current(cfg: ExperimentConfig, store) -> dict:
+    """Evaluate the current global model and record it in metrics/eval.
+
+    Returns the record: ``loss``, ``tokens_merged``, ``at`` and ``version`` (the model evaluated).
+    """
+    return evaluate_version(cfg, store)
 
 
 def single_process_baseline(cfg: ExperimentConfig, tokens: int) -> float:

@@ -102,10 +102,13 @@ class Merger:
         cfg: ExperimentConfig,
         store: ExperimentStore,
         clock: Callable[[], float] = time.time,
+        fragments: list[int] | None = None,
     ):
         self.cfg = cfg
         self.store = store
         self.clock = clock
+        # the fragments this merger (one syncer shard) owns; None: all of them
+        self.fragments = None if fragments is None else set(fragments)
         self.frags = fragment_names(cfg)
         self.frag_of = {n: p for p, names in enumerate(self.frags) for n in names}
         self.shapes = {k: tuple(v.shape) for k, v in model.abstract_params(cfg.model).items()}
@@ -277,6 +280,8 @@ class Merger:
         for ref in self.store.list_pseudograds():
             if ref.id in applied or ref.id in quarantined:
                 continue
+            if self.fragments is not None and ref.fragment not in self.fragments:
+                continue  # another shard's
             checked = self._validate(ref, g.version, merge_state, params_norm)
             if isinstance(checked, str):
                 # Judge only against the current HEAD: a racing merger may have published a
@@ -337,6 +342,8 @@ class Merger:
                             norm=c.norm,
                             staleness=c.staleness,
                             loss=c.ref.manifest.get("loss"),
+                            published_at=c.ref.manifest.get("published_at"),
+                            tokens=int(c.ref.manifest["tokens"]),
                         )
                     )
             params.update(frag_params)
@@ -374,6 +381,7 @@ class Merger:
                 tokens_merged=tokens_merged,
                 seconds=sync_s,
                 at=self.clock(),
+                contributions=details,
             ),
         )
         return result

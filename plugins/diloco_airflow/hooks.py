@@ -19,7 +19,7 @@ except ImportError:  # pragma: no cover
     BaseHook = object  # type: ignore[assignment,misc]
 
 REGISTRY_VARIABLE = "diloco_experiments"
-"""Airflow Variable (JSON) naming the running experiments: the merge and maintenance DAGs read it."""
+"""Airflow Variable (JSON) naming the running experiments: the maintenance DAG reads it."""
 
 
 def _gcsfs_emulator_guard() -> None:
@@ -38,12 +38,12 @@ def open_experiment(store_url: str, experiment: str):
 
 
 def pending_pseudograds(estore) -> list[str]:
-    """Ids of committed pseudo-gradients that are neither applied nor quarantined."""
-    applied = estore.applied()
-    quarantined = estore.quarantined()
-    return [
-        r.id for r in estore.list_pseudograds() if r.id not in applied and r.id not in quarantined
-    ]
+    """Ids of committed pseudo-gradients that are neither applied nor quarantined.
+
+    Listings, plus a read of each pending manifest only (never the ledger entries).
+    """
+    done = estore.applied_ids() | set(estore.quarantined())
+    return [r.id for r in estore.list_pseudograds(exclude=done)]
 
 
 class DilocoStoreHook(BaseHook):  # type: ignore[misc]
