@@ -70,7 +70,8 @@ def _syncer_params() -> dict[str, Param]:
     out = {}
     for name, info in SyncerConfig.model_fields.items():
         kind = "integer" if info.annotation is int else "number"
-        bounds = {"exclusiveMinimum": m.gt for m in info.metadata if isinstance(m, Gt)}
+        gt = next((m.gt for m in info.metadata if isinstance(m, Gt)), None)
+        bounds = {} if gt is None else {"exclusiveMinimum": gt}
         out[f"syncer_{name}"] = Param(
             info.default,
             type=kind,
