@@ -261,3 +261,13 @@ def test_evaluator_returns_once_the_experiment_is_finished():
         store.mark_done(island, {})
     ev = Evaluator(store, clock=clock, sleep=clock.sleep, evaluate=lambda c: {})
     assert ev.run().reason == "finished"
+
+
+def test_merger_warm_up_reads_and_writes_nothing():
+    from training.merge import Merger
+
+    cfg = two_fragment_config()
+    store = new_store(cfg)
+    before = store.store.list("")
+    Merger(cfg, store, fragments=[1]).warm_up()
+    assert store.store.list("") == before

@@ -126,6 +126,15 @@ class Merger:
             state.update(state_to_named(self.tx.init({n: params[n] for n in names}), f"f{p:03d}/"))
         return state
 
+    def warm_up(self) -> None:
+        """Run the outer step once on zeros per owned fragment (nothing read or written), so
+        that a fresh process's first real merge does not wait for compilation."""
+        for p in range(len(self.frags)):
+            if self.fragments is None or p in self.fragments:
+                zeros = {n: np.zeros(self.shapes[n], np.float32) for n in self.frags[p]}
+                outer.apply_outer(self.tx, zeros, self.tx.init(zeros), zeros)
+                outer.combine([zeros], [1.0], self.cfg.outer.rda)
+
     # -- validation -------------------------------------------------------------------------
 
     def _validate(

@@ -270,6 +270,7 @@ class ShardSyncer:
         self.fragments = self.view.fragments(self.cfg)
         self.lease = ShardLease(estore, shard, owner, self.settings.lease_s, clock)
         self.merger = self.merger_for(self.cfg, self.fragments)
+        self._warm = False
         self.outcome = DrainOutcome("idle")
 
     def _default_merger(self, cfg: ExperimentConfig, fragments: list[int]):
@@ -302,6 +303,9 @@ class ShardSyncer:
             else:
                 self.outcome.reason = "standby"
             return self.outcome
+        if not self._warm:  # compile the outer step before the first contribution arrives
+            getattr(self.merger, "warm_up", lambda: None)()
+            self._warm = True
         poll_s, idle_s = self.settings.poll_s, self.settings.idle_s
         last_progress = self.clock()
         wake_at: float | None = None

@@ -145,6 +145,7 @@ class EvaluatorOperator(BaseOperator):
         return self._run(event.get("evaluated"), float(event.get("last_eval_at") or 0.0))
 
     def _run(self, evaluated: str | None, last_eval_at: float):
+        import training.evaluate  # noqa: F401 - jax: imported now, not at the first eval
         from training.syncer import Evaluator
 
         estore = _open(self.store_url, self.experiment)
