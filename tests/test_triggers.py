@@ -64,9 +64,9 @@ def test_island_trigger_roundtrip(tmp_path):
 
 
 def test_syncer_triggers_roundtrip():
-    t = ShardTrigger("file:///x", "e", 1, "run-1", "run-1", ["a/00000001-f001"], 0.5)
+    t = ShardTrigger("file:///x", "e", 1, "run-1", "run-1", ["a/00000001-f001"], 0.5, 9.0)
     assert roundtrip(t).serialize() == t.serialize()
-    e = EvalTrigger("file:///x", "e", "run-1", "000-m.json", 10.0, 40.0, 2.0)
+    e = EvalTrigger("file:///x", "e", "run-1", "000-m.json", 10.0, 40.0, 2.0, 9.0)
     assert roundtrip(e).serialize() == e.serialize()
 
 
@@ -179,6 +179,16 @@ def test_shard_and_eval_triggers_fire_finished_when_the_run_ends(sharded):
     assert first_event(shard_trigger(url, cfg, 0)) == {"status": "finished"}
     ev = EvalTrigger(url, cfg.name, run_id="run-1", poll_s=0.05)
     assert first_event(ev) == {"status": "finished"}
+
+
+def test_a_syncer_trigger_fires_no_earlier_than_it_settled(sharded):
+    from training.syncer import mark_run_ended
+
+    url, store, cfg = sharded
+    mark_run_ended(store, "run-1", {"islands": ["a", "b"]})
+    t0 = time.time()
+    assert first_event(shard_trigger(url, cfg, 0, settle_until=t0 + 0.5))["status"] == "finished"
+    assert time.time() - t0 >= 0.5
 
 
 def test_eval_trigger_fires_on_a_new_merge_once_not_before_passed(sharded):

@@ -139,10 +139,11 @@ class SyncerConfig(_Frozen):
         "Airflow task of the experiment's run (at most fragments.count)",
     )
     idle_s: float = Field(
-        60.0,
+        300.0,
         gt=0,
         description="a shard keeps merging in its task process and goes back to its "
-        "deferrable trigger (no process, no slot) after this many seconds without a merge",
+        "deferrable trigger (no process, no executor slot) after this many seconds without a "
+        "merge; waking up again costs a task start and about 15 s",
     )
     poll_s: float = Field(
         1.0,

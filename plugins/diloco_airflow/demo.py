@@ -51,7 +51,7 @@ def demo_conf(name: str, store_url: str, budget: int = TOKEN_BUDGET) -> dict:
         "eval_every_versions": 4,
         "heartbeat_s": 2.0,
         "syncer_shards": 2,
-        "syncer_idle_s": 60.0,
+        "syncer_idle_s": 300.0,
         "syncer_poll_s": 0.2,
         "syncer_eval_every_s": 10.0,
         "syncer_lease_s": 60.0,

@@ -28,6 +28,11 @@ from diloco_airflow import hooks
 log = logging.getLogger(__name__)
 
 MAX_POLL_ERRORS = 10  # consecutive failed trigger polls before the task is failed (and retried)
+# A trigger fires no earlier than this after its task deferred. Airflow 3.3 fails a task that
+# resumes (RUNNING) before the scheduler has processed the executor's "success" for the process
+# that deferred (apache/airflow#72716, #71580; fix proposed in #71579); on a loaded machine that
+# took 7 s here. Only a wake-up after an idle period pays it.
+DEFER_SETTLE_S = 15.0
 
 
 def _open(store_url: str, experiment: str, chaos: bool = False, arm_kill: bool = False):
@@ -117,6 +122,7 @@ class SyncerShardOperator(BaseOperator):
                 run_id=self.run_id,
                 seen=out.pending,
                 poll_s=syncer.settings.poll_s,
+                settle_until=time.time() + DEFER_SETTLE_S,
             ),
             method_name="execute_complete",
         )
@@ -169,21 +175,26 @@ class EvaluatorOperator(BaseOperator):
                 last_eval_at=out.last_eval_at,
                 not_before=out.last_eval_at + cfg.syncer.eval_every_s,
                 poll_s=max(cfg.syncer.poll_s, 1.0),
+                settle_until=time.time() + DEFER_SETTLE_S,
             ),
             method_name="execute_complete",
         )
 
 
 class _PollingTrigger(BaseTrigger):
-    """Calls the blocking `check()` in a thread every `poll_s` until it returns an event."""
+    """From `settle_until` on, calls the blocking `check()` in a thread every `poll_s` until it
+    returns an event (see DEFER_SETTLE_S)."""
 
     poll_s: float
+    settle_until: float
 
     def check(self) -> dict[str, Any] | None:  # pragma: no cover - overridden
         raise NotImplementedError
 
     async def run(self):
         errors = 0
+        if self.settle_until > time.time():
+            await asyncio.sleep(self.settle_until - time.time())
         while True:
             try:
                 event = await asyncio.to_thread(self.check)
@@ -203,10 +214,11 @@ class _PollingTrigger(BaseTrigger):
 class ShardTrigger(_PollingTrigger):
     """Fires when shard `shard` of `experiment` has work, or the experiment is finished.
 
-    Payloads: ``{"status": "finished"}``; ``{"status": "pending", "new": n}`` when a pending
-    pseudo-gradient of this shard not in `seen` (those the syncer left unmergeable) exists and
-    the shard's lease is free, expired or `owner`'s (another owner's live lease: its syncer
-    merges them); ``{"status": "error", "message"}`` after `MAX_POLL_ERRORS` failed polls.
+    From `settle_until` on. Payloads: ``{"status": "finished"}``; ``{"status": "pending",
+    "new": n}`` when a pending pseudo-gradient of this shard not in `seen` (those the syncer
+    left unmergeable) exists and the shard's lease is free, expired or `owner`'s (another
+    owner's live lease: its syncer merges them); ``{"status": "error", "message"}`` after
+    `MAX_POLL_ERRORS` failed polls.
     """
 
     def __init__(
@@ -218,6 +230,7 @@ class ShardTrigger(_PollingTrigger):
         run_id: str | None = None,
         seen: list[str] | None = None,
         poll_s: float = 1.0,
+        settle_until: float = 0.0,
     ) -> None:
         super().__init__()
         self.store_url = store_url
@@ -227,6 +240,7 @@ class ShardTrigger(_PollingTrigger):
         self.run_id = run_id
         self.seen = sorted(seen or [])
         self.poll_s = float(poll_s)
+        self.settle_until = float(settle_until)
         self._view = None
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
@@ -240,6 +254,7 @@ class ShardTrigger(_PollingTrigger):
                 "run_id": self.run_id,
                 "seen": self.seen,
                 "poll_s": self.poll_s,
+                "settle_until": self.settle_until,
             },
         )
 
@@ -273,6 +288,7 @@ class EvalTrigger(_PollingTrigger):
         last_eval_at: float = 0.0,
         not_before: float = 0.0,
         poll_s: float = 2.0,
+        settle_until: float = 0.0,
     ) -> None:
         super().__init__()
         self.store_url = store_url
@@ -282,6 +298,7 @@ class EvalTrigger(_PollingTrigger):
         self.last_eval_at = float(last_eval_at)
         self.not_before = float(not_before)
         self.poll_s = float(poll_s)
+        self.settle_until = float(settle_until)
         self._view = None
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
@@ -295,6 +312,7 @@ class EvalTrigger(_PollingTrigger):
                 "last_eval_at": self.last_eval_at,
                 "not_before": self.not_before,
                 "poll_s": self.poll_s,
+                "settle_until": self.settle_until,
             },
         )
 
