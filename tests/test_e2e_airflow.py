@@ -150,15 +150,22 @@ def test_a_run_triggered_like_the_form_merges_from_its_first_publish(airflow, gc
     fragments = {c["fragment"] for m in merges for c in m["contributions"]}
     assert fragments == {0, 1}, "both shards' fragments merged"
     assert s["applied_twice"] == 0
-    assert s["first_merge_after_first_publish_s"] <= FIRST_MERGE_S, s
     from training.config import parse_config
 
     cfg = parse_config(estore.read_config())
     per_interval = cfg.inner.H * cfg.data.batch_size * cfg.data.seq_len  # one island's interval
     over = s["tokens_merged"] - FORM_BUDGET
-    assert 0 <= over <= len(ISLANDS) * per_interval, f"{over} tokens over the budget"
-    assert s["final_eval_loss"] <= s["best_eval_loss"] + 1e-6, [r["loss"] for r in evals]
+    misses = []  # the issue's three targets, all reported at once
+    if not s["first_merge_after_first_publish_s"] <= FIRST_MERGE_S:
+        misses.append(
+            f"first merge {s['first_merge_after_first_publish_s']}s after the first publish"
+        )
+    if not 0 <= over <= len(ISLANDS) * per_interval:
+        misses.append(f"{over} tokens over the budget (at most {len(ISLANDS) * per_interval})")
+    if not s["final_eval_loss"] <= s["best_eval_loss"] + 1e-6:
+        misses.append(f"final eval {s['final_eval_loss']:.4f} > best {s['best_eval_loss']:.4f}")
     assert s["evals"] >= 3  # version 0, at least one during the run, the final one
+    assert not misses, "; ".join(misses)
 
 
 def test_experiment_on_gcs_survives_a_killed_island(airflow, gcs_bucket):  # noqa: F811
