@@ -424,13 +424,14 @@ def finalize_experiment(store_url: str, experiment: str) -> dict[str, Any]:
 
 # ------------------------------------------------------------------ chaos
 def run_chaos_monkey(
-    islands: dict[str, list[dict[str, Any]]],
+    islands: dict[str, list],
     store_url: str,
     experiment: str,
     poll_s: float = 2.0,
     idle_s: float = 600.0,
 ) -> dict[str, Any]:
-    """Chaos mode's kill monkey for the islands of one `diloco_experiment` run.
+    """Chaos mode's kill monkey for the islands of one `diloco_experiment` run (`islands`:
+    `init_experiment`'s output, islands by backend; its other keys are ignored).
 
     A no-op unless the experiment's stored config sets `chaos.kill_mtbi_s`. Otherwise
     `training.chaos.run_monkey` SIGKILLs the process group of a running local island at
@@ -457,7 +458,7 @@ def run_chaos_monkey(
             return {"kills": []}
         chaos = chaos.model_copy(update={"max_kills": chaos.max_kills - before})
     local = list(islands.get("local") or [])
-    others = [i["name"] for b, entries in islands.items() if b != "local" for i in entries]
+    others = [i["name"] for b in BACKENDS if b != "local" for i in islands.get(b) or []]
     if others:
         log.warning("chaos monkey: killing non-local islands is unsupported: %s", others)
     if not local:
