@@ -1,8 +1,11 @@
-"""diloco_experiment: create (or join) an experiment, then run its islands until done.
+"""diloco_experiment: create (or join) an experiment, run its islands and its syncer until done.
 
 Trigger from the UI (the Params form maps one to one onto training.config.ExperimentConfig) or on
 a schedule (DILOCO_EXPERIMENT_SCHEDULE, cron or preset; the defaults form a valid config).
-Structure only: the work is in plugins/diloco_airflow.
+Everything a run needs is in this run: `init`, the islands (one mapped task group each), the
+syncer (`syncer`: one mapped deferrable task per merge shard, merging as contributions arrive),
+`evaluate` (the current model on a time cadence), `islands_ended`, then `finalize` (final eval).
+Nothing else needs unpausing. Structure only: the work is in plugins/diloco_airflow.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from datetime import datetime, timedelta
 from airflow.sdk import dag, task, task_group
 from diloco_airflow import operators as ops
 from diloco_airflow.params import experiment_params
+from diloco_airflow.syncer import EvaluatorOperator, SyncerShardOperator
 
 RETRY_DELAY = timedelta(seconds=float(os.environ.get("DILOCO_RETRY_DELAY_S", "30")))
 ISLAND_TIMEOUT = timedelta(hours=float(os.environ.get("DILOCO_ISLAND_TIMEOUT_H", "72")))
@@ -109,11 +113,37 @@ def diloco_experiment():
 
     monkey = chaos_monkey(islands)
 
+    store_url, experiment = "{{ params.store_url }}", "{{ params.experiment_name }}"
+    syncer = SyncerShardOperator.partial(
+        task_id="syncer",
+        store_url=store_url,
+        experiment=experiment,
+        map_index_template="{{ shard_label }}",
+        retries=ISLAND_RETRIES,
+        execution_timeout=ISLAND_TIMEOUT,
+    ).expand(shard=select.override(task_id="select_shards")(islands, "shards"))
+    evaluate = EvaluatorOperator(
+        task_id="evaluate",
+        store_url=store_url,
+        experiment=experiment,
+        retries=ISLAND_RETRIES,
+        execution_timeout=ISLAND_TIMEOUT,
+    )
+
+    @task(trigger_rule="all_done")
+    def islands_ended(params=None, run_id=None) -> dict:
+        """The island tasks of this run are over: the syncer and evaluator may end."""
+        names = [i["name"] for i in params["islands"]]
+        return ops.islands_ended(params["store_url"], params["experiment_name"], run_id, names)
+
     @task(trigger_rule="all_done")
     def finalize(params=None) -> dict:
         return ops.finalize_experiment(params["store_url"], params["experiment_name"])
 
-    [*groups, monkey] >> finalize()
+    ended = islands_ended()
+    [*groups, monkey] >> ended
+    islands >> evaluate
+    [ended, syncer, evaluate] >> finalize()
 
 
 diloco_experiment()

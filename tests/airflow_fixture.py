@@ -25,8 +25,6 @@ def running_airflow(tmp_path: Path, **extra_env: str):
     env = {
         "DILOCO_RUNS_ROOT": str(runs),
         "DILOCO_RETRY_DELAY_S": "2",
-        "DILOCO_MERGE_POLL_S": "2",
-        "DILOCO_MERGE_IDLE_S": "30",
         # islands share the cores with Airflow: one compute thread each
         "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1",
         "OMP_NUM_THREADS": "1",

@@ -96,7 +96,8 @@ def test_chaos_monkey_task_kills_running_islands_and_records_each_kill(tmp_path)
     for e in entries:
         _launch(e)
     try:
-        out = ops.run_chaos_monkey({"local": entries, "gke": []}, url, cfg.name, poll_s=0.1)
+        islands = {"local": entries, "gke": [], "shards": [0]}  # as init_experiment returns
+        out = ops.run_chaos_monkey(islands, url, cfg.name, poll_s=0.1)
         assert len(out["kills"]) == 2
         events = [e for e in store.read_metrics("chaos") if e["event"] == "kill"]
         assert sorted(e["n"] for e in events) == [1, 2]

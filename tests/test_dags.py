@@ -10,7 +10,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 DAGS = ROOT / "dags"
-DAG_IDS = {"diloco_experiment", "diloco_merge", "diloco_maintenance"}
+DAG_IDS = {"diloco_experiment", "diloco_maintenance"}
 
 
 @pytest.fixture(scope="module")
@@ -46,11 +46,15 @@ def test_island_tasks_use_backend_pools_and_backoff(dagbag):
         assert dag.get_task(f"islands_{backend}.teardown").is_teardown
 
 
-def test_merge_dag_is_continuous_and_guarded(dagbag):
-    dag = dagbag.dags["diloco_merge"]
-    assert dag.max_active_runs == 1
-    assert dag.max_consecutive_failed_dag_runs > 0
-    assert "continuous" in type(dag.timetable).__name__.lower()
+def test_the_syncer_runs_inside_the_experiments_own_run(dagbag):
+    """No merge DAG to unpause: the shards and the evaluator are tasks of diloco_experiment."""
+    assert "diloco_merge" not in dagbag.dag_ids
+    dag = dagbag.dags["diloco_experiment"]
+    syncer, evaluate = dag.get_task("syncer"), dag.get_task("evaluate")
+    assert type(syncer).__name__ == "MappedOperator"  # one task instance per shard
+    assert syncer.upstream_task_ids == {"select_shards"} and evaluate.upstream_task_ids == {"init"}
+    assert dag.get_task("finalize").upstream_task_ids == {"syncer", "evaluate", "islands_ended"}
+    assert dag.get_task("islands_ended").trigger_rule == "all_done"
 
 
 @pytest.mark.parametrize("path", sorted(DAGS.glob("*.py")), ids=lambda p: p.name)
@@ -89,6 +93,20 @@ def test_default_params_make_a_valid_config():
     values = {k: p.value for k, p in experiment_params().items()}
     cfg = config_from_params(values)
     assert values["H"] == cfg.inner.H and cfg.fragments.count == values["fragments"]
+
+
+def test_syncer_params_are_derived_from_the_config():
+    from diloco_airflow.params import config_from_params, experiment_params
+
+    from training.config import SyncerConfig
+
+    params = experiment_params()
+    for name, info in SyncerConfig.model_fields.items():
+        p = params[f"syncer_{name}"]
+        assert p.value == info.default and p.description == info.description, name
+    values = {k: p.value for k, p in params.items()}
+    cfg = config_from_params({**values, "fragments": 2, "syncer_shards": 2})
+    assert cfg.syncer.shards == 2
 
 
 def test_bad_params_fail_with_one_line():

@@ -1,4 +1,6 @@
-"""Triggers: serialization round trip and event logic against a file:// store."""
+"""Triggers: serialization round trip and event logic against a file:// store.
+
+The syncer's triggers (`diloco_airflow.syncer`) are tested here too, on the same store."""
 
 from __future__ import annotations
 
@@ -10,7 +12,10 @@ import time
 
 import pytest
 from diloco_airflow.backends import IslandSpec
-from diloco_airflow.triggers import IslandTrigger, PendingPseudogradTrigger
+from diloco_airflow.syncer import EvalTrigger, ShardTrigger
+from diloco_airflow.triggers import IslandTrigger
+
+from tests.helpers import new_store, publish_delta, small_config
 
 
 def roundtrip(trigger):
@@ -58,9 +63,11 @@ def test_island_trigger_roundtrip(tmp_path):
     assert t2.serialize() == t.serialize()
 
 
-def test_pending_trigger_roundtrip():
-    t = PendingPseudogradTrigger([{"store_url": "file:///x", "experiment": "e"}], 1, 2)
+def test_syncer_triggers_roundtrip():
+    t = ShardTrigger("file:///x", "e", 1, "run-1", "run-1", ["a/00000001-f001"], 0.5, 9.0)
     assert roundtrip(t).serialize() == t.serialize()
+    e = EvalTrigger("file:///x", "e", "run-1", "000-m.json", 10.0, 40.0, 2.0, 9.0)
+    assert roundtrip(e).serialize() == e.serialize()
 
 
 def launch(tmp_path, spec):
@@ -123,19 +130,71 @@ def test_no_heartbeat_after_startup_timeout_fails(tmp_path, estore):
         b.teardown(s, {})
 
 
-def test_pending_trigger_idle_then_pending(tmp_path, estore, monkeypatch):
-    exps = [{"store_url": f"file://{tmp_path / 'store'}", "experiment": "exp"}]
-    idle = PendingPseudogradTrigger(exps, poll_s=0.05, idle_timeout_s=0.2)
-    assert first_event(idle) == {"status": "idle"}
-    from diloco_airflow import hooks
-
-    monkeypatch.setattr(hooks, "pending_pseudograds", lambda estore: ["isl-a/00000001-f000"])
-    event = first_event(PendingPseudogradTrigger(exps, poll_s=0.05, idle_timeout_s=5))
-    assert event["status"] == "pending"
-    assert event["experiments"][0]["experiment"] == "exp"
+@pytest.fixture
+def sharded(tmp_path):
+    """A two-fragment, two-shard experiment on a file:// store: (url, store, cfg)."""
+    url = f"file://{tmp_path / 'sharded'}"
+    cfg = small_config("shx", fragments={"count": 2}, syncer={"shards": 2})
+    return url, new_store(cfg, url), cfg
 
 
-def test_pending_trigger_with_nothing_registered_goes_idle():
-    assert first_event(PendingPseudogradTrigger([], poll_s=0.05, idle_timeout_s=0.1)) == {
-        "status": "idle"
-    }
+def _publish(store, cfg, fragment, seq=0):
+    from training.island import fragment_names
+
+    params = store.load_params()
+    names = fragment_names(cfg)[fragment]
+    delta = {n: params[n] * 0 for n in names}
+    return publish_delta(store, cfg, "a", seq, delta, fragment=fragment).id
+
+
+def shard_trigger(url, cfg, shard, **kw):
+    kw.setdefault("poll_s", 0.05)
+    return ShardTrigger(url, cfg.name, shard, owner="run-1", run_id="run-1", **kw)
+
+
+def test_shard_trigger_fires_for_new_work_of_its_own_shard_only(sharded):
+    url, store, cfg = sharded
+    pg = _publish(store, cfg, fragment=1)
+    assert shard_trigger(url, cfg, 0).check() is None
+    assert shard_trigger(url, cfg, 1, seen=[pg]).check() is None  # left unmergeable before
+    assert first_event(shard_trigger(url, cfg, 1)) == {"status": "pending", "new": 1}
+
+
+def test_shard_trigger_leaves_work_to_another_runs_live_lease(sharded):
+    from training.syncer import ShardLease
+
+    url, store, cfg = sharded
+    _publish(store, cfg, fragment=0)
+    assert ShardLease(store, 0, "run-0", 60).acquire()
+    assert shard_trigger(url, cfg, 0).check() is None
+    ShardLease(store, 0, "run-0", 60).release()
+    assert shard_trigger(url, cfg, 0).check()["status"] == "pending"
+
+
+def test_shard_and_eval_triggers_fire_finished_when_the_run_ends(sharded):
+    from training.syncer import mark_run_ended
+
+    url, store, cfg = sharded
+    mark_run_ended(store, "run-1", {"islands": ["a", "b"]})
+    assert first_event(shard_trigger(url, cfg, 0)) == {"status": "finished"}
+    ev = EvalTrigger(url, cfg.name, run_id="run-1", poll_s=0.05)
+    assert first_event(ev) == {"status": "finished"}
+
+
+def test_a_syncer_trigger_fires_no_earlier_than_it_settled(sharded):
+    from training.syncer import mark_run_ended
+
+    url, store, cfg = sharded
+    mark_run_ended(store, "run-1", {"islands": ["a", "b"]})
+    t0 = time.time()
+    assert first_event(shard_trigger(url, cfg, 0, settle_until=t0 + 0.5))["status"] == "finished"
+    assert time.time() - t0 >= 0.5
+
+
+def test_eval_trigger_fires_on_a_new_merge_once_not_before_passed(sharded):
+    url, store, cfg = sharded
+    assert EvalTrigger(url, cfg.name, run_id="r", not_before=0).check() is None  # no merge yet
+    store.append_metric("merge", {"at": time.time()})
+    assert EvalTrigger(url, cfg.name, run_id="r", not_before=time.time() + 60).check() is None
+    event = first_event(EvalTrigger(url, cfg.name, run_id="r", last_eval_at=5.0, poll_s=0.05))
+    assert event == {"status": "changed", "evaluated": None, "last_eval_at": 5.0}

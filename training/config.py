@@ -131,6 +131,43 @@ class FragmentConfig(_Frozen):
     )
 
 
+class SyncerConfig(_Frozen):
+    """The syncer (merger) as it runs on Airflow: `training/syncer.py`, docs/AIRFLOW.md."""
+
+    shards: int = Field(
+        1,
+        gt=0,
+        description="merge shards S: fragment p is merged by shard p % S, each shard a mapped "
+        "Airflow task of the experiment's run (at most fragments.count)",
+    )
+    idle_s: float = Field(
+        300.0,
+        gt=0,
+        description="a shard keeps merging in its task process and goes back to its "
+        "deferrable trigger (no process, no executor slot) after this many seconds without a "
+        "merge; waking up again costs a task start and about 15 s",
+    )
+    poll_s: float = Field(
+        1.0,
+        gt=0,
+        description="seconds between looks for new pseudo-gradients, while merging and "
+        "while deferred",
+    )
+    eval_every_s: float = Field(
+        30.0,
+        gt=0,
+        description="evaluate the current global model at most this often while it changes "
+        "(a task of its own: never delays a merge); a final eval ends the run",
+    )
+    lease_s: float = Field(
+        60.0,
+        gt=0,
+        description="a shard's lease in the store (control/syncer/shard-S.json) lasts this long "
+        "past its last renewal: a second run joining the experiment starts no second syncer "
+        "for the shard while the lease lives",
+    )
+
+
 class IslandConfig(_Frozen):
     name: str
     speed: float = Field(1.0, gt=0, description="relative speed (DyLU; virtual clock in benches)")
@@ -199,6 +236,7 @@ class ExperimentConfig(_Frozen):
     token_budget: int = Field(2_000_000, gt=0, description="total tokens merged, all islands")
     eval_every_versions: int = Field(5, gt=0)
     heartbeat_s: float = Field(5.0, gt=0)
+    syncer: SyncerConfig = SyncerConfig()
     chaos: ChaosConfig = ChaosConfig()
 
     _name = field_validator("name")(lambda cls, v: validate_name("experiment", v))
@@ -225,6 +263,11 @@ class ExperimentConfig(_Frozen):
                 f"fragments.count {self.fragments.count} exceeds the model's "
                 f"{dims['n_layers']} transformer blocks (strided; 'balanced' or 'tensors' "
                 "allow more)"
+            )
+        if self.syncer.shards > self.fragments.count:
+            raise ValueError(
+                f"syncer.shards {self.syncer.shards} exceeds fragments.count "
+                f"{self.fragments.count}: a shard would own no fragment"
             )
         return self
 

@@ -129,23 +129,6 @@ class Merger:
         return {i.name for i in self.cfg.islands} - gone
 
     # -- pending work ----------------------------------------------------------------------
-    def _pending(self, cursors: dict[int, dict[str, int]]) -> dict[int, list[PseudoGradRef]]:
-        """Committed, unapplied, unquarantined refs per owned fragment, found from the cursors."""
-        out: dict[int, list[PseudoGradRef]] = {p: [] for p in self.fragments}
-        for isl in self.cfg.islands:
-            lows = [cursors[p].get(isl.name, -1) for p in self.fragments]
-            after = min(lows)
-            after = None if after < 0 else after
-            refs = self.store.list_pseudograds(isl.name, after_seq=after)
-            if not refs:
-                continue
-            skip = self.store.quarantined(isl.name, after_seq=after)
-            for ref in refs:
-                fresh = ref.seq > cursors.get(ref.fragment, {}).get(isl.name, -1)
-                if ref.fragment in out and ref.id not in skip and fresh:
-                    out[ref.fragment].append(ref)
-        return out
-
     def pending(self) -> dict[int, list[PseudoGradRef]]:
         """Committed, unapplied, unquarantined pseudo-gradients per owned fragment (reads the
         heads' cursors; lists from there, never the history)."""
@@ -153,7 +136,9 @@ class Merger:
         cursors = {
             h.fragment: dict(self._manifest(h)["merge_state"]["cursors"]) for h in heads if h
         }
-        return self._pending(cursors) if len(cursors) == len(self.fragments) else {}
+        if len(cursors) != len(self.fragments):
+            return {}
+        return self.store.pending_after(cursors, [i.name for i in self.cfg.islands])
 
     # -- one round ---------------------------------------------------------------------------
     def merge_once(self) -> MergeResult:
@@ -167,7 +152,7 @@ class Merger:
                 self.store.repair_ledger(h, manifests[h.fragment])
                 self._repaired.add(h.dir)
         cursors = {p: dict(m["merge_state"]["cursors"]) for p, m in manifests.items()}
-        pending = self._pending(cursors)
+        pending = self.store.pending_after(cursors, [i.name for i in self.cfg.islands])
         fault_point("merge.after-read")
         active = self._active_islands()
         for head in heads:

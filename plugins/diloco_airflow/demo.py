@@ -1,9 +1,13 @@
 """`make demo`: a real Airflow runs a Decoupled DiLoCo experiment with local islands.
 
 Starts Airflow (scheduler, triggerer, dag-processor, api-server; LocalExecutor on SQLite) in
-./airflow_home, triggers `diloco_experiment` through REST API v2 with the `tiny` preset and three
-local islands on a local-directory store under ./runs/, kills one island once mid-run so that its
-retry shows, follows progress, prints a summary and stops every process it started.
+./airflow_home on port `DILOCO_AIRFLOW_PORT` (8080), triggers `diloco_experiment` through REST
+API v2 exactly as the form does (nothing else unpaused: the syncer's two shards and the evaluator
+are tasks of that run) with the `tiny` preset and three local islands on a local-directory store
+under ./runs/, kills one island once mid-run so that its retry shows, prints every eval as it
+appears, then a summary (also written to runs/<experiment>-summary.json: eval losses against a
+single-process run of the same tokens, merges, publish-to-applied latency, tokens against the
+budget, bytes, anything applied twice), and stops every process it started.
 """
 
 from __future__ import annotations
@@ -30,13 +34,14 @@ TIMEOUT_S = float(os.environ.get("DILOCO_DEMO_TIMEOUT_S", "480"))
 
 
 def demo_conf(name: str, store_url: str, budget: int = TOKEN_BUDGET) -> dict:
+    """The trigger form's values for the demo (the REST API gets exactly these)."""
     return {
         "experiment_name": name,
         "store_url": store_url,
         "model_preset": "tiny",
         "islands": [{"name": n, "speed": 1.0, "backend": "local", "hardware": {}} for n in ISLANDS],
         "H": 30,
-        "fragments": 1,
+        "fragments": 2,
         "codec": "int8",
         "outer_method": "decoupled",
         "outer_lr": 0.5,
@@ -45,6 +50,11 @@ def demo_conf(name: str, store_url: str, budget: int = TOKEN_BUDGET) -> dict:
         "token_budget": budget,
         "eval_every_versions": 4,
         "heartbeat_s": 2.0,
+        "syncer_shards": 2,
+        "syncer_idle_s": 300.0,
+        "syncer_poll_s": 0.2,
+        "syncer_eval_every_s": 10.0,
+        "syncer_lease_s": 60.0,
         "chaos": {},
         "overrides": {"inner.lr": 0.002},
     }
@@ -54,8 +64,6 @@ def airflow_env(runs: Path) -> dict[str, str]:
     return {
         "DILOCO_RUNS_ROOT": str(runs / "islands"),
         "DILOCO_RETRY_DELAY_S": "3",
-        "DILOCO_MERGE_POLL_S": "2",
-        "DILOCO_MERGE_IDLE_S": "30",
         # islands share two cores with Airflow: one compute thread each
         "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1",
         "OMP_NUM_THREADS": "1",
@@ -83,42 +91,103 @@ def retries(af: LocalAirflow, run_id: str) -> dict[str, int]:
     return out
 
 
-def progress(estore, heartbeat_s: float) -> dict:
-    snapshot = estore.current_snapshot()
-    evals = estore.read_metrics("eval")
-    beats, done = estore.heartbeats(), estore.done()
-    now = time.time()
-    alive = [i for i, b in beats.items() if now - float(b.get("time", 0)) < 5 * heartbeat_s]
+class MetricTail:
+    """The records of one metrics kind, each read once: a listing, then only the new names."""
+
+    def __init__(self, estore, kind: str):
+        self.store = estore.store
+        self.prefix = f"{estore.experiment}/metrics/{kind}/"
+        self.seen: set[str] = set()
+        self.records: list[dict] = []
+
+    def poll(self) -> list[dict]:
+        new = []
+        for key in self.store.list(self.prefix):
+            if key in self.seen or not key.endswith(".json"):
+                continue
+            self.seen.add(key)
+            try:
+                new.append(json.loads(self.store.read(key)))
+            except (ValueError, OSError):
+                continue
+        self.records += new
+        return new
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """Nearest-rank percentile (q in 0..100); None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = max(1, -(-len(ordered) * q // 100))  # ceil
+    return ordered[int(rank) - 1]
+
+
+def _real(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def summarize(
+    merges: list[dict],
+    evals: list[dict],
+    islands: dict[str, dict],
+    budget: int,
+    tokens_merged: int | None = None,
+) -> dict:
+    """The run's figures from its merge and eval records and the islands' done / heartbeat info.
+
+    Latency: per applied contribution, the merge's time minus its manifest's `published_at`.
+    `tokens_merged`: the model's (the current snapshot's); default the merge records' largest.
+    """
+    merges = sorted(merges, key=lambda m: m.get("at", 0.0))
+    evals = sorted(evals, key=lambda r: (r.get("at", 0.0), r.get("version", 0)))
+    contribs = [c for m in merges for c in m.get("contributions") or []]
+    ids = [c.get("id") for c in contribs]
+    latency = [
+        m["at"] - c["published_at"]
+        for m in merges
+        for c in m.get("contributions") or []
+        if _real(m.get("at")) and _real(c.get("published_at"))
+    ]
+    published = [c["published_at"] for c in contribs if _real(c.get("published_at"))]
+    losses = [r["loss"] for r in evals if _real(r.get("loss"))]
+    tokens = tokens_merged
+    if tokens is None:
+        tokens = max((int(m.get("tokens_merged") or 0) for m in merges), default=0)
+
+    def total(*keys):  # per island the first of `keys` it reports; None if none does
+        found = [next((i[k] for k in keys if _real(i.get(k))), None) for i in islands.values()]
+        found = [v for v in found if v is not None]
+        return int(sum(found)) if found else None
+
+    def rounded(x):
+        return None if x is None else round(x, 3)
+
     return {
-        "version": list(snapshot.versions) if snapshot else None,
-        "tokens_merged": snapshot.tokens_merged if snapshot else 0,
-        "eval": evals[-1]["loss"] if evals else None,
-        "alive": sorted(set(alive) - set(done)),
-        "done": sorted(done),
+        "initial_eval_loss": losses[0] if losses else None,
+        "final_eval_loss": losses[-1] if losses else None,
+        "best_eval_loss": min(losses) if losses else None,
+        "evals": len(losses),
+        "merges": len(merges),
+        "contributions_applied": len(ids),
+        "applied_twice": len(ids) - len(set(ids)),
+        "merge_latency_p50_s": rounded(percentile(latency, 50)),
+        "merge_latency_p95_s": rounded(percentile(latency, 95)),
+        "merge_latency_max_s": rounded(max(latency, default=None)),
+        "first_merge_after_first_publish_s": (
+            rounded(merges[0]["at"] - min(published)) if merges and published else None
+        ),
+        "tokens_merged": tokens,
+        "token_budget": budget,
+        "tokens_trained": total("tokens"),
+        "bytes_uploaded": total("bytes_uploaded", "bytes_sent"),
+        "bytes_downloaded": total("bytes_downloaded", "bytes_received"),
     }
 
 
-def summary(estore, af_retries: dict[str, int], elapsed: float) -> dict:
-    evals = sorted(estore.read_metrics("eval"), key=lambda r: r["version"])
-    chains = [estore.list_fragment_versions(p) for p in range(estore.num_fragments())]
-    versions = [m for chain in chains for m in chain]
-    snapshot = estore.current_snapshot()
-    applied = [pg for m in versions for pg in m.get("applied", [])]
+def islands_info(estore) -> dict[str, dict]:
     beats, done = estore.heartbeats(), estore.done()
-    sent = sum(int((done.get(i) or beats.get(i) or {}).get("bytes_sent", 0)) for i in ISLANDS)
-    return {
-        "initial_eval_loss": evals[0]["loss"] if evals else None,
-        "final_eval_loss": evals[-1]["loss"] if evals else None,
-        "final_version": list(snapshot.versions) if snapshot else None,
-        "merges": max(0, len(versions) - len(chains)),
-        "tokens_merged": snapshot.tokens_merged if snapshot else 0,
-        "pseudograds_applied": len(applied),
-        "applied_twice": len(applied) - len(set(applied)),
-        "retries": af_retries,
-        "bytes_sent_by_islands": sent,
-        "islands_done": sorted(done),
-        "wall_s": round(elapsed, 1),
-    }
+    return {i: dict(done.get(i) or beats.get(i) or {}) for i in ISLANDS}
 
 
 def single_process_loss(estore, tokens: int) -> float:
@@ -141,8 +210,6 @@ def main() -> int:
         af.wait_healthy()
         af.ensure_pools()
         af.wait_dag("diloco_experiment")
-        af.wait_dag("diloco_merge")
-        af.unpause("diloco_merge")
         print(
             f"[demo] Airflow up after {time.time() - started:.0f}s; UI {af.base} "
             f"(admin / {af.password()})",
@@ -151,58 +218,82 @@ def main() -> int:
         run_id = af.trigger("diloco_experiment", demo_conf(name, store_url))
         print(f"[demo] triggered diloco_experiment {run_id}: experiment {name}", flush=True)
         estore = hooks.open_experiment(store_url, name)
-        killed = False
-        last_line = ""
+        merges, evals = MetricTail(estore, "merge"), MetricTail(estore, "eval")
+        killed, last_line, last_print = False, "", 0.0
         deadline = time.monotonic() + TIMEOUT_S
         state = "running"
         while time.monotonic() < deadline:
             af.check_alive()
             state = af.dag_run("diloco_experiment", run_id)["state"]
             try:
-                p = progress(estore, 2.0)
+                merges.poll()
+                new_evals = evals.poll()
+                info = islands_info(estore)
             except Exception:  # not initialized yet
-                p = None
-            if p:
-                r = retries(af, run_id)
-                line = (
-                    f"version {p['version']}  tokens {p['tokens_merged']:,}/{TOKEN_BUDGET:,}  "
-                    f"eval {p['eval'] if p['eval'] is None else round(p['eval'], 4)}  "
-                    f"alive {','.join(p['alive']) or '-'}  done {','.join(p['done']) or '-'}  "
-                    f"retries {r or '-'}  run {state}"
+                new_evals, info = [], {}
+            t = time.time() - started
+            for r in sorted(new_evals, key=lambda r: r.get("at", 0.0)):
+                print(
+                    f"[{t:5.0f}s] eval loss {r['loss']:.4f} at {r.get('tokens_merged', 0):,} "
+                    f"tokens merged (version {r.get('version')})",
+                    flush=True,
                 )
-                if line != last_line:
-                    print(f"[{time.time() - started:5.0f}s] {line}", flush=True)
-                    last_line = line
-                if not killed and KILL in p["alive"] and p["tokens_merged"] >= TOKEN_BUDGET // 4:
-                    pgid = kill_island(runs, name, KILL)
-                    if pgid:
-                        killed = True
-                        print(f"[demo] SIGKILL {KILL} (process group {pgid})", flush=True)
+            snapshot = estore.current_snapshot() if info else None
+            tokens = snapshot.tokens_merged if snapshot else 0
+            now = time.time()
+            alive = [i for i, b in info.items() if now - float(b.get("time", 0)) < 10]
+            done = sorted(estore.done()) if info else []
+            line = (
+                f"merges {len(merges.records)}  tokens {tokens:,}/{TOKEN_BUDGET:,}  "
+                f"alive {','.join(sorted(set(alive) - set(done))) or '-'}  "
+                f"done {','.join(done) or '-'}  run {state}"
+            )
+            if line != last_line and (now - last_print >= 10 or state != "running"):
+                print(f"[{t:5.0f}s] {line}", flush=True)
+                last_line, last_print = line, now
+            if not killed and KILL in alive and tokens >= TOKEN_BUDGET // 4:
+                pgid = kill_island(runs, name, KILL)
+                if pgid:
+                    killed = True
+                    print(f"[{t:5.0f}s] SIGKILL {KILL} (process group {pgid})", flush=True)
             if state in ("success", "failed"):
                 break
-            time.sleep(3)
-        s = summary(estore, retries(af, run_id), time.time() - started)
-        s["dag_run_state"] = state
-        s["experiment"] = name
-        s["store"] = store_url
+            time.sleep(2)
+        merges.poll()
+        evals.poll()
+        snapshot = estore.current_snapshot()
+        s = summarize(
+            merges.records,
+            evals.records,
+            islands_info(estore),
+            TOKEN_BUDGET,
+            tokens_merged=snapshot.tokens_merged if snapshot else 0,
+        )
+        s.update(
+            retries=retries(af, run_id),
+            islands_done=sorted(estore.done()),
+            wall_s=round(time.time() - started, 1),
+            dag_run_state=state,
+            experiment=name,
+            store=store_url,
+        )
         af.stop()  # free the CPU for the single-process comparison
         stop_islands(runs / "islands")
-        if s.get("tokens_merged"):
-            print(
-                f"[demo] single-process run of the same {s['tokens_merged']:,} tokens...",
-                flush=True,
-            )
-            s["single_process_eval_loss"] = single_process_loss(estore, s["tokens_merged"])
+        tokens = s["tokens_trained"] or s["tokens_merged"]
+        s["single_process_eval_loss"] = None
+        if tokens:
+            print(f"[demo] single-process run of the same {tokens:,} tokens...", flush=True)
+            s["single_process_eval_loss"] = single_process_loss(estore, tokens)
+        final, single = s["final_eval_loss"], s["single_process_eval_loss"]
+        if final is not None and single:
+            s["final_vs_single_process"] = round(final / single - 1, 4)
         print("\n[demo] summary")
         for k, v in s.items():
-            print(f"  {k:24s} {v}")
-        (runs / f"{name}-summary.json").write_text(json.dumps(s, indent=1))
-        ok = (
-            state == "success"
-            and s["final_eval_loss"] is not None
-            and s["final_eval_loss"] < s["initial_eval_loss"]
-        )
-        print(f"[demo] {'OK' if ok else 'FAILED'}; artifacts under {runs}", flush=True)
+            print(f"  {k:34s} {v}")
+        out = runs / f"{name}-summary.json"
+        out.write_text(json.dumps(s, indent=1))
+        ok = state == "success" and final is not None and final < s["initial_eval_loss"]
+        print(f"[demo] {'OK' if ok else 'FAILED'}; summary in {out}", flush=True)
         return 0 if ok else 1
     finally:
         af.stop()

@@ -39,12 +39,9 @@ def open_experiment(store_url: str, experiment: str):
 
 def pending_pseudograds(estore, fragments=None) -> list[str]:
     """Ids of committed pseudo-gradients that are neither applied nor quarantined (of
-    `fragments`, default all), found from the fragments' cursors without listing the history."""
-    from training.config import parse_config
-    from training.merge import Merger
-
-    merger = Merger(parse_config(estore.read_config()), estore, fragments=fragments)
-    return [r.id for refs in merger.pending().values() for r in refs]
+    `fragments`, default all), from the fragments' cursors: listings that start after them
+    and the small HEAD and manifest objects, never the history (and no jax)."""
+    return [r.id for refs in estore.pending(fragments).values() for r in refs]
 
 
 class DilocoStoreHook(BaseHook):  # type: ignore[misc]

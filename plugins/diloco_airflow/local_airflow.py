@@ -2,6 +2,8 @@
 
     python -m diloco_airflow.local_airflow serve      # leaves the UI on localhost:8080
 
+The port is `DILOCO_AIRFLOW_PORT` (default 8080) unless given; `start()` refuses a port in use.
+
 Runs scheduler, triggerer, dag-processor and api-server (LocalExecutor on SQLite) in a
 project-local AIRFLOW_HOME with the project's dags/ and plugins/. Every component leads its own
 process group (setsid), so `stop()` ends it and everything it forked (LocalExecutor workers, task
@@ -16,6 +18,7 @@ import json
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -28,7 +31,21 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 COMPONENTS = ("scheduler", "triggerer", "dag-processor", "api-server")
 USER, PASSWORD = "admin", "admin"
-POOLS = {"diloco_control": 8, "diloco_local": 4, "diloco_tpu_vm": 16, "diloco_gke": 16}
+# control: init, the syncer's shards and evaluator (deferred ones count), finalize, per run
+POOLS = {"diloco_control": 16, "diloco_local": 4, "diloco_tpu_vm": 16, "diloco_gke": 16}
+
+
+def default_port() -> int:
+    return int(os.environ.get("DILOCO_AIRFLOW_PORT") or 8080)
+
+
+def port_in_use(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+    return False
 
 
 class AirflowError(RuntimeError):
@@ -39,14 +56,16 @@ class LocalAirflow:
     def __init__(
         self,
         home: str | Path | None = None,
-        port: int = 8080,
-        parallelism: int = 4,
+        port: int | None = None,
+        parallelism: int = 8,
         env: dict[str, str] | None = None,
         root: Path = ROOT,
     ) -> None:
         self.root = Path(root)
         self.home = Path(home or self.root / "airflow_home").resolve()
-        self.port = port
+        self.port = port = port or default_port()
+        # running tasks at once: the syncer's shards and evaluator run while merges happen,
+        # beside the chaos monkey and the islands' short provision / launch / retry tasks
         self.parallelism = parallelism
         self.extra_env = dict(env or {})
         self.procs: dict[str, subprocess.Popen] = {}
@@ -95,6 +114,10 @@ class LocalAirflow:
         return [str(exe)] if exe.exists() else [sys.executable, "-m", "airflow"]
 
     def start(self) -> None:
+        if port_in_use(self.port):
+            raise AirflowError(
+                f"port {self.port} is in use (another Airflow?): set DILOCO_AIRFLOW_PORT"
+            )
         env = self.env()
         logs = self.home / "logs"
         logs.mkdir(parents=True, exist_ok=True)
@@ -286,8 +309,9 @@ def stop_islands(runs_root: str | Path) -> list[int]:
     return killed
 
 
-def serve(port: int = 8080) -> int:
+def serve(port: int | None = None) -> int:
     af = LocalAirflow(port=port, env={"DILOCO_RUNS_ROOT": str(ROOT / "runs")})
+    port = af.port
     af.start()
     try:
         af.wait_healthy()
@@ -309,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] != "serve":
         print("usage: python -m diloco_airflow.local_airflow serve [--port N]", file=sys.stderr)
         return 2
-    port = int(argv[argv.index("--port") + 1]) if "--port" in argv else 8080
+    port = int(argv[argv.index("--port") + 1]) if "--port" in argv else None
     return serve(port)
 
 

@@ -151,8 +151,10 @@ def merge_configs(existing: dict[str, Any], new: dict[str, Any]) -> dict[str, An
     return {**existing, "islands": islands}
 
 
-def init_experiment(params: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
-    """Validate the form, create the experiment or join it, return the islands by backend.
+def init_experiment(params: dict[str, Any]) -> dict[str, list]:
+    """Validate the form, create the experiment or join it, return the islands by backend
+    (``{"local": [...], "tpu_vm": [...], "gke": [...]}``) and the syncer's shards
+    (``"shards": [0, ..., S-1]``, one mapped merge task each).
 
     Joining (the experiment exists): every setting but the island list must equal the stored
     config (`merge_configs`); islands not in it yet are added by compare-and-swap on
@@ -204,9 +206,10 @@ def init_experiment(params: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
     # only the islands of this trigger run here; islands of earlier runs keep running there
     entries = [island_entry(cfg_all, cfg_all.island(i.name)) for i in cfg.islands]
     register_experiment(cfg.store_url, cfg.name, entries)
-    out: dict[str, list[dict[str, Any]]] = {b: [] for b in BACKENDS}
+    out: dict[str, list] = {b: [] for b in BACKENDS}
     for e in entries:
         out[e["backend"]].append(e)
+    out["shards"] = list(range(cfg_all.syncer.shards))
     return out
 
 
@@ -352,7 +355,7 @@ class IslandWaitOperator(BaseOperator):
         raise RuntimeError(f"island {self.island['name']}: {message}")
 
 
-# ------------------------------------------------------------------ merge and evaluation
+# ------------------------------------------------------------------ merge (finalize, tests)
 def merge_experiments(experiments: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """`Merger.merge_all()` of each experiment, in this (task) process.
 
@@ -390,44 +393,32 @@ def merge_experiments(experiments: list[dict[str, Any]]) -> list[dict[str, Any]]
     return out
 
 
-def evaluate_if_due(store_url: str, experiment: str, force: bool = False) -> dict | None:
-    """Evaluate the current snapshot if `eval_every_versions` merges happened since the last
-    eval (summed over fragments), at the end (a stop marker), or when forced."""
-    from training.config import parse_config
+def islands_ended(store_url: str, experiment: str, run_id: str, islands: list[str]) -> dict:
+    """Mark the island tasks of this DAG run as over (successful or not): its syncer shards and
+    evaluator then end (after a last drain), so that `finalize` runs after them."""
+    from training.syncer import mark_run_ended
 
+    names = sorted(islands)
     estore = hooks.open_experiment(store_url, experiment)
-    cfg = parse_config(estore.read_config())
-    snapshot = estore.current_snapshot()
-    if snapshot is None:
-        return None
-    evals = estore.read_metrics("eval")
-    last = max((int(r.get("version", -1)) for r in evals), default=-1)
-    version = sum(snapshot.versions)
-    if version <= last and not force:
-        return None
-    due = version - last >= cfg.eval_every_versions or estore.stop_requested(None)
-    if not (due or force):
-        return None
-    from training.evaluate import evaluate_snapshot
-
-    record = evaluate_snapshot(cfg, estore, snapshot)
-    log.info("%s: eval %s", experiment, record)
-    return record
+    mark_run_ended(estore, run_id, {"islands": names})
+    return {"run_id": run_id, "islands": names}
 
 
 def finalize_experiment(store_url: str, experiment: str) -> dict[str, Any]:
-    """After the islands: a last merge, a last eval, and drop the experiment from the registry
+    """After the islands and the syncer: a last merge of anything a failed shard left (a no-op
+    normally), a final eval of the current model, and drop the experiment from the registry
     once every island of its config is done."""
     from training.config import parse_config
-    from training.evaluate import end_of_run_report
+    from training.evaluate import end_of_run_report, evaluate_current
 
     merged = merge_experiments([{"store_url": store_url, "experiment": experiment}])
-    record = evaluate_if_due(store_url, experiment, force=True)
     estore = hooks.open_experiment(store_url, experiment)
+    cfg = parse_config(estore.read_config())
+    record = evaluate_current(cfg, estore)
+    log.info("%s: final eval %s", experiment, record)
     report = end_of_run_report(estore)
     if report["warning"]:
         log.warning("%s: %s", experiment, report["warning"])
-    cfg = parse_config(estore.read_config())
     done = set(estore.done())
     if {i.name for i in cfg.islands} <= done:
         unregister_experiment(store_url, experiment)
@@ -442,13 +433,14 @@ def finalize_experiment(store_url: str, experiment: str) -> dict[str, Any]:
 
 # ------------------------------------------------------------------ chaos
 def run_chaos_monkey(
-    islands: dict[str, list[dict[str, Any]]],
+    islands: dict[str, list],
     store_url: str,
     experiment: str,
     poll_s: float = 2.0,
     idle_s: float = 600.0,
 ) -> dict[str, Any]:
-    """Chaos mode's kill monkey for the islands of one `diloco_experiment` run.
+    """Chaos mode's kill monkey for the islands of one `diloco_experiment` run (`islands`:
+    `init_experiment`'s output, islands by backend; its other keys are ignored).
 
     A no-op unless the experiment's stored config sets `chaos.kill_mtbi_s`. Otherwise
     `training.chaos.run_monkey` SIGKILLs the process group of a running local island at
@@ -475,7 +467,7 @@ def run_chaos_monkey(
             return {"kills": []}
         chaos = chaos.model_copy(update={"max_kills": chaos.max_kills - before})
     local = list(islands.get("local") or [])
-    others = [i["name"] for b, entries in islands.items() if b != "local" for i in entries]
+    others = [i["name"] for b in BACKENDS if b != "local" for i in islands.get(b) or []]
     if others:
         log.warning("chaos monkey: killing non-local islands is unsupported: %s", others)
     if not local:

@@ -5,7 +5,9 @@ field in dotted form (``{"data.batch_size": 8}``). The JSON-schema checks here r
 input in the UI / REST API (400 with the reason); `config_from_params` then validates the whole
 config with pydantic (`ConfigError`, one line) in the first task.
 
-No training (jax) import here: this module is imported at DAG parse time.
+No jax import here (this module is imported at DAG parse time); `training.config` is pydantic only.
+The syncer's fields (`syncer_*`) are derived from `training.config.SyncerConfig`: its defaults,
+bounds, titles and descriptions.
 """
 
 from __future__ import annotations
@@ -14,6 +16,9 @@ import copy
 from typing import Any
 
 from airflow.sdk import Param
+from annotated_types import Gt
+
+from training.config import SyncerConfig
 
 NAME_PATTERN = "^[a-z0-9][a-z0-9-]{0,62}$"
 PRESETS = ["tiny", "small", "125m", "1b", "12b"]
@@ -60,6 +65,26 @@ FIELD_MAP: dict[str, str] = {
 }
 
 
+def _syncer_params() -> dict[str, Param]:
+    """One Param per `SyncerConfig` field, named ``syncer_<field>``."""
+    out = {}
+    for name, info in SyncerConfig.model_fields.items():
+        kind = "integer" if info.annotation is int else "number"
+        gt = next((m.gt for m in info.metadata if isinstance(m, Gt)), None)
+        bounds = {} if gt is None else {"exclusiveMinimum": gt}
+        out[f"syncer_{name}"] = Param(
+            info.default,
+            type=kind,
+            title=f"Syncer: {name}",
+            description=info.description,
+            **bounds,
+        )
+    return out
+
+
+FIELD_MAP.update({f"syncer_{name}": f"syncer.{name}" for name in SyncerConfig.model_fields})
+
+
 def experiment_params() -> dict[str, Param]:
     """The trigger form. Defaults form a valid config, so the DAG also runs on a schedule."""
     return {
@@ -96,6 +121,7 @@ def experiment_params() -> dict[str, Param]:
         "token_budget": Param(2_000_000, type="integer", minimum=1, title="Token budget"),
         "eval_every_versions": Param(5, type="integer", minimum=1),
         "heartbeat_s": Param(5.0, type="number", exclusiveMinimum=0),
+        **_syncer_params(),
         "chaos": Param({}, type="object", title="Chaos settings (training.config.ChaosConfig)"),
         "overrides": Param(
             {},

@@ -245,6 +245,42 @@ class FragmentVersions:
             raise CorruptObject(f"{self.url}/{head.dir}/manifest.json: invalid applied list")
         self.record_applied(applied, head.version)
 
+    # pending work --------------------------------------------------------------------------
+    def pending_after(
+        self, cursors: Mapping[int, Mapping[str, int]], islands: Sequence[str]
+    ) -> dict[int, list]:
+        """Committed pseudo-gradients of `islands` to the fragments in `cursors` (fragment ->
+        island -> highest seq applied) that are above their cursor and not quarantined.
+
+        Per island one listing of markers and one of quarantine entries, each starting after
+        the smallest cursor (a start offset on GCS): never the history.
+        """
+        out: dict[int, list] = {p: [] for p in cursors}
+        for island in islands:
+            low = min((c.get(island, -1) for c in cursors.values()), default=-1)
+            after = None if low < 0 else low
+            refs = self.list_pseudograds(island, after_seq=after)
+            if not refs:
+                continue
+            skip = self.quarantined(island, after_seq=after)
+            for ref in refs:
+                fresh = ref.fragment in out and ref.seq > cursors[ref.fragment].get(island, -1)
+                if fresh and ref.id not in skip:
+                    out[ref.fragment].append(ref)
+        return out
+
+    def pending(self, fragments: Sequence[int] | None = None) -> dict[int, list]:
+        """`pending_after` from the current HEADs' cursors, for the islands of config.json
+        (no model, no jax: what triggers and `diloco status` call)."""
+        islands = [i.get("name") for i in self.read_config().get("islands", [])]
+        heads = self.heads(fragments)
+        if any(h is None for h in heads):
+            return {}
+        cursors = {
+            h.fragment: dict(self.fragment_manifest(h)["merge_state"]["cursors"]) for h in heads
+        }
+        return self.pending_after(cursors, [i for i in islands if isinstance(i, str)])
+
     # snapshots -----------------------------------------------------------------------------
     def current_snapshot(self) -> Snapshot | None:
         """The snapshot of every fragment's HEAD now (None until every fragment has one).
