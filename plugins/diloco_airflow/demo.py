@@ -229,8 +229,9 @@ def main() -> int:
                 merges.poll()
                 new_evals = evals.poll()
                 info = islands_info(estore)
+                snapshot = estore.current_snapshot()
             except Exception:  # not initialized yet
-                new_evals, info = [], {}
+                new_evals, info, snapshot = [], {}, None
             t = time.time() - started
             for r in sorted(new_evals, key=lambda r: r.get("at", 0.0)):
                 print(
@@ -238,7 +239,6 @@ def main() -> int:
                     f"tokens merged (version {r.get('version')})",
                     flush=True,
                 )
-            snapshot = estore.current_snapshot() if info else None
             tokens = snapshot.tokens_merged if snapshot else 0
             now = time.time()
             alive = [i for i, b in info.items() if now - float(b.get("time", 0)) < 10]
