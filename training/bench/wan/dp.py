@@ -17,10 +17,13 @@ that jax calls when it creates the CPU client (`xla_bridge._jax.make_gloo_tcp_co
 
 Output (process 0 only; every process trains identically): `DIR/steps.json` with the wall time
 (`time.time()`) at the start of training and at the end of every step (time spent saving
-snapshots left out), and parameter snapshots
-`DIR/params-{step:06d}.npz` every `--save-every` steps and at the end, for the held-out evaluation
-done afterwards by the bench. Training stops after the config's `token_budget` tokens (all
-processes) or `--max-steps` steps.
+snapshots left out), and parameter snapshots `DIR/params-{step:06d}.npz` every `--save-every`
+steps and at the end, for the held-out evaluation done afterwards by the bench. Training runs
+for the config's `token_budget` tokens (all processes) or `--max-steps` steps. Then come
+`--probe-phases` phases of `--probe-steps` steps each (their step times in `probes`): before
+phase j (after writing the budget phase's record to `DIR/main.json`), process 0 creates
+`DIR/ready-{j}` and waits for `DIR/go-{j}`, which the bench creates once it has reshaped the
+links.
 """
 
 from __future__ import annotations
@@ -105,6 +108,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--max-steps", type=int, default=None)
     parser.add_argument("--save-every", type=int, default=10)
+    parser.add_argument(
+        "--probe-steps", type=int, default=0, help="steps per probe phase after the budget"
+    )
+    parser.add_argument("--probe-phases", type=int, default=0)
     args = parser.parse_args(argv)
 
     import jax
@@ -124,7 +131,11 @@ def main(argv: list[str] | None = None) -> int:
     from training import model
     from training.config import load_config
     from training.data import BatchLoader, shard_tokens
-    from training.island import corpus_for
+
+    try:
+        from training.runtime import corpus_for
+    except ImportError:
+        from training.island import corpus_for
 
     cfg = load_config(args.config)
     mesh = Mesh(np.array(jax.devices()), ("data",))
@@ -153,21 +164,37 @@ def main(argv: list[str] | None = None) -> int:
             arrays = {k: np.asarray(jax.device_get(v)) for k, v in params.items()}
             np.savez(out / f"params-{step_no:06d}.npz", **arrays)
 
-    paused = 0.0  # time spent saving snapshots, left out of the step times
-    times = [time.time()]
-    for i in range(1, max_steps + 1):
-        x, y = loader.next_batch()
-        gx = jax.make_array_from_process_local_data(batch_sharding, x)
-        gy = jax.make_array_from_process_local_data(batch_sharding, y)
-        params, opt_state, loss = step(params, opt_state, gx, gy)
-        loss.block_until_ready()
-        times.append(time.time() - paused)
-        if i % args.save_every == 0 or i == max_steps:
-            t = time.time()
-            save(i)
-            paused += time.time() - t
+    def train(steps: int, save_every: int | None) -> list[float]:
+        nonlocal params, opt_state
+        paused = 0.0  # time spent saving snapshots, left out of the step times
+        times = [time.time()]
+        for i in range(1, steps + 1):
+            x, y = loader.next_batch()
+            gx = jax.make_array_from_process_local_data(batch_sharding, x)
+            gy = jax.make_array_from_process_local_data(batch_sharding, y)
+            params, opt_state, loss = step(params, opt_state, gx, gy)
+            loss.block_until_ready()
+            times.append(time.time() - paused)
+            if save_every and (i % save_every == 0 or i == steps):
+                t = time.time()
+                save(i)
+                paused += time.time() - t
+        return times
+
+    record = dict(
+        tokens_per_step=per_step, steps=max_steps, times=train(max_steps, args.save_every)
+    )
     if lead:
-        record = dict(times=times, tokens_per_step=per_step, steps=max_steps)
+        (out / "main.json").write_text(json.dumps(record))
+    probes = []
+    for j in range(args.probe_phases):
+        if lead:  # the bench reshapes the links between phases; the other processes wait in
+            (out / f"ready-{j}").touch()  # the next all-reduce
+            while not (out / f"go-{j}").exists():
+                time.sleep(0.01)
+        probes.append(train(args.probe_steps, None))
+    record["probes"] = probes
+    if lead:
         (out / "steps.json").write_text(json.dumps(record))
     jax.distributed.shutdown()
     return 0

@@ -96,13 +96,15 @@ def tbf_args(mbit: float) -> list[str]:
     """`tc qdisc` arguments of a token bucket at `mbit` Mbit/s (pure).
 
     The bucket holds 4 ms of traffic but at least 16 KiB (several full frames), so short bursts
-    are not counted as shaping error; the queue holds 500 ms, beyond which tbf drops and TCP backs
-    off, as on a congested WAN link.
+    are not counted as shaping error. The queue holds 50 ms, beyond which tbf drops and TCP backs
+    off: a longer queue (500 ms was tried) delays the ACKs of the opposite direction's flow behind
+    the data in it, and two-way bulk transfers (an all-reduce) then got about half the rate; at
+    50 ms they get about three quarters of it (measured, docs/WAN.md), one-way transfers ~96%.
     """
     if not mbit > 0:
         raise ValueError(f"rate {mbit!r} Mbit/s must be > 0")
     burst = max(16 * 1024, int(mbit * 1e6 / 8 * 0.004))
-    return ["tbf", "rate", f"{mbit * 1000:.0f}kbit", "burst", str(burst), "latency", "500ms"]
+    return ["tbf", "rate", f"{mbit * 1000:.0f}kbit", "burst", str(burst), "latency", "50ms"]
 
 
 def unavailable() -> str | None:
