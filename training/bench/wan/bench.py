@@ -90,13 +90,13 @@ def loss_at(curve: list[tuple[int, float]], tokens: float) -> float:
 
 
 def cycle_throughput(step_log: list[dict], fragments: int = 1, cycle: int = 2) -> float | None:
-    """Tokens per second of one island over its `cycle`-th publish cycle: from publish number
-    (cycle - 1) x P to the one P publishes later (every fragment published once more), counting
-    publishes from 1; the first cycle is left out by default (the first adoption after it often
-    finds no new version yet, which a steady state does). None if not reached."""
+    """Tokens per second of one island over its `cycle`-th publish cycle, cycle k being from the
+    island's publish number (k - 1) P to number k P (numbers from 0: every fragment published
+    once more in between, with the adoption after the first). The default leaves out cycle 1:
+    its adoption often finds no newer version yet, where a steady state does. None if absent."""
     pubs = [r for r in step_log if r.get("published")]
-    first = (cycle - 1) * fragments - 1
-    if first < 0 or len(pubs) <= first + fragments:
+    first = (cycle - 1) * fragments
+    if cycle < 1 or len(pubs) <= first + fragments:
         return None
     a, b = pubs[first], pubs[first + fragments]
     return (b["tokens"] - a["tokens"]) / (b["t"] - a["t"])
@@ -277,7 +277,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", dest="json_out", default=None)
     args, rest = ap.parse_known_args(argv)
     if args.model_12b:
-        return model12b.main(rest + (["--merge-json", args.merge_json] if args.merge_json else []))
+        forward = ["--merge-json", args.merge_json] if args.merge_json else []
+        forward += ["--json", args.json_out] if args.json_out else []
+        return model12b.main(rest + forward)
     if rest:
         ap.error(f"unrecognized arguments: {' '.join(rest)}")
     try:
