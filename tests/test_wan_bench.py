@@ -16,6 +16,7 @@ import pytest
 
 from training.bench.wan import bench, model12b
 from training.bench.wan.model12b import Assumptions
+from training.bench.wan.runner import _phase_throughput, _publishes_after, _tokens_at
 
 
 def test_link_rate_makes_dp_communication_ratio_times_compute() -> None:
@@ -35,20 +36,33 @@ def test_loss_at_interpolates_and_clamps() -> None:
     assert bench.loss_at(curve, 500) == 3.0
 
 
-def test_cycle_throughput_measures_the_second_cycle_by_default() -> None:
-    log = [{"t": 0.0, "event": "started"}]
-    log += [{"t": float(s), "step": s, "tokens": 10 * s, "published": int(s % 4 == 0)}
-            for s in range(1, 13)]  # fmt: skip
-    log[12]["t"] = 20.0  # the publish at step 12, which ends the second cycle, is slow
-    assert bench.cycle_throughput(log, fragments=1, cycle=1) == pytest.approx(40 / 4.0)
-    assert bench.cycle_throughput(log, fragments=1) == pytest.approx(40 / 12.0)
-    assert bench.cycle_throughput(log[:10], fragments=1) is None
+def _log(pub_every: int, steps: int) -> list[dict]:
+    log = [{"t": 0.0, "event": "started", "step": 0}]
+    return log + [
+        {"t": float(s), "step": s, "tokens": 10 * s, "published": int(s % pub_every == 0)}
+        for s in range(1, steps + 1)
+    ]
+
+
+def test_phase_throughput_runs_from_the_first_publish_after_the_phase_starts() -> None:
+    log = _log(4, 16)
+    log[12]["t"] = 20.0  # the step that publishes at 12 is slow (an upload, say)
+    assert _publishes_after(log, 5.0) == 3  # publishes at 8, 12, 16
+    # from the publish at 8 to the one at 16: 80 tokens in 8 s (the slow step is inside)
+    assert _phase_throughput(log, 5.0, 3) == pytest.approx(80 / 8.0)
+    assert _phase_throughput(log, 5.0, 2) == pytest.approx(40 / 12.0)
+    assert _tokens_at(log, 6.5) == 60
 
 
 def test_rows_give_speedup_over_dp_at_each_gbps() -> None:
     per = {"up": 2.0, "down": 3.0}
     m = {
-        "dp": {"tokens_to_target": 100.0, "bytes_per_token": per, "throughput": {2.0: 1.0}},
+        "dp": {
+            "tokens_to_target": 100.0,
+            "bytes_per_token": per,
+            "throughput": {2.0: 1.0},
+            "line_throughput": {2.0: 2.0},
+        },
         "sync": {"tokens_to_target": 200.0, "bytes_per_token": per, "throughput": {2.0: 10.0}},
         "decoupled": {"tokens_to_target": None, "bytes_per_token": per, "throughput": {2.0: 5.0}},
         "compute_tokens_s": 20.0,
@@ -56,6 +70,8 @@ def test_rows_give_speedup_over_dp_at_each_gbps() -> None:
     rows = {r["method"]: r for r in bench.rows_from(m, (2.0,))}
     assert rows["dp"]["time_to_target_s"] == 100.0 and rows["dp"]["speedup_vs_dp"] == 1.0
     assert rows["sync"]["speedup_vs_dp"] == pytest.approx(5.0)
+    assert rows["sync"]["speedup_vs_dp_line_rate"] == pytest.approx(2.5)
+    assert rows["decoupled"]["throughput_vs_dp"] == pytest.approx(5.0)
     assert rows["sync"]["bytes_up"] == 400.0 and rows["sync"]["goodput"] == 0.5
     assert rows["decoupled"]["time_to_target_s"] is None
     assert set(bench.rows_from(m, (2.0,))[0]) >= {

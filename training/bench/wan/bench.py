@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import signal
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
@@ -47,12 +48,13 @@ DP_SETTINGS = {"inner.lr": 0.003}
 class BenchParams:
     regions: int = 2
     steps: int = 200  # per region: the token budget is regions x steps x batch x seq_len
-    batch_size: int = 16
+    batch_size: int = 8
     H: int = 24
     fragments: int = 1
     codec: str = "int4"
     gbps: tuple[float, ...] = model12b.GBPS
     dp_probe_steps: int = 3
+    cycles_per_phase: int = 2  # DiLoCo: publish cycles of every island measured at each g
     target: float | None = None  # default: data-parallel's loss at target_fraction of the budget
     target_fraction: float = 0.5
     regional_checkpoints: bool = True
@@ -89,34 +91,25 @@ def loss_at(curve: list[tuple[int, float]], tokens: float) -> float:
     return curve[-1][1]
 
 
-def cycle_throughput(step_log: list[dict], fragments: int = 1, cycle: int = 2) -> float | None:
-    """Tokens per second of one island over its `cycle`-th publish cycle, cycle k being from the
-    island's publish number (k - 1) P to number k P (numbers from 0: every fragment published
-    once more in between, with the adoption after the first). The default leaves out cycle 1:
-    its adoption often finds no newer version yet, where a steady state does. None if absent."""
-    pubs = [r for r in step_log if r.get("published")]
-    first = (cycle - 1) * fragments
-    if cycle < 1 or len(pubs) <= first + fragments:
-        return None
-    a, b = pubs[first], pubs[first + fragments]
-    return (b["tokens"] - a["tokens"]) / (b["t"] - a["t"])
-
-
 def rows_from(m: dict, gbps: tuple[float, ...]) -> list[dict]:
     """The table: per method and g, time to target, speed-up over data-parallel, bytes, goodput.
 
-    `m[method]` holds `tokens_to_target`, `bytes_per_token` (`up`, `down`: per region) and
-    `throughput` {g: tokens/s}; `m["compute_tokens_s"]` is the throughput of pure compute."""
+    `m[method]` holds `tokens_to_target` (None: not reached within the budget),
+    `bytes_per_token` (`up`, `down`: per region) and `throughput` {g: tokens/s};
+    `m["dp"]["line_throughput"]` {g: tokens/s} is data-parallel at the links' nominal rate
+    (its compute plus its wire bytes at the rate), `m["compute_tokens_s"]` pure compute."""
     rows = []
     for g in gbps:
-        dp_time = None
+        dp = m["dp"]
+        dp_time = dp_line = None
+        if dp["tokens_to_target"] is not None:
+            dp_time = dp["tokens_to_target"] / dp["throughput"][g]
+            dp_line = dp["tokens_to_target"] / dp["line_throughput"][g]
         for method in METHODS:
             r = m[method]
             tput = r["throughput"].get(g)
             tokens = r["tokens_to_target"]
             t = tokens / tput if tokens is not None and tput else None
-            if method == "dp":
-                dp_time = t
             per = r["bytes_per_token"]
             rows.append(
                 dict(
@@ -124,6 +117,8 @@ def rows_from(m: dict, gbps: tuple[float, ...]) -> list[dict]:
                     gbps=g,
                     time_to_target_s=t,
                     speedup_vs_dp=dp_time / t if dp_time and t else None,
+                    speedup_vs_dp_line_rate=dp_line / t if dp_line and t else None,
+                    throughput_vs_dp=tput / dp["throughput"][g] if tput else None,
                     bytes_up=per["up"] * tokens if tokens is not None else None,
                     bytes_down=per["down"] * tokens if tokens is not None else None,
                     goodput=min(1.0, tput / m["compute_tokens_s"]) if tput else None,
@@ -135,20 +130,24 @@ def rows_from(m: dict, gbps: tuple[float, ...]) -> list[dict]:
 
 
 def format_table(summary: dict) -> str:
-    def num(x, fmt):
-        return "-" if x is None else format(x, fmt)
+    def num(x, fmt, unit=""):
+        return "not reached" if x is None else format(x, fmt) + unit
 
     lines = [
-        "| method | Gbps-eq | link Mbit/s | time to target s | speed-up vs DP | goodput "
-        "| bytes up / region | bytes down / region |",
-        "|---|---|---|---|---|---|---|---|",
+        "| method | Gbps-eq | link Mbit/s | tokens/s | goodput | time to target s "
+        "| speed-up vs DP | vs DP at line rate | tokens/s vs DP | up / region | down / region |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in summary["rows"]:
+        up = r["bytes_up"] and r["bytes_up"] / 2**20
+        down = r["bytes_down"] and r["bytes_down"] / 2**20
         lines.append(
             f"| {LABELS[r['method']]} | {r['gbps']:g} | {summary['links'][str(r['gbps'])]:.2f} "
-            f"| {num(r['time_to_target_s'], '.1f')} | {num(r['speedup_vs_dp'], '.1f')}x "
-            f"| {num(r['goodput'], '.0%')} | {num(r['bytes_up'] and r['bytes_up'] / 2**20, '.1f')} "
-            f"MiB | {num(r['bytes_down'] and r['bytes_down'] / 2**20, '.1f')} MiB |"
+            f"| {r['tokens_per_s']:.0f} | {r['goodput']:.0%} "
+            f"| {num(r['time_to_target_s'], '.1f')} | {num(r['speedup_vs_dp'], '.1f', 'x')} "
+            f"| {num(r['speedup_vs_dp_line_rate'], '.1f', 'x')} "
+            f"| {r['throughput_vs_dp']:.1f}x | {num(up, '.1f', ' MiB')} "
+            f"| {num(down, '.1f', ' MiB')} |"
         )
     return "\n".join(lines)
 
@@ -160,6 +159,10 @@ def run_name(method: str, g: float | None) -> str:
     return f"wan-{method}" if g is None else f"wan-{method}-{g:g}gbps".replace(".", "p")
 
 
+def _interrupt(*_) -> None:
+    raise KeyboardInterrupt
+
+
 def run(p: BenchParams, workdir: str | None = None, log=print) -> dict:
     """The whole benchmark; returns the summary (rows, links, measurements, the 12B figure)."""
     from training.bench.wan.runner import Runner, experiment_config
@@ -168,6 +171,8 @@ def run(p: BenchParams, workdir: str | None = None, log=print) -> dict:
     if reason:
         raise WanError(f"diloco bench wan needs network namespaces: {reason}")
     started = time.time()
+    # a SIGTERM (a timeout, a CI cancel) unwinds like Ctrl-C, so the WAN is torn down
+    signal.signal(signal.SIGTERM, _interrupt)
     ratios = {g: model12b.comm_ratio(p.assume, g, regions=p.regions) for g in p.gbps}
     tmp = tempfile.mkdtemp(prefix="wan-bench-")
     root = Path(workdir) if workdir else Path(tmp)
@@ -176,37 +181,27 @@ def run(p: BenchParams, workdir: str | None = None, log=print) -> dict:
             bucket = start_bucket(wan, root)
             runner = Runner(wan, bucket, root, p, log)
             diloco = ("sync", "decoupled")
-            quality = {m: experiment_config(p, m, run_name(m, None)) for m in diloco}
-            windows = {
-                (m, g): experiment_config(p, m, run_name(m, g), budget_factor=100)
-                for m in diloco
-                for g in p.gbps
-            }
-            runner.init_experiments([*quality.values(), *windows.values()])
+            budget = p.regions * p.steps * p.batch_size * 64
+            # the merger's own budget is far away: the bench ends each run itself
+            configs = {m: experiment_config(p, m, run_name(m, None), budget_factor=100)
+                       for m in diloco}  # fmt: skip
+            runner.init_experiments(list(configs.values()))
             log(f"[dp] {LABELS['dp']}")
             dp = runner.run_dp(ratios)
             measured = {"dp": dp}
             for m in diloco:
-                log(f"[{m}] {LABELS[m]}: unshaped, to the budget")
-                q = runner.run_islands(quality[m], None, None)
-                q["throughput"] = {}
-                for g in p.gbps:
-                    w = runner.run_islands(windows[(m, g)], dp["rates_mbit"][g], 3 * p.H)
-                    per_island = [cycle_throughput(s, p.fragments) for s in w.pop("step_logs")]
-                    q["throughput"][g] = None if None in per_island else sum(per_island)
-                    q[f"window_{g:g}"] = w
-                    tput = q["throughput"][g]
-                    log(f"  {m} at {g:g} Gbps-eq: " + (f"{tput:.0f} tokens/s" if tput else "-"))
-                q.pop("step_logs")
-                measured[m] = q
+                log(f"[{m}] {LABELS[m]}: unshaped to {budget} tokens, then at each Gbps-eq")
+                measured[m] = runner.run_diloco(configs[m], budget, dp["rates_mbit"])
     finally:
         if not workdir:
             shutil.rmtree(tmp, ignore_errors=True)
-    budget = p.regions * p.steps * p.batch_size * 64
     target = p.target if p.target is not None else loss_at(dp["curve"], p.target_fraction * budget)
     for m in METHODS:
-        measured[m]["tokens_to_target"] = tokens_to(measured[m]["curve"], target)
-        measured[m]["final_loss"] = measured[m]["curve"][-1][1]
+        tokens = tokens_to(measured[m]["curve"], target)
+        measured[m]["tokens_to_target"] = (
+            tokens if tokens is not None and tokens <= budget else None
+        )
+        measured[m]["loss_at_budget"] = loss_at(measured[m]["curve"], budget)
     measured["compute_tokens_s"] = p.regions * p.batch_size * 64 / dp["step_s"]
     summary = dict(
         params={k: v for k, v in asdict(p).items() if k != "assume"},

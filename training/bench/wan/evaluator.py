@@ -1,11 +1,11 @@
 """Held-out loss of the global model while a WAN-bench run trains (runs in the backbone).
 
     python -m training.bench.wan.evaluator --store gs://wan/x --experiment E --out curve.jsonl \\
-        --stop-file DIR/stop [--every 1.0]
+        --until-tokens N [--every 1.0]
 
 Every `--every` seconds it evaluates the model as it is now in the store and appends
 `{"t", "loss", "tokens_merged"}` to `--out` (skipping an evaluation when the merged-token count
-has not moved); once `--stop-file` exists it evaluates one last time and exits. Evaluation is
+has not moved); it exits after the first evaluation of a model with N tokens merged or more. Evaluation is
 `training.evaluate` (the fixed held-out batches of `diloco eval`).
 """
 
@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from pathlib import Path
 
 from training.config import parse_config
 from training.store.experiment import ExperimentStore
@@ -37,23 +36,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--store", required=True)
     p.add_argument("--experiment", required=True)
     p.add_argument("--out", required=True)
-    p.add_argument("--stop-file", required=True)
+    p.add_argument("--until-tokens", type=int, required=True)
     p.add_argument("--every", type=float, default=1.0)
     args = p.parse_args(argv)
     estore = ExperimentStore(open_store(args.store), args.experiment)
     cfg = parse_config(estore.read_config())
-    stop = Path(args.stop_file)
     last = None
     with open(args.out, "a") as out:
         while True:
-            final = stop.exists()
             t = time.time()
             rec = eval_now(cfg, estore)
-            if rec["tokens_merged"] != last or final:
+            if rec["tokens_merged"] != last:
                 out.write(json.dumps({"t": t, **rec}) + "\n")
                 out.flush()
                 last = rec["tokens_merged"]
-            if final:
+            if rec["tokens_merged"] >= args.until_tokens:
                 return 0
             time.sleep(max(0.0, args.every - (time.time() - t)))
 

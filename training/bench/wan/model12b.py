@@ -170,7 +170,7 @@ def measure_memcpy(nbytes: int = 256 << 20, repeats: int = 3) -> float:
     return nbytes / best
 
 
-def measure_encode(elements: int = 1 << 24, codec: str = "int4") -> float:
+def measure_encode(elements: int = 1 << 22, codec: str = "int4") -> float:
     """Float32 bytes per second that `training.codecs.encode` (with error feedback) takes in."""
     import numpy as np
 

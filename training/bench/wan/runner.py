@@ -159,7 +159,13 @@ class Runner:
             durations = [b - a for a, b in zip(times, times[1:], strict=False)]
             throughput[g] = rec["tokens_per_step"] / statistics.median(durations)
             self.log(f"  data-parallel at {g:g} Gbps-eq: {statistics.median(durations):.2f} s/step")
+        line = {
+            g: rec["tokens_per_step"] / (step_s + (per_step["up"] + per_step["down"]) / 2
+                                         / (rates[g] * 1e6 / 8))
+            for g in gs
+        }  # fmt: skip
         return dict(
+            line_throughput=line,
             step_s=step_s,
             tokens_per_step=rec["tokens_per_step"],
             steps=rec["steps"],
@@ -186,63 +192,78 @@ class Runner:
 
     # -- DiLoCo ------------------------------------------------------------------------------
 
-    def run_islands(self, cfg: ExperimentConfig, mbit: float | None, max_steps: int | None):
-        """One run of islands + merger (+ evaluator when unshaped, to the budget)."""
+    def run_diloco(self, cfg: ExperimentConfig, quality_tokens: int, rates: dict) -> dict:
+        """One continuous run of islands + merger: unshaped until `quality_tokens` are merged
+        (its evaluated curve and wire bytes per token), then one phase per g at its link rate
+        (throughput over `cycles_per_phase` publish cycles of every island)."""
         p, wan, name = self.p, self.wan, cfg.name
         d = self._dir(name)
-        quality = max_steps is None
         store = self.bucket.url  # experiment `name` under the bucket's root
-        stop = d / "stop"
-        start = wan.counters()
         bb = wan.backbone
+        start = wan.counters()
         argv = [PY, "-m", "training.cli", "merge", "--store", store, "--experiment", name]
         argv += ["--follow", "--poll", "0.2"]
         with open(d / "merge.log", "wb") as logf:
             merger = wan.popen(bb, argv, self.env, stdout=logf, stderr=logf)
-        evaluator = None
-        if quality:
-            with open(d / "eval.log", "wb") as logf:
-                argv = [PY, "-m", "training.bench.wan.evaluator", "--store", store]
-                argv += ["--experiment", name, "--out", str(d / "curve.jsonl")]
-                argv += ["--stop-file", str(stop), "--every", "1.0"]
-                evaluator = wan.popen(bb, argv, self.env, stdout=logf, stderr=logf)
+        argv = [PY, "-m", "training.bench.wan.evaluator", "--store", store, "--experiment", name]
+        argv += ["--out", str(d / "curve.jsonl"), "--until-tokens", str(quality_tokens)]
+        with open(d / "eval.log", "wb") as logf:
+            evaluator = wan.popen(bb, argv, self.env, stdout=logf, stderr=logf)
         islands = []
+        logs = [d / f"{isl.name}.jsonl" for isl in cfg.islands]
         for i, isl in enumerate(cfg.islands):
-            argv = [PY, "-m", "training.bench.wan.island", "--store", store]
-            argv += ["--experiment", name, "--island", isl.name]
-            argv += ["--step-log", str(d / f"{isl.name}.jsonl")]
+            argv = [PY, "-m", "training.bench.wan.island", "--store", store, "--experiment", name]
+            argv += ["--island", isl.name, "--step-log", str(logs[i])]
             if p.regional_checkpoints:
                 argv += ["--checkpoints", f"file://{d / f'region-{i}'}"]
-            if max_steps is not None:
-                argv += ["--max-steps", str(max_steps)]
             with open(d / f"{isl.name}.log", "wb") as logf:
                 islands.append(wan.popen(wan.region(i), argv, self.env, stdout=logf, stderr=logf))
-        logs = [d / f"{isl.name}.jsonl" for isl in cfg.islands]
+        procs = [merger, evaluator, *islands]
+        throughput, phases = {}, []
         try:
-            if mbit is not None:  # shape once every island has pulled version 0
-                self._until(lambda: all(_lines(x) for x in logs), islands, p.run_timeout_s, name)
+            self._wait([evaluator], p.run_timeout_s, f"{name} evaluator")
+            t_quality = time.time()
+            wire = _sub(start, wan.counters())
+            trained = sum(_tokens_at(_lines(x), t_quality) for x in logs)
+            for g, mbit in rates.items():
                 wan.shape(mbit)
-            self._wait(islands, p.run_timeout_s, name)
-            if quality:
-                self._wait([merger], 60, f"{name} merger")
+                t0 = time.time()
+                need = 1 + p.cycles_per_phase * p.fragments  # an anchor publish, then full cycles
+
+                def enough(t0=t0, need=need):
+                    return all(_publishes_after(_lines(x), t0) >= need for x in logs)
+
+                self._until(enough, procs[2:], p.run_timeout_s, f"{name} at {g:g} Gbps-eq")
+                per_island = [_phase_throughput(_lines(x), t0, need) for x in logs]
+                throughput[g] = sum(per_island)
+                phases.append(dict(gbps=g, mbit=mbit, start=t0, end=time.time()))
+                self.log(f"  {name} at {g:g} Gbps-eq: {throughput[g]:.0f} tokens/s")
         finally:
             wan.shape(None)
-            stop.touch()
-            if merger.poll() is None:
-                merger.kill()
-                merger.wait()
-        if evaluator is not None:
-            self._wait([evaluator], 60, f"{name} evaluator")
-        wire = _sub(start, wan.counters())
-        steps = [_lines(x) for x in logs]
-        trained = sum(max((r.get("tokens", 0) for r in s), default=0) for s in steps)
-        out = dict(
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+        curve = sorted({(r["tokens_merged"], r["loss"]) for r in _lines(d / "curve.jsonl")})
+        return dict(
+            curve=curve,
             wire=wire,
             tokens_trained=trained,
             bytes_per_token={k: v / max(trained, 1) for k, v in wire.items()},
-            step_logs=steps,
+            throughput=throughput,
+            phases=phases,
         )
-        if quality:
-            curve = sorted({(r["tokens_merged"], r["loss"]) for r in _lines(d / "curve.jsonl")})
-            out["curve"] = curve
-        return out
+
+
+def _tokens_at(step_log: list[dict], t: float) -> int:
+    return max((r["tokens"] for r in step_log if "tokens" in r and r["t"] <= t), default=0)
+
+
+def _publishes_after(step_log: list[dict], t: float) -> int:
+    return sum(1 for r in step_log if r.get("published") and r["t"] > t)
+
+
+def _phase_throughput(step_log: list[dict], t: float, need: int) -> float:
+    """Tokens per second from the first publish after `t` to the `need`-th."""
+    pubs = [r for r in step_log if r.get("published") and r["t"] > t][:need]
+    return (pubs[-1]["tokens"] - pubs[0]["tokens"]) / (pubs[-1]["t"] - pubs[0]["t"])
