@@ -54,7 +54,7 @@ class BenchParams:
     codec: str = "int4"
     gbps: tuple[float, ...] = model12b.GBPS
     dp_probe_steps: int = 3
-    cycles_per_phase: int = 2  # DiLoCo: publish cycles of every island measured at each g
+    cycles_per_phase: int = 3  # DiLoCo: publish cycles of every island measured at each g
     target: float | None = None  # default: data-parallel's loss at target_fraction of the budget
     target_fraction: float = 0.5
     regional_checkpoints: bool = True

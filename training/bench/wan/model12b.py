@@ -49,8 +49,16 @@ CHIPS = {
     "v6e": Chip("TPU v6e", 918e12, 32e9, "cloud.google.com/tpu/docs/v6e (918 TFLOPS bf16, 32 GB)"),
 }
 
-# bytes per parameter on the wire, int4 with one float32 scale per 256-element block (codecs.py)
-CODEC_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0 + 4 / 256, "int4": 0.5 + 4 / 256}
+# bytes per parameter on the wire, int4 with one float32 scale per 256-element block (codecs.py);
+# "fp32+outer_state" is what an island downloads today: the parameters and the outer momentum
+CODEC_BYTES = {
+    "fp32": 4.0,
+    "bf16": 2.0,
+    "int8": 1.0 + 4 / 256,
+    "int4": 0.5 + 4 / 256,
+    "fp32+outer_state": 8.0,
+}
+DOWNLOADS = ("int4", "bf16", "fp32", "fp32+outer_state")
 
 
 @dataclass(frozen=True)
@@ -226,6 +234,24 @@ def measured_assumptions(merge_json: str | None = None, **overrides) -> Assumpti
     return replace(base, **overrides)
 
 
+def by_download(a: Assumptions, gbps: float) -> list[dict]:
+    """Speed-ups at `gbps` for each way of sending the merged fragment down, both transfer modes."""
+    out = []
+    for down in DOWNLOADS:
+        for overlap in (True, False):
+            f = figure(replace(a, down_codec=down), gbps, overlap)
+            out.append(
+                dict(
+                    down_codec=down,
+                    overlap=overlap,
+                    island_gbps_down=f["island_gbps_down"],
+                    speedup_vs_dp=f["speedup_vs_dp"],
+                    speedup_vs_sync=f["speedup_vs_sync"],
+                )
+            )
+    return out
+
+
 def report(a: Assumptions, gbps=GBPS) -> dict:
     rows = [figure(a, g, overlap) for overlap in (True, False) for g in gbps]
     nums = model_numbers(a.preset)
@@ -238,6 +264,7 @@ def report(a: Assumptions, gbps=GBPS) -> dict:
         fragment_bytes_up=nums["params"] / a.fragments * CODEC_BYTES[a.up_codec],
         fragment_bytes_down=nums["params"] / a.fragments * CODEC_BYTES[a.down_codec],
         rows=rows,
+        by_download={str(g): by_download(a, g) for g in gbps},
     )
 
 
@@ -265,6 +292,20 @@ def format_report(rep: dict) -> str:
             f"| {r['island_gbps_up']:.2f} / {r['island_gbps_down']:.2f} "
             f"| {r['syncer_gbps_in']:.1f} / {r['syncer_gbps_out']:.1f} | {r['syncer_shards']} "
             f"| {r['speedup_vs_dp']:.1f}x | {r['speedup_vs_sync']:.2f}x |"
+        )
+    g = str(min(float(x) for x in rep["by_download"]))
+    lines += [
+        "",
+        f"At {float(g):g} Gbps, by what the island downloads per fragment:",
+        "",
+        "| download | transfers | island Gbps down | vs DP | vs sync |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rep["by_download"][g]:
+        lines.append(
+            f"| {r['down_codec']} | {'background' if r['overlap'] else 'in line'} "
+            f"| {r['island_gbps_down']:.2f} | {r['speedup_vs_dp']:.1f}x "
+            f"| {r['speedup_vs_sync']:.2f}x |"
         )
     return "\n".join(lines)
 

@@ -227,7 +227,7 @@ class Runner:
             trained = sum(_tokens_at(_lines(x), t_quality) for x in logs)
             for g, mbit in rates.items():
                 wan.shape(mbit)
-                t0 = time.time()
+                t0, before = time.time(), wan.counters()
                 need = 1 + p.cycles_per_phase * p.fragments  # an anchor publish, then full cycles
 
                 def enough(t0=t0, need=need):
@@ -236,7 +236,17 @@ class Runner:
                 self._until(enough, procs[2:], p.run_timeout_s, f"{name} at {g:g} Gbps-eq")
                 per_island = [_phase_throughput(_lines(x), t0, need) for x in logs]
                 throughput[g] = sum(per_island)
-                phases.append(dict(gbps=g, mbit=mbit, start=t0, end=time.time()))
+                t1 = time.time()
+                tokens = sum(_tokens_at(_lines(x), t1) - _tokens_at(_lines(x), t0) for x in logs)
+                phases.append(
+                    dict(
+                        gbps=g,
+                        mbit=mbit,
+                        seconds=t1 - t0,
+                        tokens=tokens,
+                        wire=_sub(before, wan.counters()),
+                    )
+                )
                 self.log(f"  {name} at {g:g} Gbps-eq: {throughput[g]:.0f} tokens/s")
         finally:
             wan.shape(None)
