@@ -100,12 +100,14 @@ _SINK = """
 import socket, sys, time
 s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
 s.bind((sys.argv[1], int(sys.argv[2]))); s.listen(1)
-c, _ = s.accept(); n = 0; t0 = None
-while True:
-    b = c.recv(1 << 16)
-    if not b:
-        break
-    t0 = t0 or time.monotonic(); n += len(b)
+n = 0
+while not n:  # a connection that sends nothing (the readiness probe) does not count
+    c, _ = s.accept(); t0 = None
+    while True:
+        b = c.recv(1 << 16)
+        if not b:
+            break
+        t0 = t0 or time.monotonic(); n += len(b)
 print(n * 8 / (time.monotonic() - t0) / 1e6)
 """
 

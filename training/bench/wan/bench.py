@@ -54,7 +54,7 @@ class BenchParams:
     codec: str = "int4"
     gbps: tuple[float, ...] = model12b.GBPS
     dp_probe_steps: int = 3
-    cycles_per_phase: int = 3  # DiLoCo: publish cycles of every island measured at each g
+    cycles_per_phase: int = 2  # DiLoCo: publish cycles of every island measured at each g
     target: float | None = None  # default: data-parallel's loss at target_fraction of the budget
     target_fraction: float = 0.5
     regional_checkpoints: bool = True
@@ -148,6 +148,20 @@ def format_table(summary: dict) -> str:
             f"| {num(r['speedup_vs_dp_line_rate'], '.1f', 'x')} "
             f"| {r['throughput_vs_dp']:.1f}x | {num(up, '.1f', ' MiB')} "
             f"| {num(down, '.1f', ' MiB')} |"
+        )
+    return "\n".join(lines)
+
+
+def format_calibration(summary: dict) -> str:
+    lines = [
+        "| method | Gbps-eq | predicted tokens/s (in line) | measured tokens/s | measured / predicted |",
+        "|---|---|---|---|---|",
+    ]
+    for c in summary["calibration"]:
+        ratio = c["measured_over_predicted"]
+        lines.append(
+            f"| {LABELS[c['method']]} | {c['gbps']:g} | {c['predicted_tokens_s']:.0f} "
+            f"| {c['measured_tokens_s']:.0f} | {'-' if ratio is None else f'{ratio:.2f}'} |"
         )
     return "\n".join(lines)
 
@@ -293,6 +307,8 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(format_table(summary))
     print(f"\ntarget loss {summary['target_loss']:.4f}; wall time {summary['wall_s']:.0f} s")
+    print()
+    print(format_calibration(summary))
     print()
     print(model12b.format_report(summary["model_12b"]))
     if args.json_out:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -79,7 +80,7 @@ class Runner:
             left = deadline - time.monotonic()
             try:
                 rc = proc.wait(timeout=max(left, 0.1))
-            except Exception:
+            except subprocess.TimeoutExpired:
                 raise WanError(f"{what}: still running after {timeout:.0f} s") from None
             if rc != 0:
                 raise WanError(f"{what}: a process exited {rc} (logs in {self.workdir})")
