@@ -188,8 +188,8 @@ def run(p: BenchParams, workdir: str | None = None, log=print) -> dict:
     # a SIGTERM (a timeout, a CI cancel) unwinds like Ctrl-C, so the WAN is torn down
     signal.signal(signal.SIGTERM, _interrupt)
     ratios = {g: model12b.comm_ratio(p.assume, g, regions=p.regions) for g in p.gbps}
-    tmp = tempfile.mkdtemp(prefix="wan-bench-")
-    root = Path(workdir) if workdir else Path(tmp)
+    tmp = None if workdir else tempfile.mkdtemp(prefix="wan-bench-")
+    root = Path(workdir or tmp)
     try:
         with Wan(regions=p.regions) as wan:
             bucket = start_bucket(wan, root)
@@ -207,7 +207,7 @@ def run(p: BenchParams, workdir: str | None = None, log=print) -> dict:
                 log(f"[{m}] {LABELS[m]}: unshaped to {budget} tokens, then at each Gbps-eq")
                 measured[m] = runner.run_diloco(configs[m], budget, dp["rates_mbit"])
     finally:
-        if not workdir:
+        if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
     target = p.target if p.target is not None else loss_at(dp["curve"], p.target_fraction * budget)
     for m in METHODS:
