@@ -6,7 +6,7 @@
     diloco eval    --store URL --experiment NAME [--version N] [--record]
     diloco status  --store URL --experiment NAME [--json]
     diloco stop    --store URL --experiment NAME [--island NAME]
-    diloco bench   quality | goodput-sim | chaos | merge  [...]
+    diloco bench   quality | goodput-sim | chaos | merge | wan  [...]
 
 Every error a user can cause (a bad config, name or URL, an unreachable store, a corrupt object)
 ends with one line on stderr and exit status 2.
@@ -158,6 +158,10 @@ def cmd_bench(args, rest: list[str]) -> int:
         from training.bench import chaos
 
         return chaos.main(rest)
+    if args.bench == "wan":
+        from training.bench.wan import bench
+
+        return bench.main(rest)
     raise ConfigError(f"unknown benchmark {args.bench!r}")
 
 
@@ -209,8 +213,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--island", default=None)
     sp.set_defaults(fn=cmd_stop)
 
-    sp = sub.add_parser("bench", help="benchmarks: quality, goodput-sim, chaos, merge")
-    sp.add_argument("bench", choices=["quality", "goodput-sim", "chaos", "merge"])
+    sp = sub.add_parser("bench", help="benchmarks: quality, goodput-sim, chaos, merge, wan")
+    sp.add_argument("bench", choices=["quality", "goodput-sim", "chaos", "merge", "wan"])
     sp.set_defaults(fn=None)
     return p
 

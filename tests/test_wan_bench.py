@@ -1,0 +1,161 @@
+"""The WAN benchmark's arithmetic (training/bench/wan/bench.py) and the 12B figure (model12b.py).
+
+Fast: no namespace, no training. The benchmark itself runs in `diloco bench wan` (docs/WAN.md);
+the harness it runs on is tested in tests/test_wan_netns.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+
+from training.bench.wan import bench, model12b
+from training.bench.wan.model12b import Assumptions
+from training.bench.wan.runner import _phase_throughput, _publishes_after, _tokens_at
+
+
+def test_link_rate_makes_dp_communication_ratio_times_compute() -> None:
+    # 1 MB per step, 0.1 s compute, ratio 10: the transfer must take 1 s, so 8 Mbit/s
+    assert bench.link_mbit(1e6, 0.1, 10.0) == pytest.approx(8.0)
+
+
+def test_tokens_to_target_interpolates_between_evaluations() -> None:
+    curve = [(0, 5.0), (100, 3.0), (200, 2.0)]
+    assert bench.tokens_to(curve, 2.5) == pytest.approx(150.0)
+    assert bench.tokens_to(curve, 1.0) is None
+
+
+def test_loss_at_interpolates_and_clamps() -> None:
+    curve = [(0, 5.0), (100, 3.0)]
+    assert bench.loss_at(curve, 50) == pytest.approx(4.0)
+    assert bench.loss_at(curve, 500) == 3.0
+
+
+def _log(pub_every: int, steps: int) -> list[dict]:
+    log = [{"t": 0.0, "event": "started", "step": 0}]
+    return log + [
+        {"t": float(s), "step": s, "tokens": 10 * s, "published": int(s % pub_every == 0)}
+        for s in range(1, steps + 1)
+    ]
+
+
+def test_phase_throughput_runs_from_the_first_publish_after_the_phase_starts() -> None:
+    log = _log(4, 16)
+    log[12]["t"] = 20.0  # the step that publishes at 12 is slow (an upload, say)
+    assert _publishes_after(log, 5.0) == 3  # publishes at 8, 12, 16
+    # from the publish at 8 to the one at 16: 80 tokens in 8 s (the slow step is inside)
+    assert _phase_throughput(log, 5.0, 3) == pytest.approx(80 / 8.0)
+    assert _phase_throughput(log, 5.0, 2) == pytest.approx(40 / 12.0)
+    assert _tokens_at(log, 6.5) == 60
+
+
+def test_rows_give_speedup_over_dp_at_each_gbps() -> None:
+    per = {"up": 2.0, "down": 3.0}
+    m = {
+        "dp": {
+            "tokens_to_target": 100.0,
+            "bytes_per_token": per,
+            "throughput": {2.0: 1.0},
+            "line_throughput": {2.0: 2.0},
+        },
+        "sync": {"tokens_to_target": 200.0, "bytes_per_token": per, "throughput": {2.0: 10.0}},
+        "decoupled": {"tokens_to_target": None, "bytes_per_token": per, "throughput": {2.0: 5.0}},
+        "compute_tokens_s": 20.0,
+    }
+    rows = {r["method"]: r for r in bench.rows_from(m, (2.0,))}
+    assert rows["dp"]["time_to_target_s"] == 100.0 and rows["dp"]["speedup_vs_dp"] == 1.0
+    assert rows["sync"]["speedup_vs_dp"] == pytest.approx(5.0)
+    assert rows["sync"]["speedup_vs_dp_line_rate"] == pytest.approx(2.5)
+    assert rows["decoupled"]["throughput_vs_dp"] == pytest.approx(5.0)
+    assert rows["sync"]["bytes_up"] == 400.0 and rows["sync"]["goodput"] == 0.5
+    assert rows["decoupled"]["time_to_target_s"] is None
+    assert set(bench.rows_from(m, (2.0,))[0]) >= {
+        "method", "gbps", "time_to_target_s", "speedup_vs_dp", "bytes_up", "bytes_down"
+    }  # fmt: skip
+
+
+def test_run_names_are_valid_experiment_names() -> None:
+    from training.names import validate_name
+
+    for g in (2.0, 2.5, 10.0):
+        validate_name("experiment", bench.run_name("decoupled", g))
+
+
+# -- the 12B figure -----------------------------------------------------------------------------
+
+
+def test_12b_preset_numbers() -> None:
+    nums = model12b.model_numbers("12b")
+    assert nums["params"] == 12_232_688_640
+    # 6 N' + 12 L d T with N' = N minus the position table
+    assert nums["flops_per_token"] == 6 * (nums["params"] - 4096 * 5120) + 12 * 38 * 5120 * 4096
+
+
+def test_step_time_halves_with_twice_the_chips() -> None:
+    a = Assumptions()
+    assert model12b.step_time(replace(a, chips_per_island=2 * a.chips_per_island)) == (
+        pytest.approx(model12b.step_time(a) / 2)
+    )
+
+
+def test_dp_ratio_is_bf16_ring_allreduce_over_link_over_step() -> None:
+    a = Assumptions(regions=2)
+    expected = 2 * model12b.model_numbers("12b")["params"] * 8 / 2e9 / model12b.step_time(a)
+    assert model12b.comm_ratio(a, 2.0) == pytest.approx(expected)
+    assert model12b.comm_ratio(a, 4.0) == pytest.approx(expected / 2)
+
+
+def test_decoupled_with_overlap_runs_at_compute_speed_when_the_link_suffices() -> None:
+    a = Assumptions(merge_bytes_per_s=1e12)
+    f = model12b.figure(a, 5.0, overlap=True)
+    assert f["decoupled_step_s"] == pytest.approx(f["step_s"])
+    assert f["island_gbps_up"] < 5.0
+    assert f["speedup_vs_dp"] == pytest.approx(f["dp_step_s"] / f["step_s"])
+    assert f["speedup_vs_sync"] > 1.0
+
+
+def test_a_slow_merge_needs_more_syncer_shards() -> None:
+    fast = model12b.figure(Assumptions(merge_bytes_per_s=1e12), 2.0)
+    slow = model12b.figure(Assumptions(merge_bytes_per_s=1e8), 2.0)
+    assert fast["syncer_shards"] == 1 and slow["syncer_shards"] > 1
+
+
+def test_merge_throughput_read_from_the_merge_bench_json(tmp_path) -> None:
+    path = tmp_path / "merge.json"
+    rows = [
+        {"preset": "tiny", "fragments": 1, "seconds": 1.0, "bytes_moved": 1e9},
+        {"preset": "small", "fragments": 4, "seconds": 2.0, "bytes_moved": 6e9},
+        {"preset": "small", "fragments": 4, "seconds": 2.0, "bytes_moved": 2e9},
+    ]
+    path.write_text(json.dumps({"rows": rows}))
+    rate, source = model12b.merge_throughput_from(path)
+    assert rate == pytest.approx(2e9) and "small" in source
+
+
+@pytest.mark.parametrize("text", ["{}", "not json", '{"rows": [{"seconds": 0}]}'])
+def test_a_merge_json_without_usable_rows_is_an_error(tmp_path, text: str) -> None:
+    path = tmp_path / "merge.json"
+    path.write_text(text)
+    with pytest.raises(ValueError):
+        model12b.merge_throughput_from(path)
+
+
+def test_bench_wan_model_12b_cli_writes_the_figure(tmp_path) -> None:
+    merge = tmp_path / "merge.json"
+    merge.write_text(json.dumps({"rows": [{"preset": "1b", "seconds": 1.0, "bytes_moved": 4e9}]}))
+    out = tmp_path / "fig.json"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "training.cli", "bench", "wan", "--model-12b"]
+        + ["--merge-json", str(merge), "--json", str(out)],
+        capture_output=True, text=True, env=env, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    rep = json.loads(out.read_text())
+    assert rep["assumptions"]["merge_bytes_per_s"] == 4e9
+    assert [r["gbps"] for r in rep["rows"] if r["overlap"]] == [2.0, 3.0, 5.0]

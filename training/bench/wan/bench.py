@@ -1,0 +1,317 @@
+"""`diloco bench wan`: data-parallel, synchronous DiLoCo and Decoupled DiLoCo over emulated WAN links.
+
+The same model (`tiny`), data and token budget, trained three ways by real processes in the
+namespaces of `training/bench/wan/netns.py` (one region per namespace, the bucket and the merger in
+the backbone; docs/WAN.md has the whole method):
+- data-parallel: one process per region, `jax.distributed` over gloo, a bf16 gradient all-reduce
+  across the links every step (training/bench/wan/dp.py);
+- synchronous and Decoupled DiLoCo: one production island per region (training/bench/wan/island.py),
+  `diloco merge --follow` in the backbone, the store gs:// on fake-gcs-server in the backbone.
+
+Link rates. For each Gbps-equivalent g the links are shaped so that data-parallel's communication
+over computation per step equals the 12B model's on g Gbps (training/bench/wan/model12b.py):
+`rate(g) = DP wire bytes per step / (ratio_12b(g) x T_c)`, with the wire bytes per step and the
+step time T_c measured here in the unshaped data-parallel run.
+
+Each method runs once unshaped to the full token budget (its quality: held-out loss against
+tokens in the model, hence the tokens to the target loss, and its wire bytes per token), then in
+short shaped runs, one per g, that measure its training throughput over the links:
+data-parallel steps (same processes, links reshaped between phases), and for the DiLoCo methods
+the second publish cycle of each island (3 H steps run; from its publish at H to the one at 2 H,
+with the adoption and the publish in it). Time to target at g = tokens to target / throughput at g.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import signal
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from training.bench.wan import model12b
+from training.bench.wan.bucket import start_bucket
+from training.bench.wan.netns import Wan, WanError, unavailable
+
+METHODS = ("dp", "sync", "decoupled")
+LABELS = {"dp": "data-parallel", "sync": "synchronous DiLoCo", "decoupled": "Decoupled DiLoCo"}
+# the quality benchmark's tuned settings (docs/BENCHMARKS.md): DiLoCo inner lr 2e-3, outer 0.5 /
+# 0.8; data-parallel its best inner lr, 3e-3
+DILOCO_SETTINGS = {"inner.lr": 0.002, "outer.lr": 0.5, "outer.momentum": 0.8}
+DP_SETTINGS = {"inner.lr": 0.003}
+
+
+@dataclass(frozen=True)
+class BenchParams:
+    regions: int = 2
+    steps: int = 200  # per region: the token budget is regions x steps x batch x seq_len
+    batch_size: int = 8
+    H: int = 24
+    fragments: int = 1
+    codec: str = "int4"
+    gbps: tuple[float, ...] = model12b.GBPS
+    dp_probe_steps: int = 3
+    cycles_per_phase: int = 2  # DiLoCo: publish cycles of every island measured at each g
+    target: float | None = None  # default: data-parallel's loss at target_fraction of the budget
+    target_fraction: float = 0.5
+    regional_checkpoints: bool = True
+    run_timeout_s: float = 300.0
+    assume: model12b.Assumptions = field(default_factory=model12b.Assumptions)
+
+
+# -- pure parts -------------------------------------------------------------------------------
+
+
+def link_mbit(dp_bytes_per_step: float, step_s: float, ratio: float) -> float:
+    """Link rate (Mbit/s) at which a step's DP traffic takes `ratio` x the compute time."""
+    return dp_bytes_per_step * 8 / (ratio * step_s) / 1e6
+
+
+def tokens_to(curve: list[tuple[int, float]], target: float) -> float | None:
+    """First token count at which the loss reaches `target`, linear between points; None if never."""
+    for i, (tokens, loss) in enumerate(curve):
+        if loss <= target:
+            if i == 0:
+                return float(tokens)
+            t0, l0 = curve[i - 1]
+            return t0 + (tokens - t0) * (l0 - target) / (l0 - loss)
+    return None
+
+
+def loss_at(curve: list[tuple[int, float]], tokens: float) -> float:
+    """The loss at `tokens`, linear between points (clamped to the ends)."""
+    if tokens <= curve[0][0]:
+        return curve[0][1]
+    for (t0, l0), (t1, l1) in zip(curve, curve[1:], strict=False):
+        if t0 <= tokens <= t1:
+            return l0 + (l1 - l0) * (tokens - t0) / max(t1 - t0, 1)
+    return curve[-1][1]
+
+
+def rows_from(m: dict, gbps: tuple[float, ...]) -> list[dict]:
+    """The table: per method and g, time to target, speed-up over data-parallel, bytes, goodput.
+
+    `m[method]` holds `tokens_to_target` (None: not reached within the budget),
+    `bytes_per_token` (`up`, `down`: per region) and `throughput` {g: tokens/s};
+    `m["dp"]["line_throughput"]` {g: tokens/s} is data-parallel at the links' nominal rate
+    (its compute plus its wire bytes at the rate), `m["compute_tokens_s"]` pure compute."""
+    rows = []
+    for g in gbps:
+        dp = m["dp"]
+        dp_time = dp_line = None
+        if dp["tokens_to_target"] is not None:
+            dp_time = dp["tokens_to_target"] / dp["throughput"][g]
+            dp_line = dp["tokens_to_target"] / dp["line_throughput"][g]
+        for method in METHODS:
+            r = m[method]
+            tput = r["throughput"].get(g)
+            tokens = r["tokens_to_target"]
+            t = tokens / tput if tokens is not None and tput else None
+            per = r["bytes_per_token"]
+            rows.append(
+                dict(
+                    method=method,
+                    gbps=g,
+                    time_to_target_s=t,
+                    speedup_vs_dp=dp_time / t if dp_time and t else None,
+                    speedup_vs_dp_line_rate=dp_line / t if dp_line and t else None,
+                    throughput_vs_dp=tput / dp["throughput"][g] if tput else None,
+                    bytes_up=per["up"] * tokens if tokens is not None else None,
+                    bytes_down=per["down"] * tokens if tokens is not None else None,
+                    goodput=min(1.0, tput / m["compute_tokens_s"]) if tput else None,
+                    tokens_per_s=tput,
+                    tokens_to_target=tokens,
+                )
+            )
+    return rows
+
+
+def format_table(summary: dict) -> str:
+    def num(x, fmt, unit=""):
+        return "not reached" if x is None else format(x, fmt) + unit
+
+    lines = [
+        "| method | Gbps-eq | link Mbit/s | tokens/s | goodput | time to target s "
+        "| speed-up vs DP | vs DP at line rate | tokens/s vs DP | up / region | down / region |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in summary["rows"]:
+        up = r["bytes_up"] and r["bytes_up"] / 2**20
+        down = r["bytes_down"] and r["bytes_down"] / 2**20
+        lines.append(
+            f"| {LABELS[r['method']]} | {r['gbps']:g} | {summary['links'][str(r['gbps'])]:.2f} "
+            f"| {r['tokens_per_s']:.0f} | {r['goodput']:.0%} "
+            f"| {num(r['time_to_target_s'], '.1f')} | {num(r['speedup_vs_dp'], '.1f', 'x')} "
+            f"| {num(r['speedup_vs_dp_line_rate'], '.1f', 'x')} "
+            f"| {r['throughput_vs_dp']:.1f}x | {num(up, '.1f', ' MiB')} "
+            f"| {num(down, '.1f', ' MiB')} |"
+        )
+    return "\n".join(lines)
+
+
+def format_calibration(summary: dict) -> str:
+    lines = [
+        "| method | Gbps-eq | predicted tokens/s (in line) | measured tokens/s | measured / predicted |",
+        "|---|---|---|---|---|",
+    ]
+    for c in summary["calibration"]:
+        ratio = c["measured_over_predicted"]
+        lines.append(
+            f"| {LABELS[c['method']]} | {c['gbps']:g} | {c['predicted_tokens_s']:.0f} "
+            f"| {c['measured_tokens_s']:.0f} | {'-' if ratio is None else f'{ratio:.2f}'} |"
+        )
+    return "\n".join(lines)
+
+
+# -- the run ----------------------------------------------------------------------------------
+
+
+def run_name(method: str, g: float | None) -> str:
+    return f"wan-{method}" if g is None else f"wan-{method}-{g:g}gbps".replace(".", "p")
+
+
+def _interrupt(*_) -> None:
+    raise KeyboardInterrupt
+
+
+def run(p: BenchParams, workdir: str | None = None, log=print) -> dict:
+    """The whole benchmark; returns the summary (rows, links, measurements, the 12B figure)."""
+    from training.bench.wan.runner import Runner, experiment_config
+
+    reason = unavailable()
+    if reason:
+        raise WanError(f"diloco bench wan needs network namespaces: {reason}")
+    started = time.time()
+    # a SIGTERM (a timeout, a CI cancel) unwinds like Ctrl-C, so the WAN is torn down
+    signal.signal(signal.SIGTERM, _interrupt)
+    ratios = {g: model12b.comm_ratio(p.assume, g, regions=p.regions) for g in p.gbps}
+    tmp = None if workdir else tempfile.mkdtemp(prefix="wan-bench-")
+    root = Path(workdir or tmp)
+    try:
+        with Wan(regions=p.regions) as wan:
+            bucket = start_bucket(wan, root)
+            runner = Runner(wan, bucket, root, p, log)
+            diloco = ("sync", "decoupled")
+            budget = p.regions * p.steps * p.batch_size * 64
+            # the merger's own budget is far away: the bench ends each run itself
+            configs = {m: experiment_config(p, m, run_name(m, None), budget_factor=100)
+                       for m in diloco}  # fmt: skip
+            runner.init_experiments(list(configs.values()))
+            log(f"[dp] {LABELS['dp']}")
+            dp = runner.run_dp(ratios)
+            measured = {"dp": dp}
+            for m in diloco:
+                log(f"[{m}] {LABELS[m]}: unshaped to {budget} tokens, then at each Gbps-eq")
+                measured[m] = runner.run_diloco(configs[m], budget, dp["rates_mbit"])
+    finally:
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
+    target = p.target if p.target is not None else loss_at(dp["curve"], p.target_fraction * budget)
+    for m in METHODS:
+        tokens = tokens_to(measured[m]["curve"], target)
+        measured[m]["tokens_to_target"] = (
+            tokens if tokens is not None and tokens <= budget else None
+        )
+        measured[m]["loss_at_budget"] = loss_at(measured[m]["curve"], budget)
+    measured["compute_tokens_s"] = p.regions * p.batch_size * 64 / dp["step_s"]
+    summary = dict(
+        params={k: v for k, v in asdict(p).items() if k != "assume"},
+        assumptions_12b=asdict(p.assume),
+        comm_ratio={str(g): r for g, r in ratios.items()},
+        links={str(g): dp["rates_mbit"][g] for g in p.gbps},
+        step_s=dp["step_s"],
+        target_loss=target,
+        measured=_jsonable(measured),
+        rows=rows_from(measured, p.gbps),
+        calibration=calibration(measured, p),
+        wall_s=time.time() - started,
+    )
+    return summary
+
+
+def _jsonable(x):
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_jsonable(v) for v in x]
+    return x
+
+
+def calibration(measured: dict, p: BenchParams) -> list[dict]:
+    """Measured throughput against the in-line transfer model (model12b's `overlap=False`):
+    a step (DP) or a publish cycle of H steps (DiLoCo) takes its compute time plus its wire bytes
+    at the link rate, up and down one after the other."""
+    dp = measured["dp"]
+    t_c = dp["step_s"]
+    out = []
+    for g in p.gbps:
+        rate = dp["rates_mbit"][g] * 1e6 / 8
+        for m in METHODS:
+            r = measured[m]
+            per = r["bytes_per_token"]
+            if m == "dp":
+                tokens = dp["tokens_per_step"]
+                seconds = t_c + (per["up"] + per["down"]) / 2 * tokens / rate
+            else:
+                tokens = p.regions * p.H * p.batch_size * 64
+                seconds = p.H * t_c + (per["up"] + per["down"]) * tokens / rate
+            predicted = tokens / seconds
+            got = r["throughput"].get(g)
+            out.append(
+                dict(
+                    method=m,
+                    gbps=g,
+                    predicted_tokens_s=predicted,
+                    measured_tokens_s=got,
+                    measured_over_predicted=got / predicted if got else None,
+                )
+            )
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="diloco bench wan", description=__doc__.split("\n")[0])
+    ap.add_argument("--model-12b", action="store_true", help="only the computed 12B figure")
+    ap.add_argument("--merge-json", default=None, help="`diloco bench merge --json` output (12B)")
+    ap.add_argument("--steps", type=int, default=BenchParams.steps, help="steps per region")
+    ap.add_argument("--gbps", default=",".join(f"{g:g}" for g in BenchParams.gbps))
+    ap.add_argument(
+        "--target", type=float, default=None, help="target loss (default: DP's at half)"
+    )
+    ap.add_argument("--checkpoints", choices=("regional", "bucket"), default="regional")
+    ap.add_argument("--workdir", default=None, help="keep logs here (default: a temp dir)")
+    ap.add_argument("--json", dest="json_out", default=None)
+    args, rest = ap.parse_known_args(argv)
+    if args.model_12b:
+        forward = ["--merge-json", args.merge_json] if args.merge_json else []
+        forward += ["--json", args.json_out] if args.json_out else []
+        return model12b.main(rest + forward)
+    if rest:
+        ap.error(f"unrecognized arguments: {' '.join(rest)}")
+    try:
+        gbps = tuple(float(g) for g in args.gbps.split(",") if g.strip())
+    except ValueError:
+        ap.error(f"--gbps expects numbers, got {args.gbps!r}")
+    p = BenchParams(
+        steps=args.steps,
+        gbps=gbps,
+        target=args.target,
+        regional_checkpoints=args.checkpoints == "regional",
+    )
+    summary = run(p, args.workdir)
+    a = model12b.measured_assumptions(args.merge_json)
+    summary["model_12b"] = model12b.report(a)
+    print()
+    print(format_table(summary))
+    print(f"\ntarget loss {summary['target_loss']:.4f}; wall time {summary['wall_s']:.0f} s")
+    print()
+    print(format_calibration(summary))
+    print()
+    print(model12b.format_report(summary["model_12b"]))
+    if args.json_out:
+        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json_out).write_text(json.dumps(summary, indent=1))
+    return 0

@@ -1,0 +1,59 @@
+"""Held-out loss of the global model while a WAN-bench run trains (runs in the backbone).
+
+    python -m training.bench.wan.evaluator --store gs://wan/x --experiment E --out curve.jsonl \\
+        --until-tokens N [--every 1.0]
+
+Every `--every` seconds it evaluates the model as it is now in the store and appends
+`{"t", "loss", "tokens_merged"}` to `--out` (skipping an evaluation when the merged-token count
+has not moved); it exits after the first evaluation of a model with N tokens merged or more. Evaluation is
+`training.evaluate` (the fixed held-out batches of `diloco eval`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from training.config import parse_config
+from training.store.experiment import ExperimentStore
+from training.store.objectstore import open_store
+
+
+def eval_now(cfg, estore) -> dict:
+    """`{"loss", "tokens_merged"}` of the current global model, whichever evaluate API exists."""
+    from training import evaluate
+
+    if hasattr(evaluate, "evaluate_snapshot"):  # per-fragment layout
+        out = evaluate.evaluate_snapshot(cfg, estore, record=False)
+    else:
+        out = evaluate.evaluate_version(cfg, estore)
+    return {"loss": float(out["loss"]), "tokens_merged": int(out.get("tokens_merged", 0))}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m training.bench.wan.evaluator")
+    p.add_argument("--store", required=True)
+    p.add_argument("--experiment", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--until-tokens", type=int, required=True)
+    p.add_argument("--every", type=float, default=1.0)
+    args = p.parse_args(argv)
+    estore = ExperimentStore(open_store(args.store), args.experiment)
+    cfg = parse_config(estore.read_config())
+    last = None
+    with open(args.out, "a") as out:
+        while True:
+            t = time.time()
+            rec = eval_now(cfg, estore)
+            if rec["tokens_merged"] != last:
+                out.write(json.dumps({"t": t, **rec}) + "\n")
+                out.flush()
+                last = rec["tokens_merged"]
+            if rec["tokens_merged"] >= args.until_tokens:
+                return 0
+            time.sleep(max(0.0, args.every - (time.time() - t)))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
