@@ -30,7 +30,8 @@ import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from training.bench.quality import VirtualClock, _eval_set, base_config, method_config
+from training.bench.quality import base_config, method_config
+from training.bench.sim import VirtualClock, eval_set
 from training.bench.trace import MergeTracer, format_trace, merges
 from training.chaos import kill_times, victim_chooser
 from training.config import ExperimentConfig, with_overrides
@@ -92,7 +93,7 @@ def run_one(cfg: ExperimentConfig, rate: float, p: BenchParams, trace_every: int
     initial_version(cfg, store)
     tracer = None
     if trace_every:
-        loop, evals = loop_for(cfg), _eval_set(cfg)
+        loop, evals = loop_for(cfg), eval_set(cfg)
         tracer = MergeTracer(
             store, lambda params: loop.eval_loss(loop.put_params(params), evals), trace_every, clock
         )
@@ -220,7 +221,7 @@ def run_one(cfg: ExperimentConfig, rate: float, p: BenchParams, trace_every: int
     g = experiment_goodput(cfg, states)
     loop = loop_for(cfg)
     head = store.load_global()
-    eval_loss = loop.eval_loss(loop.put_params(head.params), _eval_set(cfg))
+    eval_loss = loop.eval_loss(loop.put_params(head.params), eval_set(cfg))
     return dict(
         goodput=g["goodput"],
         badput=g["badput"],
