@@ -69,3 +69,20 @@ def test_unknown_finding_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as exc:
         science.main(["--findings", "mixed,nope"])
     assert exc.value.code == 2 and "unknown findings" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--trace-out", "x.txt"], "--trace-out needs --trace N"),
+        (["--trace", "-1"], "--trace must be >= 0"),
+        (["--stop-on", "never"], "invalid choice"),
+        (["--stagger-s", "-5"], "--stagger-s must be >= 0"),
+    ],
+)
+def test_chaos_bench_option_errors(argv, message, capsys):
+    from training.bench import chaos
+
+    with pytest.raises(SystemExit) as exc:
+        chaos.main(argv)
+    assert exc.value.code == 2 and message in capsys.readouterr().err

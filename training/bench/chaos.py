@@ -17,7 +17,14 @@ its contribution.
 Goodput = productive island-seconds / provisioned island-seconds (4 x the virtual run time); the
 badput split uses training/goodput.py's categories: wasted_progress (lost steps),
 infrastructure_recovery (down time), waiting_for_global (blocked in a synchronous round), other
-(a step in progress at the end). The run ends when the islands' kept tokens reach the budget.
+(a step in progress at the end).
+
+The run ends when the tokens in the global model (merged pseudo-gradients) reach the budget, so
+eval losses compare equal tokens; `--stop-on kept` ends it when the islands' kept tokens (merged
+or still on the islands) do, as before 2026-12: then a faulty Decoupled run ends with up to one
+interval per island unmerged (12.5% of the quick budget at 8 kills / 1000 s).
+`--stagger-s S` starts island i i x S virtual seconds late (desynchronized without a fault).
+`--trace N` records a per-merge trace (training/bench/trace.py) and evaluates every N-th version.
 """
 
 from __future__ import annotations
@@ -56,7 +63,8 @@ class BenchParams:
     batch_size: int = 8
     seed: int = 0
     stagger_s: float = 0.0  # island i starts i x stagger_s virtual seconds late (desynchronizes)
-    stop_on: str = "kept"  # end when the islands' "kept" tokens or the "merged" tokens reach it
+    stop_on: str = "merged"  # end when the "merged" tokens (in the global model) or the islands'
+    # "kept" tokens (merged or not) reach the budget
 
 
 def bench_config(
@@ -358,6 +366,15 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--H", type=int, default=BenchParams.H)
     parser.add_argument("--seed", type=int, default=BenchParams.seed)
     parser.add_argument(
+        "--stop-on",
+        choices=["merged", "kept"],
+        default=BenchParams.stop_on,
+        help="end at the budget of tokens in the global model (merged) or on the islands (kept)",
+    )
+    parser.add_argument(
+        "--stagger-s", type=float, default=0.0, help="island i starts i x S virtual s late"
+    )
+    parser.add_argument(
         "--set", action="append", metavar="KEY=VALUE", help="config override, e.g. outer.quorum=2"
     )
     parser.add_argument(
@@ -389,7 +406,12 @@ def main(argv: list[str]) -> int:
             overrides[key] = json.loads(value)
         except json.JSONDecodeError:
             overrides[key] = value
-    p = BenchParams(args.step_s, args.recovery_s, args.H, BenchParams.batch_size, args.seed)
+    if args.stagger_s < 0:
+        parser.error("--stagger-s must be >= 0")
+    p = BenchParams(
+        args.step_s, args.recovery_s, args.H, BenchParams.batch_size, args.seed, args.stagger_s,
+        args.stop_on,
+    )  # fmt: skip
     if args.trace < 0:
         parser.error("--trace must be >= 0")
     if args.trace_out and not args.trace:
