@@ -96,6 +96,48 @@ def test_text_glob_source(memdir):
     assert data.load_corpus(f"{memdir}/*.txt", eval_fraction=0.2).fingerprint == c.fingerprint
 
 
+def _corpus_files(root, n=40):
+    for i in range(n):
+        sub = root / ("a" if i % 2 else "b")
+        sub.mkdir(parents=True, exist_ok=True)
+        (sub / f"doc{i:02d}.txt").write_text(f"Document {i} says hello. " * (30 + i))
+
+
+def test_directory_source_reads_every_visible_file_recursively(tmp_path):
+    _corpus_files(tmp_path / "corpus")
+    (tmp_path / "corpus" / ".hidden").mkdir()
+    (tmp_path / "corpus" / ".hidden" / "x.txt").write_text("SECRET " * 50)
+    (tmp_path / "corpus" / ".notes.txt").write_text("SECRET " * 50)
+    for source in (str(tmp_path / "corpus"), f"file://{tmp_path}/corpus/"):
+        c = data.load_corpus(source, eval_fraction=0.2)
+        assert c.train_documents + c.eval_documents == 40
+        assert "SECRET" not in data.decode(c.train) + data.decode(c.eval)
+
+
+def test_split_does_not_depend_on_where_the_files_live(tmp_path):
+    """The same files under two directories give the identical train / eval split."""
+    _corpus_files(tmp_path / "here")
+    _corpus_files(tmp_path / "somewhere" / "else" / "entirely")
+    one = data.load_corpus(str(tmp_path / "here"), eval_fraction=0.2)
+    two = data.load_corpus(str(tmp_path / "somewhere" / "else" / "entirely"), eval_fraction=0.2)
+    glob = data.load_corpus(f"{tmp_path}/somewhere/else/entirely/*/*.txt", eval_fraction=0.2)
+    assert 0 < one.eval_documents < 40
+    for other in (two, glob):
+        assert np.array_equal(one.train, other.train)
+        assert np.array_equal(one.eval, other.eval)
+        assert one.fingerprint == other.fingerprint
+
+
+def test_source_root_and_relative_ids():
+    assert data.source_root("/data/corpus", is_dir=True) == "/data/corpus"
+    assert data.source_root("/data/corpus/", is_dir=True) == "/data/corpus"
+    assert data.source_root("/data/corpus/*.txt", is_dir=False) == "/data/corpus"
+    assert data.source_root("bucket/x/**/part-*.txt", is_dir=False) == "bucket/x"
+    assert data.source_root("/data/one.txt", is_dir=False) == "/data"
+    assert data.relative_id("/data/corpus/a/b.txt", "/data/corpus") == "a/b.txt"
+    assert data.relative_id("/other/b.txt", "/data/corpus") == "/other/b.txt"
+
+
 def test_single_text_file_falls_back_to_tail_split(tmp_path):
     path = tmp_path / "one.txt"
     path.write_text("abcdefghij" * 100)

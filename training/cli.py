@@ -6,7 +6,7 @@
     diloco eval    --store URL --experiment NAME [--version N] [--record]
     diloco status  --store URL --experiment NAME [--json]
     diloco stop    --store URL --experiment NAME [--island NAME]
-    diloco bench   quality | goodput-sim | chaos | merge | wan  [...]
+    diloco bench   quality | goodput-sim | chaos | merge | wan | science  [...]
 
 Every error a user can cause (a bad config, name or URL, an unreachable store, a corrupt object)
 ends with one line on stderr and exit status 2.
@@ -162,6 +162,10 @@ def cmd_bench(args, rest: list[str]) -> int:
         from training.bench.wan import bench
 
         return bench.main(rest)
+    if args.bench == "science":
+        from training.bench import science
+
+        return science.main(rest)
     raise ConfigError(f"unknown benchmark {args.bench!r}")
 
 
@@ -213,8 +217,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--island", default=None)
     sp.set_defaults(fn=cmd_stop)
 
-    sp = sub.add_parser("bench", help="benchmarks: quality, goodput-sim, chaos, merge, wan")
-    sp.add_argument("bench", choices=["quality", "goodput-sim", "chaos", "merge", "wan"])
+    sp = sub.add_parser(
+        "bench", help="benchmarks: quality, goodput-sim, chaos, merge, wan, science"
+    )
+    sp.add_argument("bench", choices=["quality", "goodput-sim", "chaos", "merge", "wan", "science"])
     sp.set_defaults(fn=None)
     return p
 

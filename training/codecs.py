@@ -1,4 +1,4 @@
-"""Pseudo-gradient codecs (fp32 / bf16 / int8 / int4) with error feedback.
+"""Pseudo-gradient codecs (fp32 / bf16 / int8 / int4 / int2) with error feedback.
 
 Flat dicts of float32 arrays in, flat dicts of safetensors-savable arrays out. Payload layout per
 tensor `name`:
@@ -10,6 +10,8 @@ tensor `name`:
 - int4: `name` uint8, two 4-bit codes per byte (element 2i in the low nibble, 2i+1 in the high
   nibble; code = q + 8 for q in [-7, 7]); `name.__scale` float32 per block (absmax / 7);
   `name.__shape` int32, the original shape.
+- int2: the layout of int4 with four 2-bit codes per byte and scale absmax / 1.5
+  (training/codec2bit.py: levels -1.5, -0.5, 0.5, 1.5 x scale).
 
 Error feedback: `encode` quantizes `x = delta + residual` and returns `x - decode(payload)` as the
 next residual, so the quantization error is sent later instead of lost.
@@ -22,7 +24,9 @@ import math
 import ml_dtypes
 import numpy as np
 
-CODECS = ("fp32", "bf16", "int8", "int4")
+from training import codec2bit
+
+CODECS = ("fp32", "bf16", "int8", "int4", "int2")
 DEFAULT_BLOCK = 256
 SCALE_SUFFIX = ".__scale"
 SHAPE_SUFFIX = ".__shape"
@@ -92,6 +96,13 @@ def _encode_tensor(name: str, x: np.ndarray, codec: str, block: int) -> dict[str
         return {name: x.copy()}
     if codec == "bf16":
         return {name: x.astype(ml_dtypes.bfloat16)}
+    if codec == "int2":
+        codes, scales = codec2bit.quantize(x.reshape(-1), block)
+        return {
+            name: codec2bit.pack(codes),
+            name + SCALE_SUFFIX: scales,
+            name + SHAPE_SUFFIX: np.asarray(x.shape, dtype=np.int32),
+        }
     q, scales = _quantize(x.reshape(-1), _LEVELS[codec], block)
     if codec == "int8":
         return {name: q.reshape(x.shape), name + SCALE_SUFFIX: scales}
@@ -144,6 +155,13 @@ def _get(payload: dict[str, np.ndarray], key: str, dtypes: tuple, name: str) -> 
     return arr
 
 
+def _shape(payload: dict[str, np.ndarray], name: str) -> tuple[int, ...]:
+    shape_arr = _get(payload, name + SHAPE_SUFFIX, (np.int32,), name)
+    if shape_arr.ndim != 1 or np.any(shape_arr < 0):
+        raise ValueError(f"payload tensor {name + SHAPE_SUFFIX!r} is not a valid shape")
+    return tuple(int(d) for d in shape_arr)
+
+
 def _decode_tensor(name: str, payload: dict[str, np.ndarray], codec: str, block: int) -> np.ndarray:
     if codec == "fp32":
         return _get(payload, name, (np.float32,), name).astype(np.float32)
@@ -154,6 +172,14 @@ def _decode_tensor(name: str, payload: dict[str, np.ndarray], codec: str, block:
     if codec == "int8":
         data = _get(payload, name, (np.int8,), name)
         shape, q = data.shape, data.reshape(-1)
+    elif codec == "int2":
+        shape = _shape(payload, name)
+        codes = codec2bit.unpack(
+            _get(payload, name, (np.uint8,), name).reshape(-1), math.prod(shape)
+        )
+        if scales.size != _num_blocks(codes.size, block):
+            raise ValueError(f"payload tensor {name + SCALE_SUFFIX!r} has {scales.size} scales")
+        return codec2bit.dequantize(codes, scales, block).reshape(shape)
     else:
         shape_arr = _get(payload, name + SHAPE_SUFFIX, (np.int32,), name)
         if shape_arr.ndim != 1 or np.any(shape_arr < 0):
@@ -185,9 +211,9 @@ def decode(
     _check_codec(codec)
     names = [key for key in payload if ".__" not in key]
     allowed = set(names)
-    if codec in ("int8", "int4"):
+    if codec in ("int8", "int4", "int2"):
         allowed |= {name + SCALE_SUFFIX for name in names}
-    if codec == "int4":
+    if codec in ("int4", "int2"):
         allowed |= {name + SHAPE_SUFFIX for name in names}
     extra = sorted(set(payload) - allowed)
     if extra:

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from training.names import validate_name
 
 OuterMethod = Literal["dp", "sync", "nesterov", "delayed_nesterov", "decoupled"]
-Codec = Literal["fp32", "bf16", "int8", "int4"]
+Codec = Literal["fp32", "bf16", "int8", "int4", "int2"]
 Backend = Literal["local", "tpu_vm", "gke"]
 
 

@@ -4,12 +4,16 @@ Sources (`load_corpus(source)`):
 - `"builtin:pydoc"`: English prose shipped with CPython, no download. The language reference topics
   (`pydoc_data.topics`) plus the docstrings of the stdlib's pure-Python modules (parsed with `ast`,
   never imported). Each topic and each module is one document.
-- any fsspec URL or glob of text files (`file:///x/*.txt`, `gs://b/*.txt`, `memory://...`): each file
-  is one document, tokenized as UTF-8 bytes.
+- any fsspec URL, glob or directory of text files (`file:///x/*.txt`, `gs://b/*.txt`, `/data/corpus`,
+  `memory://...`): each file is one document, tokenized as UTF-8 bytes. A directory means every
+  file below it, recursively, except hidden ones (a path component starting with ".").
 - pre-tokenized shards: `*.npy` or raw little-endian `*.u16.bin` / `*.u32.bin` (uint16 / uint32).
 
 Documents are joined with `DOC_SEPARATOR`. Text sources split train / eval per document by a stable
 hash of the document id; array sources hold out the last `eval_fraction` of each file's tokens.
+A file's document id is its path relative to the source root (the directory given, a glob's
+directories before its first wildcard, a single file's folder), so the split does not depend on
+where the corpus lives: the same files under two directories give the same split.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ _SKIP_DIRS = frozenset(
 _DEFS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
 _BIN_DTYPES = {".u16.bin": np.uint16, ".u32.bin": np.uint32}
 _FINGERPRINT_SPAN = 1 << 20
+_GLOB_CHARS = "*?["
 
 
 # ---------------------------------------------------------------------------------------------
@@ -180,12 +185,39 @@ def _split_documents(
     return _join(train, np.uint16), _join(held, np.uint16), len(train), len(held)
 
 
-def _expand(source: str) -> tuple[fsspec.AbstractFileSystem, list[str]]:
+def source_root(path: str, is_dir: bool) -> str:
+    """The folder document ids are relative to, for a path without its protocol: a directory
+    itself, a glob's leading components before the first one with a wildcard, else the parent."""
+    parts = path.rstrip("/").split("/")
+    for i, part in enumerate(parts):
+        if any(c in part for c in _GLOB_CHARS):
+            return "/".join(parts[:i])
+    return "/".join(parts if is_dir else parts[:-1])
+
+
+def relative_id(path: str, root: str) -> str:
+    """`path` relative to `root` (posix); the path itself if it is not below `root`."""
+    prefix = root.rstrip("/") + "/" if root else ""
+    return path[len(prefix) :] if path.startswith(prefix) else path
+
+
+def _visible(path: str, root: str) -> bool:
+    return not any(part.startswith(".") for part in relative_id(path, root).split("/"))
+
+
+def _expand(source: str) -> tuple[fsspec.AbstractFileSystem, list[str], str]:
+    """The filesystem, the files of `source` (sorted) and the root their ids are relative to."""
     fs, _, paths = fsspec.core.get_fs_token_paths(source, mode="rb")
-    files = sorted(p for p in paths if not fs.isdir(p))
+    stripped = fs._strip_protocol(source)
+    is_dir = not any(c in stripped for c in _GLOB_CHARS) and len(paths) == 1 and fs.isdir(paths[0])
+    root = source_root(stripped, is_dir)
+    if is_dir:
+        files = sorted(p for p in fs.find(paths[0]) if _visible(p, root))
+    else:
+        files = sorted(p for p in paths if not fs.isdir(p))
     if not files:
         raise ValueError(f"data source {source!r} matches no files")
-    return fs, files
+    return fs, files, root
 
 
 def _array_dtype(path: str, dtype: str | None) -> np.dtype:
@@ -259,13 +291,14 @@ def _load_arrays(
 
 
 def _read_text_files(
-    fs: fsspec.AbstractFileSystem, files: list[str]
+    fs: fsspec.AbstractFileSystem, files: list[str], root: str
 ) -> list[tuple[str, np.ndarray]]:
+    """(document id relative to `root`, UTF-8 bytes as tokens) per file."""
     docs = []
     for path in files:
         with fs.open(path, "rb") as f:
             raw = f.read()
-        docs.append((path, np.frombuffer(raw, dtype=np.uint8).astype(np.uint16)))
+        docs.append((relative_id(path, root), np.frombuffer(raw, dtype=np.uint8).astype(np.uint16)))
     return docs
 
 
@@ -294,13 +327,13 @@ def load_corpus(
     elif source.startswith("builtin:"):
         raise ValueError(f"unknown built-in corpus {source!r}; known: {BUILTIN_SOURCE!r}")
     else:
-        fs, files = _expand(source)
+        fs, files, root = _expand(source)
         kinds = {_is_array_path(p) for p in files}
         if kinds == {True, False}:
             raise ValueError(f"data source {source!r} mixes text files and token arrays")
         if kinds == {True}:
             return _load_arrays(source, fs, files, eval_fraction, vocab_size, dtype)
-        docs = _read_text_files(fs, files)
+        docs = _read_text_files(fs, files, root)
     if vocab_size is not None and vocab_size < VOCAB_SIZE:
         raise ValueError(f"text source {source!r} needs vocab_size >= {VOCAB_SIZE}")
     train, held, n_train, n_eval = _split_documents(docs, eval_fraction)

@@ -17,7 +17,14 @@ its contribution.
 Goodput = productive island-seconds / provisioned island-seconds (4 x the virtual run time); the
 badput split uses training/goodput.py's categories: wasted_progress (lost steps),
 infrastructure_recovery (down time), waiting_for_global (blocked in a synchronous round), other
-(a step in progress at the end). The run ends when the islands' kept tokens reach the budget.
+(a step in progress at the end).
+
+The run ends when the tokens in the global model (merged pseudo-gradients) reach the budget, so
+eval losses compare equal tokens; `--stop-on kept` ends it when the islands' kept tokens (merged
+or still on the islands) do, as before 2026-12: then a faulty Decoupled run ends with up to one
+interval per island unmerged (12.5% of the quick budget at 8 kills / 1000 s).
+`--stagger-s S` starts island i i x S virtual seconds late (desynchronized without a fault).
+`--trace N` records a per-merge trace (training/bench/trace.py) and evaluates every N-th version.
 """
 
 from __future__ import annotations
@@ -30,7 +37,9 @@ import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from training.bench.quality import VirtualClock, _eval_set, base_config, method_config
+from training.bench.quality import base_config, method_config
+from training.bench.sim import VirtualClock, eval_set
+from training.bench.trace import MergeTracer, format_trace, merges
 from training.chaos import kill_times, victim_chooser
 from training.config import ExperimentConfig, with_overrides
 from training.goodput import BADPUT, experiment_goodput
@@ -53,6 +62,9 @@ class BenchParams:
     H: int = 16
     batch_size: int = 8
     seed: int = 0
+    stagger_s: float = 0.0  # island i starts i x stagger_s virtual seconds late (desynchronizes)
+    stop_on: str = "merged"  # end when the "merged" tokens (in the global model) or the islands'
+    # "kept" tokens (merged or not) reach the budget
 
 
 def bench_config(
@@ -77,12 +89,22 @@ def bench_config(
     return with_overrides(cfg, overrides or {})
 
 
-def run_one(cfg: ExperimentConfig, rate: float, p: BenchParams) -> dict:
-    """One method (cfg.outer.method) at one kill rate; returns goodput, badput, eval loss, ..."""
+def run_one(cfg: ExperimentConfig, rate: float, p: BenchParams, trace_every: int = 0) -> dict:
+    """One method (cfg.outer.method) at one kill rate; returns goodput, badput, eval loss, ...
+
+    With `trace_every` > 0 the result has a `trace` (training/bench/trace.py): one row per merge,
+    evaluated every `trace_every`-th version, and the kills and restarts between them.
+    """
     clock = VirtualClock()
     store = ExperimentStore(open_store(f"memory://bench-chaos-{uuid.uuid4().hex[:8]}"), cfg.name)
     store.write_config(json.loads(cfg.to_json()))
     initial_version(cfg, store)
+    tracer = None
+    if trace_every:
+        loop, evals = loop_for(cfg), eval_set(cfg)
+        tracer = MergeTracer(
+            store, lambda params: loop.eval_loss(loop.put_params(params), evals), trace_every, clock
+        )
     names = [i.name for i in cfg.islands]
     pace = {i.name: p.step_s / i.speed for i in cfg.islands}
     live: dict[str, Island] = {}
@@ -90,7 +112,7 @@ def run_one(cfg: ExperimentConfig, rate: float, p: BenchParams) -> dict:
         live[n] = Island(cfg, n, store, clock=clock)
         live[n].start()
     merger = Merger(cfg, store, clock=clock)
-    next_t = {n: pace[n] for n in names}
+    next_t = {n: pace[n] + i * p.stagger_s for i, n in enumerate(names)}
     acct = {
         n: dict.fromkeys(
             ("productive", "wasted_progress", "infrastructure_recovery", "waiting_for_global"), 0.0
@@ -106,23 +128,32 @@ def run_one(cfg: ExperimentConfig, rate: float, p: BenchParams) -> dict:
     choose = victim_chooser(p.seed)
     kills: list[dict] = []
     wake: float | None = None
-    merges = 0
+    n_merges = merged = 0
     horizon = cfg.token_budget / (cfg.data.batch_size * cfg.data.seq_len) / len(names) * p.step_s
 
     def tokens() -> int:
         return sum(live[n].tokens if n in live else ckpt_tokens[n] for n in names)
 
+    def done() -> bool:
+        return (merged if p.stop_on == "merged" else tokens()) >= cfg.token_budget
+
     def merge() -> None:
-        nonlocal wake, merges
-        for r in merger.merge_all():
-            merges += r.version is not None
+        nonlocal wake, n_merges, merged
+        if tracer:
+            tracer.before_merge()
+        results = merger.merge_all()
+        if tracer:
+            tracer.after_merge(results, live)
+        for r in results:
+            n_merges += r.version is not None
+            merged = max(merged, r.tokens_merged or 0)
             wake = r.waiting_until
         for n, isl in live.items():
             if isl.blocked() and isl.poll_merged():
                 acct[n]["waiting_for_global"] += clock.t - blocked_since.pop(n)
                 next_t[n] = clock.t + pace[n]
 
-    while tokens() < cfg.token_budget:
+    while not done():
         if clock.t > 50 * horizon:
             raise RuntimeError(f"no progress by virtual time {clock.t:.0f}")
         ready = [n for n in live if not live[n].blocked()]
@@ -139,6 +170,7 @@ def run_one(cfg: ExperimentConfig, rate: float, p: BenchParams) -> dict:
         if t == t_restart:
             n = min(down_until, key=lambda k: (down_until[k], k))
             del down_until[n]
+            ckpt = store.load_checkpoint(n) if tracer else None
             isl = live[n] = Island(cfg, n, store, clock=clock)
             isl.start()  # resumes from its checkpoint and the newest global version
             lost = killed_at_step[n] - isl.step_count
@@ -146,6 +178,15 @@ def run_one(cfg: ExperimentConfig, rate: float, p: BenchParams) -> dict:
             acct[n]["wasted_progress"] += lost * pace[n]
             kills[-[k["island"] for k in reversed(kills)].index(n) - 1]["lost_steps"] = lost
             next_t[n] = clock.t + pace[n]
+            if tracer:
+                tracer.event(
+                    "restart",
+                    island=n,
+                    step=isl.step_count,
+                    lost_steps=lost,
+                    head=sum(store.current_snapshot().versions),
+                    ckpt_base=max(ckpt[1]["base_version"]) if ckpt else None,
+                )
         elif t == next_kill:
             next_kill = next(schedule)
             if not live:
@@ -158,6 +199,13 @@ def run_one(cfg: ExperimentConfig, rate: float, p: BenchParams) -> dict:
             down_until[n] = clock.t + p.recovery_s
             acct[n]["infrastructure_recovery"] += p.recovery_s
             kills.append(dict(t=clock.t, island=n, step=isl.step_count))
+            if tracer:
+                tracer.event(
+                    "kill",
+                    island=n,
+                    step=isl.step_count,
+                    head=sum(store.current_snapshot().versions),
+                )
         elif t == t_wake:
             wake = None
             merge()
@@ -186,7 +234,7 @@ def run_one(cfg: ExperimentConfig, rate: float, p: BenchParams) -> dict:
     g = experiment_goodput(cfg, states)
     loop = loop_for(cfg)
     snapshot = store.current_snapshot()
-    eval_loss = loop.eval_loss(loop.put_params(store.load_params(snapshot)), _eval_set(cfg))
+    eval_loss = loop.eval_loss(loop.put_params(store.load_params(snapshot)), eval_set(cfg))
     return dict(
         goodput=g["goodput"],
         badput=g["badput"],
@@ -195,11 +243,12 @@ def run_one(cfg: ExperimentConfig, rate: float, p: BenchParams) -> dict:
         lost_steps=sum(k.get("lost_steps", 0) for k in kills),
         virtual_time=end,
         tokens=tokens(),
-        merges=merges,
+        merges=n_merges,
         final_version=list(snapshot.versions),
         tokens_merged=snapshot.tokens_merged,
         quarantined=len(store.quarantined()),
         kill_log=kills,
+        **({"trace": tracer.records} if tracer else {}),
     )
 
 
@@ -211,6 +260,7 @@ def run(
     data: str | None = None,
     tokens: int | None = None,
     overrides: dict | None = None,
+    trace_every: int = 0,
 ) -> dict:
     p = p or BenchParams()
     cfg = bench_config(quick, p, data, tokens, overrides)
@@ -218,7 +268,7 @@ def run(
     for rate in rates:
         for method in methods:
             started = time.time()
-            out = run_one(method_config(cfg, method), rate, p)
+            out = run_one(method_config(cfg, method), rate, p, trace_every)
             out.update(rate=rate, method=method, label=LABELS[method], wall_s=time.time() - started)
             rows.append(out)
             print(
@@ -321,8 +371,25 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--H", type=int, default=BenchParams.H)
     parser.add_argument("--seed", type=int, default=BenchParams.seed)
     parser.add_argument(
+        "--stop-on",
+        choices=["merged", "kept"],
+        default=BenchParams.stop_on,
+        help="end at the budget of tokens in the global model (merged) or on the islands (kept)",
+    )
+    parser.add_argument(
+        "--stagger-s", type=float, default=0.0, help="island i starts i x S virtual s late"
+    )
+    parser.add_argument(
         "--set", action="append", metavar="KEY=VALUE", help="config override, e.g. outer.quorum=2"
     )
+    parser.add_argument(
+        "--trace",
+        type=int,
+        default=0,
+        metavar="N",
+        help="record a per-merge trace (JSON rows 'trace'), evaluating every N-th version",
+    )
+    parser.add_argument("--trace-out", default=None, help="text file: the traces, one line a merge")
     parser.add_argument("--json", dest="json_out", default=None)
     parser.add_argument("--plot", default=None, help="PNG: goodput and eval loss vs kill rate")
     args = parser.parse_args(argv)
@@ -344,8 +411,27 @@ def main(argv: list[str]) -> int:
             overrides[key] = json.loads(value)
         except json.JSONDecodeError:
             overrides[key] = value
-    p = BenchParams(args.step_s, args.recovery_s, args.H, BenchParams.batch_size, args.seed)
-    summary = run(args.quick, rates, methods, p, args.data, args.tokens, overrides)
+    if args.stagger_s < 0:
+        parser.error("--stagger-s must be >= 0")
+    p = BenchParams(
+        args.step_s, args.recovery_s, args.H, BenchParams.batch_size, args.seed, args.stagger_s,
+        args.stop_on,
+    )  # fmt: skip
+    if args.trace < 0:
+        parser.error("--trace must be >= 0")
+    if args.trace_out and not args.trace:
+        parser.error("--trace-out needs --trace N")
+    summary = run(args.quick, rates, methods, p, args.data, args.tokens, overrides, args.trace)
+    if args.trace_out:
+        Path(args.trace_out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.trace_out).write_text(
+            "\n\n".join(
+                f"# {r['label']} at {r['rate']:g} kills / 1000 s ({len(merges(r['trace']))} merges)"
+                f"\n{format_trace(r['trace'])}"
+                for r in summary["rows"]
+            )
+            + "\n"
+        )
     print()
     print(format_table(summary))
     print()

@@ -5,7 +5,14 @@ Nesterov, (delayed_nesterov) Delayed Nesterov + DyLU, (decoupled) Decoupled DiLo
 Four islands run at speeds 1, 1, 0.5 and 0.25. Islands and merger are the production `Island`
 and `Merger` classes over an in-memory store; only time is simulated: an island at speed v takes
 1/v virtual seconds per inner step, merges take no virtual time, and the event loop always runs
-the island whose next step ends first. The run is deterministic (fixed seeds, fixed event order).
+the island whose next step ends first. A run is deterministic given its seed.
+
+Seeds: `--seeds N` runs seeds 0..N-1 for every method. The seed sets the model's initialization,
+the islands' data order, and the islands' start offsets (island i starts U(0, start_spread)
+virtual seconds late), so runs of one seed are paired across methods. Per method the table gives
+the mean and standard deviation of the final eval loss and the paired difference to
+data-parallel with a 95% t-interval (training/bench/stats.py); a method whose config differs from
+data-parallel's in anything but `outer.method` says where (computed from the two configs).
 
 Equal tokens means tokens *in the global model*: a method's run ends when its merged pseudo-
 gradients account for the token budget (work still on the islands does not count), and data-
@@ -13,7 +20,12 @@ parallel's when its steps have consumed it.
 
 Data-parallel steps on the concatenation of the four islands' batches and, being synchronous, at
 the pace of the slowest island (4 virtual seconds a step). Its traffic per island is a ring
-all-reduce of fp32 gradients every step: 2 (M - 1) / M x 4 bytes x parameters.
+all-reduce of fp32 gradients every step, 2 (M - 1) / M x 4 bytes x parameters sent and as many
+received. DiLoCo islands report what they upload (`bytes_sent`) and download (`bytes_received`).
+
+Sizes (`--size`): quick (tiny model, 0.8M tokens, minutes), full (tiny, 3M tokens) and small
+(the 14M-parameter `small` preset, a budget that fits about 30 minutes for one seed of all five
+methods on the 2-core CI machine).
 """
 
 from __future__ import annotations
@@ -22,19 +34,18 @@ import argparse
 import json
 import logging
 import time
-import uuid
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from training import inner, model
+from training.bench import stats
+from training.bench.sim import Curve, VirtualClock, eval_set, run_islands
 from training.config import ExperimentConfig, IslandConfig, with_overrides
-from training.data import BatchLoader, eval_batches, shard_tokens
-from training.island import Island, corpus_for, loop_for
-from training.merge import Merger, initial_version
-from training.store.experiment import ExperimentStore
-from training.store.objectstore import open_store
+from training.data import BatchLoader, shard_tokens
+from training.island import corpus_for, loop_for
+
+__all__ = ["VirtualClock", "base_config", "method_config", "run", "eval_set"]
 
 log = logging.getLogger("diloco.bench")
 
@@ -47,54 +58,36 @@ LABELS = {
     "decoupled": "Decoupled DiLoCo",
 }
 SPEEDS = (1.0, 1.0, 0.5, 0.25)
+# size -> (model preset, token budget)
+SIZES = {"quick": ("tiny", 800_000), "full": ("tiny", 3_000_000), "small": ("small", 250_000)}
 # Tuned on 0.5M-token runs (docs/BENCHMARKS.md): the DiLoCo methods share inner lr 2e-3 (of 2, 3,
 # 5e-3) and outer Nesterov lr 0.5 / momentum 0.8 (of 0.4-1.0 / 0.7-0.9); data-parallel keeps its
 # best inner lr, 3e-3 (of 2, 3, 5e-3). The library defaults stay at the papers' 0.7 / 0.9.
 BENCH_SETTINGS = {"inner.lr": 0.002, "outer.lr": 0.5, "outer.momentum": 0.8}
 DP_SETTINGS = {"inner.lr": 0.003}
-
-
-@dataclass
-class Curve:
-    times: list[float] = field(default_factory=list)
-    tokens: list[int] = field(default_factory=list)
-    losses: list[float] = field(default_factory=list)
-
-    def add(self, t: float, tokens: int, loss: float) -> None:
-        self.times.append(t)
-        self.tokens.append(tokens)
-        self.losses.append(loss)
-
-    def time_to(self, target: float) -> float | None:
-        """First virtual time the eval loss reaches `target` (linear between evaluations)."""
-        for i, loss in enumerate(self.losses):
-            if loss <= target:
-                if i == 0:
-                    return self.times[0]
-                t0, t1, l0 = self.times[i - 1], self.times[i], self.losses[i - 1]
-                return t0 + (t1 - t0) * (l0 - target) / (l0 - loss)
-        return None
-
-
-class VirtualClock:
-    def __init__(self):
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
+START_SPREAD_S = 1.0  # islands start up to one speed-1 inner step apart
 
 
 def base_config(
-    quick: bool, data: str | None, token_budget: int | None, overrides: dict | None = None
+    size: str | bool,
+    data: str | None,
+    token_budget: int | None,
+    overrides: dict | None = None,
+    seed: int = 0,
 ) -> ExperimentConfig:
+    """The shared config of a size ("quick", "full", "small"; True / False mean quick / full)."""
+    if isinstance(size, bool):
+        size = "quick" if size else "full"
+    preset, budget = SIZES[size]
     islands = tuple(IslandConfig(name=f"island-{i}", speed=s) for i, s in enumerate(SPEEDS))
     cfg = ExperimentConfig(
         name="bench-quality",
         store_url="memory://bench",
         islands=islands,
-        token_budget=token_budget or (800_000 if quick else 3_000_000),
+        token_budget=token_budget or budget,
+        seed=seed,
     )
-    cfg = with_overrides(cfg, BENCH_SETTINGS)
+    cfg = with_overrides(cfg, {**BENCH_SETTINGS, "model.preset": preset})
     if data:
         cfg = with_overrides(cfg, {"data.source": data})
     return with_overrides(cfg, overrides or {})
@@ -109,12 +102,7 @@ def method_config(cfg: ExperimentConfig, method: str) -> ExperimentConfig:
     return with_overrides(cfg, overrides)
 
 
-def _eval_set(cfg: ExperimentConfig):
-    corpus = corpus_for(cfg)
-    return eval_batches(corpus.eval, cfg.data.batch_size, cfg.data.seq_len, cfg.data.eval_batches)
-
-
-def run_dp(cfg: ExperimentConfig, eval_dt: float, progress) -> dict:
+def run_dp(cfg: ExperimentConfig, eval_dt: float, progress=None) -> dict:
     """Data-parallel: one AdamW step on all islands' batches, at the slowest island's pace."""
     loop = loop_for(cfg)
     corpus = corpus_for(cfg)
@@ -129,7 +117,7 @@ def run_dp(cfg: ExperimentConfig, eval_dt: float, progress) -> dict:
     ]
     params = loop.put_params(inner.to_host(model.init_params(cfg.model, cfg.seed)))
     opt_state = loop.init_opt_state(params)
-    evals = _eval_set(cfg)
+    evals = eval_set(cfg)
     step_time = max(1.0 / i.speed for i in cfg.islands)
     curve, tokens, t = Curve(), 0, 0.0
     curve.add(0.0, 0, loop.eval_loss(params, evals))
@@ -148,166 +136,183 @@ def run_dp(cfg: ExperimentConfig, eval_dt: float, progress) -> dict:
         if t >= next_eval:
             curve.add(t, tokens, loop.eval_loss(params, evals))
             next_eval += eval_dt
-            progress(t, tokens, curve.losses[-1])
+            if progress:
+                progress(t, tokens, curve.losses[-1])
     if curve.tokens[-1] != tokens:
         curve.add(t, tokens, loop.eval_loss(params, evals))
-    bytes_per_island = steps * 2 * (m - 1) / m * 4 * n_params
-    return dict(
-        curve=curve, tokens=tokens, bytes_sent=bytes_per_island, merges=steps, quarantined=0
-    )
-
-
-def run_islands(cfg: ExperimentConfig, eval_dt: float, progress) -> dict:
-    """The production Island and Merger classes on a virtual clock over a memory:// store."""
-    clock = VirtualClock()
-    store = ExperimentStore(open_store(f"memory://bench-{uuid.uuid4().hex[:8]}"), cfg.name)
-    store.write_config(json.loads(cfg.to_json()))
-    initial_version(cfg, store)
-    islands = [Island(cfg, i.name, store, clock=clock) for i in cfg.islands]
-    for isl in islands:
-        isl.start()
-    merger = Merger(cfg, store, clock=clock)
-    loop = loop_for(cfg)
-    evals = _eval_set(cfg)
-    pace = {isl.name: 1.0 / isl.spec.speed for isl in islands}
-    next_t = {isl.name: pace[isl.name] for isl in islands}
-    wake: float | None = None
-    curve = Curve()
-    seen_version = -1
-    next_eval = 0.0
-    merges = quarantined = merged_tokens = 0
-
-    def evaluate():
-        nonlocal seen_version
-        snapshot = store.current_snapshot()
-        loss = loop.eval_loss(loop.put_params(store.load_params(snapshot)), evals)
-        seen_version = sum(snapshot.versions)
-        curve.add(clock.t, merged_tokens, loss)
-        progress(clock.t, curve.tokens[-1], loss)
-
-    def merge():
-        nonlocal wake, merges, quarantined, merged_tokens
-        for r in merger.merge_all():
-            merges += r.version is not None
-            merged_tokens = max(merged_tokens, r.tokens_merged or 0)
-            quarantined += len(r.quarantined)
-            wake = r.waiting_until
-        for isl in islands:
-            if isl.blocked() and isl.poll_merged():
-                next_t[isl.name] = clock.t + pace[isl.name]
-
-    evaluate()
-    next_eval = eval_dt
-    while merged_tokens < cfg.token_budget:
-        ready = [i for i in islands if not i.blocked()]
-        t_island = min((next_t[i.name] for i in ready), default=None)
-        if wake is not None and (t_island is None or wake <= t_island):
-            clock.t = max(clock.t, wake)
-            wake = None
-            merge()
-            continue
-        if t_island is None:  # everyone waits for a merge that cannot happen yet
-            merge()
-            if all(i.blocked() for i in islands):
-                raise RuntimeError("synchronous round cannot complete: no merge possible")
-            continue
-        isl = min(ready, key=lambda i: (next_t[i.name], i.name))
-        clock.t = next_t[isl.name]
-        result = isl.step()
-        next_t[isl.name] += pace[isl.name]
-        if result.published:
-            merge()
-        if clock.t >= next_eval:
-            evaluate()
-            next_eval += eval_dt
-    evaluate()
-    bytes_sent = float(np.mean([i.bytes_sent for i in islands]))
+    per_island = steps * 2 * (m - 1) / m * 4 * n_params  # ring all-reduce: as much in as out
     return dict(
         curve=curve,
-        tokens=merged_tokens,
-        tokens_processed=sum(i.tokens for i in islands),
-        bytes_sent=bytes_sent,
-        merges=merges,
-        quarantined=quarantined,
-        final_version=seen_version,
+        tokens=tokens,
+        bytes_sent=per_island,
+        bytes_received=per_island,
+        merges=steps,
+        quarantined=0,
     )
+
+
+def start_offsets(cfg: ExperimentConfig, spread: float) -> dict[str, float]:
+    """Island start delays, U(0, spread) virtual seconds each, drawn from the config's seed."""
+    rng = np.random.default_rng([cfg.seed, 7])
+    return {i.name: float(rng.uniform(0.0, spread)) if spread > 0 else 0.0 for i in cfg.islands}
+
+
+def run_one(
+    cfg: ExperimentConfig, method: str, eval_dt: float, start_spread: float, progress=None
+) -> dict:
+    """One method at one seed (cfg.seed)."""
+    mcfg = method_config(cfg, method)
+    if method == "dp":
+        return run_dp(mcfg, eval_dt, progress)
+    return run_islands(mcfg, eval_dt, progress, offsets=start_offsets(mcfg, start_spread))
 
 
 def run(
-    quick: bool = True, data: str | None = None, methods=METHODS, token_budget=None, overrides=None
+    quick: bool | str = True,
+    data: str | None = None,
+    methods=METHODS,
+    token_budget=None,
+    overrides=None,
+    seeds: int = 1,
+    start_spread: float = START_SPREAD_S,
+    verbose: bool = False,
 ) -> dict:
-    cfg = base_config(quick, data, token_budget, overrides)
+    """Every method at seeds 0..seeds-1 (seed-major: each seed's set of runs completes together)."""
+    size = ("quick" if quick else "full") if isinstance(quick, bool) else quick
+    cfg = base_config(size, data, token_budget, overrides)
     tokens_per_time = cfg.data.batch_size * cfg.data.seq_len  # dp / sync pace: one batch a second
     eval_dt = cfg.token_budget / tokens_per_time / 20
-    results: dict[str, dict] = {}
-    for method in methods:
-        mcfg = method_config(cfg, method)
-        started = time.time()
+    results: dict[str, list[dict]] = {m: [] for m in methods}
+    total, done = seeds * len(methods), 0
+    for seed in range(seeds):
+        scfg = with_overrides(cfg, {"seed": seed})
+        for method in methods:
+            started = time.time()
 
-        def progress(t, tokens, loss, method=method):
+            def progress(t, tokens, loss, method=method, seed=seed):
+                print(
+                    f"    {method} seed {seed}  t={t:8.1f}  tokens={tokens / 1e6:6.2f}M  "
+                    f"eval_loss={loss:.4f}",
+                    flush=True,
+                )
+
+            out = run_one(scfg, method, eval_dt, start_spread, progress if verbose else None)
+            out["wall_s"] = time.time() - started
+            out["seed"] = seed
+            results[method].append(out)
+            done += 1
             print(
-                f"  {method:17s} t={t:8.1f}  tokens={tokens / 1e6:6.2f}M  eval_loss={loss:.4f}",
+                f"[{done}/{total}] {method:16s} seed {seed}: eval loss "
+                f"{out['curve'].losses[-1]:.4f}  tokens {out['tokens'] / 1e6:.2f}M  "
+                f"merges {out['merges']}  ({out['wall_s']:.0f} s)",
                 flush=True,
             )
-
-        print(f"[{method}] {LABELS[method]}", flush=True)
-        out = (run_dp if method == "dp" else run_islands)(mcfg, eval_dt, progress)
-        out["wall_s"] = time.time() - started
-        results[method] = out
-    return summarize(cfg, results)
+    summary = summarize(cfg, results)
+    summary.update(size=size, start_spread_s=start_spread)
+    return summary
 
 
-def summarize(cfg: ExperimentConfig, results: dict[str, dict]) -> dict:
-    dp = results.get("dp")
-    # Target: the eval loss data-parallel reaches at half the token budget; every method should
-    # get there, and the time it takes shows the cost of synchronization.
-    target = None
-    if dp:
-        curve = dp["curve"]
-        half = next(i for i, t in enumerate(curve.tokens) if t >= cfg.token_budget / 2)
-        target = curve.losses[half]
+def _target(dp_runs: list[dict], budget: int) -> list[float]:
+    """Per seed: the eval loss data-parallel reaches at half the budget."""
+    out = []
+    for r in dp_runs:
+        c = r["curve"]
+        out.append(c.losses[next(i for i, t in enumerate(c.tokens) if t >= budget / 2)])
+    return out
+
+
+def _mean_or_none(xs: list) -> float | None:
+    return None if not xs or any(x is None for x in xs) else float(np.mean(xs))
+
+
+def summarize(cfg: ExperimentConfig, results: dict[str, list[dict]]) -> dict:
+    dp_runs = results.get("dp")
+    targets = _target(dp_runs, cfg.token_budget) if dp_runs else None
+    dp_losses = [r["curve"].losses[-1] for r in dp_runs] if dp_runs else None
+    dp_cfg = json.loads(method_config(cfg, "dp").to_json())
+    dp_bytes = _mean_or_none([r["bytes_sent"] for r in dp_runs]) if dp_runs else None
     rows = {}
-    for method, r in results.items():
-        c: Curve = r["curve"]
-        rows[method] = dict(
+    for method, runs in results.items():
+        losses = [r["curve"].losses[-1] for r in runs]
+        mean, sd = stats.mean_std(losses)
+        ttt = [r["curve"].time_to(t) for r, t in zip(runs, targets, strict=True)] if targets else []
+        sent = _mean_or_none([r["bytes_sent"] for r in runs])
+        row = dict(
             label=LABELS[method],
-            eval_loss=c.losses[-1],
-            tokens=r["tokens"],
-            bytes_sent=r["bytes_sent"],
-            bytes_vs_dp=(r["bytes_sent"] / dp["bytes_sent"]) if dp else None,
-            time_to_target=c.time_to(target) if target is not None else None,
-            end_time=c.times[-1],
-            merges=r["merges"],
-            quarantined=r["quarantined"],
-            wall_s=r["wall_s"],
-            curve=dict(times=c.times, tokens=c.tokens, losses=c.losses),
+            eval_loss=mean,
+            eval_loss_std=sd,
+            eval_losses=losses,
+            seeds=[r["seed"] for r in runs],
+            tokens=float(np.mean([r["tokens"] for r in runs])),
+            bytes_sent=sent,
+            bytes_received=_mean_or_none([r.get("bytes_received") for r in runs]),
+            bytes_vs_dp=(sent / dp_bytes) if dp_bytes and sent is not None else None,
+            time_to_target=_mean_or_none(ttt) if targets else None,
+            times_to_target=ttt,
+            merges=float(np.mean([r["merges"] for r in runs])),
+            quarantined=int(sum(r["quarantined"] for r in runs)),
+            goodput=_mean_or_none([r.get("goodput") for r in runs]),
+            wall_s=float(sum(r["wall_s"] for r in runs)),
+            config_diff=stats.config_diff(
+                json.loads(method_config(cfg, method).to_json()), dp_cfg, ignore=["outer.method"]
+            ),
+            curves=[r["curve"].to_dict() for r in runs],
         )
+        if dp_losses is not None and method != "dp":
+            row["vs_dp"] = stats.paired_interval(losses, dp_losses).to_dict()
+            row["vs_dp_pct"] = stats.relative_interval(losses, dp_losses).to_dict()
+        rows[method] = row
+    n_seeds = len(next(iter(results.values()))) if results else 0
     return dict(
-        target_loss=target,
+        target_loss=_mean_or_none(targets) if targets else None,
         token_budget=cfg.token_budget,
         speeds=[i.speed for i in cfg.islands],
         H=cfg.inner.H,
         codec=cfg.codec,
         model=cfg.model.preset,
+        params=cfg.model.param_count(),
         data=cfg.data.source,
+        seeds=list(range(n_seeds)),
         methods=rows,
     )
 
 
+def _pct(iv: dict | None) -> str:
+    if not iv:
+        return "-"
+    if iv["lo"] is None:
+        return f"{iv['mean']:+.2f}% (n=1)"
+    return f"{iv['mean']:+.2f}% [{iv['lo']:+.2f}, {iv['hi']:+.2f}]"
+
+
+def _mib(x: float | None) -> str:
+    return "n/a" if x is None else f"{x / 2**20:.1f} MiB"
+
+
 def format_table(summary: dict) -> str:
     rows = summary["methods"]
-    dp = rows.get("dp")
+    seeds = summary["seeds"]
+    head = (
+        f"size {summary.get('size', '?')}: model {summary['model']} "
+        f"({summary['params'] / 1e6:.2f}M parameters), {summary['token_budget'] / 1e6:.2f}M "
+        f"tokens, data {summary['data']}, seeds {seeds[0]}-{seeds[-1]} (n = {len(seeds)})"
+    )
     lines = [
-        "| method | eval loss | vs DP | tokens | virtual time to target | bytes sent / island | DP bytes / ours | merges |",
-        "|---|---|---|---|---|---|---|---|",
+        head,
+        "",
+        "| method | eval loss (mean ± std) | vs DP (paired, 95% CI) | tokens | virtual time to "
+        "target | sent / island | received / island | DP bytes / ours | merges | differs from DP in |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in rows.values():
-        vs = f"{(r['eval_loss'] / dp['eval_loss'] - 1) * 100:+.2f}%" if dp else "-"
+    for method, r in rows.items():
         ttt = f"{r['time_to_target']:.0f}" if r["time_to_target"] is not None else "not reached"
         ratio = f"{1 / r['bytes_vs_dp']:.0f}x" if r["bytes_vs_dp"] else "-"
+        diff = stats.format_diff({k: tuple(v) for k, v in r["config_diff"].items()})
         lines.append(
-            f"| {r['label']} | {r['eval_loss']:.4f} | {vs} | {r['tokens'] / 1e6:.2f}M | {ttt} | "
-            f"{r['bytes_sent'] / 2**20:.1f} MiB | {ratio} | {r['merges']} |"
+            f"| {r['label']} | {r['eval_loss']:.4f} ± {r['eval_loss_std']:.4f} | "
+            f"{_pct(r.get('vs_dp_pct')) if method != 'dp' else '-'} | {r['tokens'] / 1e6:.2f}M | "
+            f"{ttt} | {_mib(r['bytes_sent'])} | {_mib(r['bytes_received'])} | {ratio} | "
+            f"{r['merges']:.0f} | {diff or '-'} |"
         )
     return "\n".join(lines)
 
@@ -319,13 +324,18 @@ def plot(summary: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    for r in summary["methods"].values():
-        ax.plot(r["curve"]["times"], r["curve"]["losses"], label=r["label"])
+    for i, r in enumerate(summary["methods"].values()):
+        for j, c in enumerate(r["curves"]):
+            ax.plot(
+                c["times"], c["losses"], color=f"C{i}", lw=1.2 if j == 0 else 0.6,
+                alpha=1.0 if j == 0 else 0.5, label=r["label"] if j == 0 else None,
+            )  # fmt: skip
     if summary["target_loss"] is not None:
         ax.axhline(summary["target_loss"], color="grey", ls=":", lw=1, label="target")
     ax.set_xlabel("virtual time (s; speed-1 island = 1 step/s)")
     ax.set_ylabel("held-out eval loss (nats/byte)")
     ax.set_ylim(top=min(4.0, ax.get_ylim()[1]))
+    ax.set_title(f"{summary.get('size', '')}: seeds {len(summary['seeds'])}", fontsize=9)
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -333,30 +343,53 @@ def plot(summary: dict, path: str) -> None:
     plt.close(fig)
 
 
+def parse_sets(items: list[str], parser: argparse.ArgumentParser) -> dict:
+    overrides = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            parser.error(f"--set expects key=value, got {item!r}")
+        try:
+            overrides[key] = json.loads(value)
+        except json.JSONDecodeError:
+            overrides[key] = value
+    return overrides
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="diloco bench quality", description=__doc__.split("\n")[0]
     )
-    parser.add_argument("--quick", action="store_true", help="smaller token budget (minutes)")
-    parser.add_argument("--data", default=None, help="data source (default builtin:pydoc)")
+    parser.add_argument("--quick", action="store_true", help="same as --size quick")
+    parser.add_argument("--size", choices=sorted(SIZES), default=None, help="default: full")
+    parser.add_argument("--seeds", type=int, default=1, help="seeds 0..N-1 per method")
+    parser.add_argument(
+        "--start-spread", type=float, default=START_SPREAD_S, help="island start offsets (s)"
+    )
+    parser.add_argument("--data", default=None, help="directory, glob or URL (default builtin)")
     parser.add_argument("--tokens", type=int, default=None, help="token budget override")
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--json", dest="json_out", default=None)
     parser.add_argument("--plot", default=None, help="PNG of eval loss vs virtual time")
+    parser.add_argument("-v", "--verbose", action="store_true", help="print every evaluation")
     args = parser.parse_args(argv)
+    if args.quick and args.size not in (None, "quick"):
+        parser.error("--quick contradicts --size " + args.size)
+    size = "quick" if args.quick else args.size or "full"
+    if args.seeds < 1:
+        parser.error("--seeds must be >= 1")
+    if args.start_spread < 0:
+        parser.error("--start-spread must be >= 0")
     methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
     unknown = set(methods) - set(METHODS)
-    if unknown:
+    if unknown or not methods:
         parser.error(f"unknown methods {sorted(unknown)}; known: {', '.join(METHODS)}")
-    overrides = {}
-    for item in args.set:
-        key, _, value = item.partition("=")
-        try:
-            overrides[key] = json.loads(value)
-        except json.JSONDecodeError:
-            overrides[key] = value
-    summary = run(args.quick, args.data, methods, args.tokens, overrides)
+    overrides = parse_sets(args.set, parser)
+    summary = run(
+        size, args.data, methods, args.tokens, overrides, args.seeds, args.start_spread,
+        args.verbose,
+    )  # fmt: skip
     print()
     print(format_table(summary))
     if summary["target_loss"] is not None:
@@ -365,5 +398,6 @@ def main(argv: list[str]) -> int:
         Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json_out).write_text(json.dumps(summary, indent=1))
     if args.plot:
+        Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
         plot(summary, args.plot)
     return 0

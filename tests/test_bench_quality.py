@@ -1,0 +1,74 @@
+"""`diloco bench quality` over seeds on a tiny model and a directory corpus (real JAX on CPU)."""
+
+import json
+
+import pytest
+
+from training import cli
+
+TINY = json.dumps({"preset": "tiny", "d_model": 16, "n_heads": 2, "d_ff": 32, "max_seq_len": 16})
+
+
+@pytest.fixture(scope="module")
+def summary(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bench")
+    corpus = root / "corpus"
+    corpus.mkdir()
+    for i in range(40):
+        (corpus / f"doc{i:02d}.txt").write_text(f"Document {i} is about the island. " * 20)
+    out = root / "q.json"
+    code = cli.main(
+        ["bench", "quality", "--data", str(corpus), "--seeds", "2", "--methods", "dp,decoupled"]
+        + ["--tokens", "3000", "--json", str(out), "--set", f"model={TINY}"]
+        + ["--set", "data.seq_len=16", "--set", "data.batch_size=4", "--set", "inner.H=2"]
+    )
+    assert code == 0
+    return json.loads(out.read_text())
+
+
+def test_json_keeps_its_keys_and_adds_the_seed_statistics(summary):
+    row = summary["methods"]["decoupled"]
+    kept = {"eval_loss", "tokens", "bytes_sent", "time_to_target"}
+    added = {"eval_loss_std", "bytes_received", "seeds"}
+    assert kept | added <= row.keys() and summary["seeds"] == [0, 1]
+
+
+def test_eval_loss_is_the_mean_over_seeds(summary):
+    row = summary["methods"]["decoupled"]
+    assert row["eval_loss"] == pytest.approx(sum(row["eval_losses"]) / 2)
+
+
+def test_seeds_give_different_runs(summary):
+    a, b = summary["methods"]["dp"]["eval_losses"]
+    assert a != b
+
+
+def test_paired_difference_to_data_parallel_has_an_interval(summary):
+    iv = summary["methods"]["decoupled"]["vs_dp_pct"]
+    assert iv["n"] == 2 and iv["lo"] < iv["mean"] < iv["hi"]
+
+
+def test_data_parallel_counts_the_all_reduce_both_ways(summary):
+    dp = summary["methods"]["dp"]
+    assert dp["bytes_received"] == dp["bytes_sent"] > 0
+
+
+def test_the_table_names_config_differences(summary, capsys):
+    from training.bench.quality import format_table
+
+    table = format_table(summary)
+    assert "inner.lr 0.002 vs 0.003" in table and "seeds 0-1 (n = 2)" in table
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--seeds", "0"], "--seeds must be >= 1"),
+        (["--quick", "--size", "small"], "--quick contradicts"),
+        (["--methods", "dp,nope"], "unknown methods"),
+    ],
+)
+def test_bad_options_are_usage_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["bench", "quality", *argv])
+    assert exc.value.code == 2 and message in capsys.readouterr().err

@@ -1,0 +1,188 @@
+"""The virtual-clock harness the benches share: production islands and merger, simulated time.
+
+`run_islands(cfg, eval_dt, ...)` runs `Island` and `Merger` over a fresh `memory://` store. Time
+is a `VirtualClock`: an island at speed v takes 1/v virtual seconds per inner step (times a
+per-step jitter factor exp(jitter * z), z standard normal, when `jitter` > 0), merges take no
+virtual time, and the event loop always runs the island whose next step ends first (ties by
+name), so a run is deterministic given the config's seed. Island i takes its first step at
+`offsets[i]` + one step. The run ends when the merged pseudo-gradients account for the token
+budget (tokens in the global model).
+
+Returned: the eval curve (every `eval_dt` virtual seconds and at the end), tokens merged and
+processed, bytes per island both ways (`bytes_received` is None when islands do not count it),
+merges, quarantined contributions, goodput (island-seconds stepping / island-seconds
+provisioned from 0 to the end) and, with `trace_every` > 0, the per-merge trace
+(training/bench/trace.py).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import uuid
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from training.bench.trace import MergeTracer
+from training.config import ExperimentConfig
+from training.data import eval_batches
+from training.island import Island, corpus_for, loop_for
+from training.merge import Merger, initial_version
+from training.store.experiment import ExperimentStore
+from training.store.objectstore import open_store
+
+
+@dataclass
+class Curve:
+    times: list[float] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+
+    def add(self, t: float, tokens: int, loss: float) -> None:
+        self.times.append(t)
+        self.tokens.append(tokens)
+        self.losses.append(float(loss))
+
+    def time_to(self, target: float) -> float | None:
+        """First virtual time the eval loss reaches `target` (linear between evaluations)."""
+        for i, loss in enumerate(self.losses):
+            if loss <= target:
+                if i == 0:
+                    return self.times[0]
+                t0, t1, l0 = self.times[i - 1], self.times[i], self.losses[i - 1]
+                return t0 + (t1 - t0) * (l0 - target) / (l0 - loss)
+        return None
+
+    def to_dict(self) -> dict:
+        return dict(times=self.times, tokens=self.tokens, losses=self.losses)
+
+
+class VirtualClock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def eval_set(cfg: ExperimentConfig):
+    corpus = corpus_for(cfg)
+    return eval_batches(corpus.eval, cfg.data.batch_size, cfg.data.seq_len, cfg.data.eval_batches)
+
+
+def fresh_store(cfg: ExperimentConfig) -> ExperimentStore:
+    store = ExperimentStore(open_store(f"memory://bench-{uuid.uuid4().hex[:8]}"), cfg.name)
+    store.write_config(json.loads(cfg.to_json()))
+    initial_version(cfg, store)
+    return store
+
+
+def run_islands(
+    cfg: ExperimentConfig,
+    eval_dt: float,
+    progress=None,
+    offsets: dict[str, float] | None = None,
+    jitter: float = 0.0,
+    trace_every: int = 0,
+) -> dict:
+    """The production Island and Merger classes on a virtual clock over a memory:// store."""
+    clock = VirtualClock()
+    store = fresh_store(cfg)
+    islands = [Island(cfg, i.name, store, clock=clock) for i in cfg.islands]
+    for isl in islands:
+        isl.start()
+    merger = Merger(cfg, store, clock=clock)
+    loop = loop_for(cfg)
+    evals = eval_set(cfg)
+    tracer = None
+    if trace_every:
+        tracer = MergeTracer(
+            store, lambda p: loop.eval_loss(loop.put_params(p), evals), trace_every, clock
+        )
+    rng = np.random.default_rng([cfg.seed, 11])
+    base_pace = {isl.name: 1.0 / isl.spec.speed for isl in islands}
+
+    def pace(name: str) -> float:
+        p = base_pace[name]
+        return p * math.exp(jitter * rng.standard_normal()) if jitter > 0 else p
+
+    offsets = offsets or {}
+    next_t, took = {}, {}
+    for isl in islands:
+        took[isl.name] = pace(isl.name)
+        next_t[isl.name] = offsets.get(isl.name, 0.0) + took[isl.name]
+    stepping = 0.0
+    wake: float | None = None
+    curve = Curve()
+    seen_version = -1
+    merges = quarantined = merged_tokens = 0
+
+    def evaluate():
+        nonlocal seen_version
+        snapshot = store.current_snapshot()
+        loss = loop.eval_loss(loop.put_params(store.load_params(snapshot)), evals)
+        seen_version = sum(snapshot.versions)
+        curve.add(clock.t, merged_tokens, loss)
+        if progress:
+            progress(clock.t, curve.tokens[-1], loss)
+
+    def merge():
+        nonlocal wake, merges, quarantined, merged_tokens
+        if tracer:
+            tracer.before_merge()
+        results = merger.merge_all()
+        if tracer:
+            tracer.after_merge(results, [i.name for i in islands])
+        for r in results:
+            merges += r.version is not None
+            merged_tokens = max(merged_tokens, r.tokens_merged or 0)
+            quarantined += len(r.quarantined)
+            wake = r.waiting_until
+        for isl in islands:
+            if isl.blocked() and isl.poll_merged():
+                took[isl.name] = pace(isl.name)
+                next_t[isl.name] = clock.t + took[isl.name]
+
+    evaluate()
+    next_eval = eval_dt
+    while merged_tokens < cfg.token_budget:
+        ready = [i for i in islands if not i.blocked()]
+        t_island = min((next_t[i.name] for i in ready), default=None)
+        if wake is not None and (t_island is None or wake <= t_island):
+            clock.t = max(clock.t, wake)
+            wake = None
+            merge()
+            continue
+        if t_island is None:  # everyone waits for a merge that cannot happen yet
+            merge()
+            if all(i.blocked() for i in islands):
+                raise RuntimeError("synchronous round cannot complete: no merge possible")
+            continue
+        isl = min(ready, key=lambda i: (next_t[i.name], i.name))
+        clock.t = next_t[isl.name]
+        result = isl.step()
+        stepping += took[isl.name]
+        took[isl.name] = pace(isl.name)
+        next_t[isl.name] += took[isl.name]
+        if result.published:
+            merge()
+        if clock.t >= next_eval:
+            evaluate()
+            next_eval += eval_dt
+    evaluate()
+    received = [getattr(i, "bytes_received", None) for i in islands]
+    out = dict(
+        curve=curve,
+        tokens=merged_tokens,
+        tokens_processed=sum(i.tokens for i in islands),
+        bytes_sent=float(np.mean([i.bytes_sent for i in islands])),
+        bytes_received=None if None in received else float(np.mean(received)),
+        merges=merges,
+        quarantined=quarantined,
+        final_version=seen_version,
+        goodput=stepping / (len(islands) * clock.t) if clock.t > 0 else None,
+    )
+    if tracer:
+        out["trace"] = tracer.records
+    return out
