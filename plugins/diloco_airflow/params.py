@@ -13,18 +13,20 @@ bounds, titles and descriptions.
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import Any, get_args
 
 from airflow.sdk import Param
 from annotated_types import Gt
 
-from training.config import SyncerConfig
+from training.config import Backend, Codec, ModelConfig, OuterMethod, SyncerConfig
+from training.names import NAME_PATTERN as _NAME_RE
 
-NAME_PATTERN = "^[a-z0-9][a-z0-9-]{0,62}$"
-PRESETS = ["tiny", "small", "125m", "1b", "12b"]
-CODECS = ["fp32", "bf16", "int8", "int4"]
-OUTER_METHODS = ["decoupled", "nesterov", "delayed_nesterov", "sync", "dp"]
-BACKENDS = ["local", "tpu_vm", "gke"]
+# the form's enums are the config's types: they cannot drift
+NAME_PATTERN = _NAME_RE.pattern
+PRESETS = list(get_args(ModelConfig.model_fields["preset"].annotation))
+CODECS = list(get_args(Codec))
+OUTER_METHODS = ["decoupled", *(m for m in get_args(OuterMethod) if m != "decoupled")]
+BACKENDS = list(get_args(Backend))
 
 DEFAULT_ISLANDS = [
     {"name": "island-0", "speed": 1.0, "backend": "local", "hardware": {}},
