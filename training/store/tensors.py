@@ -199,6 +199,16 @@ def _tensor_layout(name: str, info: Any) -> tuple[np.dtype, tuple[int, ...], int
     return dtype, tuple(shape), offsets[0], offsets[1]
 
 
+def header_bound(entries: list[tuple[str, int]]) -> int:
+    """An upper bound on the JSON header bytes (length prefix and padding included) of a
+    safetensors file holding tensors `(name, ndim)`, with no metadata. Each entry is at most
+    `"name":{"dtype":"BF16","shape":[d,...],"data_offsets":[b,e]},` with names escaped at
+    worst 6 bytes a character, dims of at most 20 digits and offsets of at most 20."""
+    per_entry = len('"":{"dtype":"BOOL","shape":[],"data_offsets":[,]},') + 2 * 20
+    total = 2 + sum(6 * len(name) + per_entry + 21 * ndim for name, ndim in entries)
+    return 8 + total + 8
+
+
 def _is_count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 

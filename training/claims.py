@@ -1,0 +1,227 @@
+"""Bounds on what a contribution claims: its steps, its tokens, and the weight they buy it.
+
+A pseudo-gradient's manifest says how many inner steps and tokens it holds; the merger weights
+it by tokens^2 / steps and adds its tokens to the experiment's budget. An island can write any
+number there, so every claim is checked against what the island can have done (pure functions,
+no store access; the merger gathers the facts):
+
+1. `steps <= 2 * H`: steps count from the fragment's previous publish; fragment p is first due
+   at H + its offset (< H), then every H steps (training/fragments.py), and DyLU only lowers H.
+2. `tokens <= steps * batch_size * seq_len`: one step is one batch.
+3. `published_at <= now + skew`: no claim from the future (on the merger's clock).
+4. Since the base version: an island adopts version b only after the merger published it (at
+   merger time T_b, its `merged_at`, else `created_at`), and each contribution holds at most
+   tau steps trained before the adoption. So the island's contributions for one fragment
+   based on b or later, this one included, hold at most
+   `tau * count + max_steps_per_s * (now - T_b + skew)` steps. When the merger's clock and
+   T_b disagree by more than the skew (a virtual-clock bench, a clock-less version 0) the rule
+   is skipped: only merger-side facts switch it off, never anything an island writes.
+5. Against its previous contribution (any fragment, lower seq): `island_step` may not grow
+   faster than `max_steps_per_s` on the island's own clock (a lower island_step is a restart
+   from an older checkpoint and passes), and `steps <= island_step`.
+6. Against its heartbeat: a contribution published after the heartbeat's `time` is at most
+   `max_steps_per_s * (published_at - time + skew)` steps past the heartbeat's `step`.
+
+`max_steps_per_s` must exceed the fastest honest island (the default, 1000 steps/s, is 50x the
+tiny model on one CPU core); it is also the pace at which a lying island can push the token
+budget. Each rule returns the reason to quarantine, or None.
+
+The weight cap (`cap_weights`): within one merge, an island's vote weight is capped at
+`WEIGHT_CAP` (k = 4) times the median of the other votes' weights, so no single claim swamps
+the merge however its tokens and steps were chosen: with two islands the larger share is at
+most k / (k + 1) = 80%. k = 4 leaves honest heterogeneity alone: DyLU makes weight scale with
+speed, and mixed hardware runs within about 2-3x.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+MAX_STEPS_PER_S = 1000.0
+CLOCK_SKEW_S = 5.0
+WEIGHT_CAP = 4.0
+
+
+@dataclass(frozen=True)
+class Claim:
+    """What one contribution claims (from its validated manifest)."""
+
+    island: str
+    fragment: int
+    seq: int
+    base_version: int
+    steps: int
+    tokens: int
+    published_at: float | None = None
+    island_step: int | None = None
+
+    @classmethod
+    def of(cls, manifest: Any) -> Claim:
+        """From a `records.PseudoGradManifest`."""
+        return cls(
+            manifest.island,
+            manifest.fragment,
+            manifest.seq,
+            manifest.base_version,
+            manifest.steps,
+            manifest.tokens,
+            manifest.published_at,
+            manifest.island_step,
+        )
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The experiment's numbers the rules need."""
+
+    H: int
+    tokens_per_step: int
+    tau: int = 0
+    max_steps_per_s: float = MAX_STEPS_PER_S
+    clock_skew_s: float = CLOCK_SKEW_S
+
+    @classmethod
+    def from_config(cls, cfg: Any, **overrides: float) -> Limits:
+        return cls(
+            H=cfg.inner.H,
+            tokens_per_step=cfg.data.batch_size * cfg.data.seq_len,
+            tau=cfg.inner.tau,
+            **overrides,
+        )
+
+    @property
+    def max_interval_steps(self) -> int:
+        return 2 * self.H
+
+
+@dataclass(frozen=True)
+class Beat:
+    """An island's heartbeat: its step count at `time` (the island's clock)."""
+
+    step: int
+    time: float
+
+
+def check_claim(
+    claim: Claim,
+    limits: Limits,
+    now: float,
+    *,
+    base_time: float | None = None,
+    earlier: Iterable[Claim] = (),
+    previous: Claim | None = None,
+    heartbeat: Beat | None = None,
+) -> str | None:
+    """The reason `claim` is implausible, or None (rules 1-6 of the module docstring).
+
+    `base_time`: when the merger published the claim's base version (merger clock, as `now`);
+    `earlier`: this island's contributions for the same fragment accepted before this one and
+    not yet merged; `previous`: this island's last accepted contribution (any fragment);
+    `heartbeat`: its latest heartbeat.
+    """
+    steps, tokens = claim.steps, claim.tokens
+    if steps < 1 or tokens < 1:
+        return f"claims {steps} steps and {tokens} tokens: both must be positive"
+    if steps > limits.max_interval_steps:
+        return (
+            f"claims {steps} steps since its last publish of fragment {claim.fragment}; "
+            f"at most 2 x H = {limits.max_interval_steps}"
+        )
+    if tokens > steps * limits.tokens_per_step:
+        return f"tokens {tokens} exceed {steps} steps x {limits.tokens_per_step} tokens per step"
+    skew, rate = limits.clock_skew_s, limits.max_steps_per_s
+    if claim.published_at is not None and claim.published_at > now + skew:
+        return f"published_at is {claim.published_at - now:.3g} s in the future"
+    if base_time is not None and now >= base_time - skew:
+        same = [c for c in earlier if c.base_version >= claim.base_version] + [claim]
+        total = sum(c.steps for c in same)
+        bound = limits.tau * len(same) + rate * (now - base_time + skew)
+        if total > bound:
+            return (
+                f"claims {total} steps in {len(same)} contribution(s) on base version "
+                f"{claim.base_version}, published {now - base_time:.3g} s ago: over "
+                f"{bound:.0f} at {rate:g} steps/s"
+            )
+    return _against_history(claim, limits, previous, heartbeat)
+
+
+def _against_history(
+    claim: Claim, limits: Limits, previous: Claim | None, heartbeat: Beat | None
+) -> str | None:
+    """Rules 5 and 6: the island's own clock and step counter."""
+    s1, t1 = claim.island_step, claim.published_at
+    if s1 is None:
+        return None
+    if claim.steps > s1:
+        return f"claims {claim.steps} steps but its island_step is {s1}"
+    skew, rate = limits.clock_skew_s, limits.max_steps_per_s
+    if t1 is None:
+        return None
+    if previous is not None and previous.island_step is not None and previous.published_at:
+        s0, t0 = previous.island_step, previous.published_at
+        if previous.seq < claim.seq and s1 > s0 and s1 - s0 > rate * (max(0.0, t1 - t0) + skew):
+            return (
+                f"island_step went from {s0} to {s1} in {t1 - t0:.3g} s "
+                f"(seq {previous.seq} -> {claim.seq}): over {rate:g} steps/s"
+            )
+    if heartbeat is not None and t1 > heartbeat.time:
+        bound = heartbeat.step + rate * (t1 - heartbeat.time + skew)
+        if s1 > bound:
+            return (
+                f"island_step {s1} is over {bound:.0f}: its heartbeat said step "
+                f"{heartbeat.step} {t1 - heartbeat.time:.3g} s before it published"
+            )
+    return None
+
+
+def check_claims(
+    claims: Sequence[Claim],
+    limits: Limits,
+    now: float,
+    *,
+    base_times: dict[int, float] | None = None,
+    previous: dict[str, Claim] | None = None,
+    heartbeats: dict[str, Beat] | None = None,
+) -> dict[tuple[str, int], str]:
+    """Check a round's claims in (island, seq) order, each against the ones accepted before it.
+
+    Returns {(island, seq): reason} for the rejected ones. `base_times`: version -> merger
+    time of its publication; `previous`: island -> its last accepted claim from earlier
+    rounds; `heartbeats`: island -> its heartbeat.
+    """
+    base_times, heartbeats = base_times or {}, heartbeats or {}
+    last = dict(previous or {})
+    accepted: dict[tuple[str, int], list[Claim]] = {}
+    rejected: dict[tuple[str, int], str] = {}
+    for claim in sorted(claims, key=lambda c: (c.island, c.seq)):
+        reason = check_claim(
+            claim,
+            limits,
+            now,
+            base_time=base_times.get(claim.base_version),
+            earlier=accepted.get((claim.island, claim.fragment), []),
+            previous=last.get(claim.island),
+            heartbeat=heartbeats.get(claim.island),
+        )
+        if reason is None:
+            accepted.setdefault((claim.island, claim.fragment), []).append(claim)
+            last[claim.island] = claim
+        else:
+            rejected[(claim.island, claim.seq)] = reason
+    return rejected
+
+
+def cap_weights(weights: Sequence[float], k: float = WEIGHT_CAP) -> list[float]:
+    """Each weight capped at k x the median of the others' (computed from the uncapped
+    weights). A single weight, or others with median 0, are left as they are."""
+    if k <= 0:
+        raise ValueError(f"k must be positive, got {k}")
+    out = []
+    for i, w in enumerate(weights):
+        others = [x for j, x in enumerate(weights) if j != i]
+        median = statistics.median(others) if others else 0.0
+        out.append(min(w, k * median) if median > 0 else w)
+    return out
