@@ -155,8 +155,8 @@ def _obj(data: Any, limits: JSONLimits, error: type[CorruptObject], what: str) -
 
 
 @dataclass(frozen=True)
-class PseudoGradManifest:
-    """A pseudo-gradient's validated manifest (docs/STORE.md "Manifests"); `raw` is the dict."""
+class PseudoGradCommit:
+    """The store's fields of a pseudo-gradient marker (docs/STORE.md "Manifests")."""
 
     id: str
     island: str
@@ -166,28 +166,15 @@ class PseudoGradManifest:
     nbytes: int
     sha256: str
     created_at: float
-    base_version: int
-    steps: int
-    tokens: int
-    codec: str
-    published_at: float | None
-    step_time_s: float | None
-    island_step: int | None
-    loss: float | None
     raw: dict[str, Any] = field(repr=False, compare=False)
 
 
-def parse_pseudograd_manifest(data: Any, pg_id: str, experiment: str) -> PseudoGradManifest:
-    """The manifest of marker `pg_id` (bytes or a loaded dict) in `experiment`.
-
-    It must name this experiment, island, seq and fragment; its payload must be
-    `pseudograds/{pg_id}-<8 hex>.safetensors` (so inside the island's prefix); nbytes, sha256
-    and created_at must be well-formed; and the contribution fields must be typed: base_version
-    (int >= 0), steps and tokens (ints in (0, 2^53)), codec (known), and if present
-    published_at, step_time_s (finite numbers), island_step (int >= 0), loss (number or null).
-    Checks that need the config or HEAD (range of base_version and fragment, claims, sizes)
-    belong to the merger. BadPseudoGradManifest (BadName for a bad `pg_id`).
-    """
+def parse_pseudograd_commit(data: Any, pg_id: str, experiment: str) -> PseudoGradCommit:
+    """The store's fields of marker `pg_id` (bytes or a loaded dict) in `experiment`: it names
+    this experiment, island, seq and fragment; its payload is
+    `pseudograds/{pg_id}-<8 hex>.safetensors` (so inside the island's prefix); nbytes is an
+    int in [0, 2^53], sha256 64 lowercase hex, created_at a number. BadPseudoGradManifest
+    (BadName for a bad `pg_id`)."""
     island, seq, fragment = parse_pseudograd_id(pg_id)
     m = _obj(data, safejson.MANIFEST, BadPseudoGradManifest, "manifest")
     f = Fields(m, BadPseudoGradManifest)
@@ -197,10 +184,70 @@ def parse_pseudograd_manifest(data: Any, pg_id: str, experiment: str) -> PseudoG
         f.fail("manifest island/fragment do not match its name")
     if m.get("seq") != seq or not is_int(m["seq"]):
         f.fail(f"manifest does not describe this pseudo-gradient (seq {show(m.get('seq'))})")
-    base = m.get("base_version")
+    payload = m.get("payload")
+    pattern = re.escape(f"pseudograds/{pg_id}-") + r"[0-9a-f]{8}\.safetensors"
+    if not isinstance(payload, str) or re.fullmatch(pattern, payload, re.ASCII) is None:
+        f.fail(f"payload key {show(payload, 120)} is not inside pseudograds/{island}/")
+    return PseudoGradCommit(
+        pg_id,
+        island,
+        seq,
+        fragment,
+        payload,
+        nbytes=f.int("nbytes"),
+        sha256=f.str("sha256", SHA256),
+        created_at=float(f.real("created_at")),
+        raw=m,
+    )
+
+
+@dataclass(frozen=True)
+class PseudoGradManifest:
+    """A contribution's validated manifest: the commit plus the fields the merger reads."""
+
+    commit: PseudoGradCommit
+    base_version: int
+    steps: int
+    tokens: int
+    codec: str
+    published_at: float | None
+    step_time_s: float | None
+    island_step: int | None
+    loss: float | None
+
+    @property
+    def id(self) -> str:
+        return self.commit.id
+
+    @property
+    def island(self) -> str:
+        return self.commit.island
+
+    @property
+    def seq(self) -> int:
+        return self.commit.seq
+
+    @property
+    def fragment(self) -> int:
+        return self.commit.fragment
+
+    @property
+    def raw(self) -> dict[str, Any]:
+        return self.commit.raw
+
+
+def parse_pseudograd_manifest(data: Any, pg_id: str, experiment: str) -> PseudoGradManifest:
+    """A contribution's manifest: `parse_pseudograd_commit`, then the fields an island adds:
+    base_version (int >= 0), steps and tokens (ints in (0, 2^53)), codec (known), and if
+    present published_at and step_time_s (numbers), island_step (int >= 0), loss (number or
+    null). Checks that need the config or HEAD (ranges, claims, sizes) are the merger's.
+    Messages keep the merger's wording (tests/test_hostile.py). BadPseudoGradManifest."""
+    m = _obj(data, safejson.MANIFEST, BadPseudoGradManifest, "manifest")
+    commit = parse_pseudograd_commit(m, pg_id, experiment)
+    f = Fields(m, BadPseudoGradManifest)
+    base, steps, tokens = m.get("base_version"), m.get("steps"), m.get("tokens")
     if not (is_int(base) and 0 <= base <= MAX_VERSION):
         f.fail(f"base_version {show(base)} is not a committed version (not an int >= 0)")
-    steps, tokens = m.get("steps"), m.get("tokens")
     if not (is_int(steps) and is_int(tokens) and 0 < steps < MAX_COUNT and 0 < tokens < MAX_COUNT):
         f.fail(f"bad steps/tokens in manifest: {show(steps)}/{show(tokens)}")
     for key in ("published_at", "step_time_s"):
@@ -208,19 +255,8 @@ def parse_pseudograd_manifest(data: Any, pg_id: str, experiment: str) -> PseudoG
             f.fail(f"bad {key} in manifest: {show(m[key])}")
     if m.get("codec") not in CODECS:
         f.fail(f"unknown codec {show(m.get('codec'))}")
-    payload = m.get("payload")
-    pattern = re.escape(f"pseudograds/{pg_id}-") + r"[0-9a-f]{8}\.safetensors"
-    if not isinstance(payload, str) or re.fullmatch(pattern, payload, re.ASCII) is None:
-        f.fail(f"payload key {show(payload, 120)} is not inside pseudograds/{island}/")
     return PseudoGradManifest(
-        id=pg_id,
-        island=island,
-        seq=seq,
-        fragment=fragment,
-        payload=payload,
-        nbytes=f.int("nbytes"),
-        sha256=f.str("sha256", SHA256),
-        created_at=float(f.real("created_at")),
+        commit,
         base_version=base,
         steps=steps,
         tokens=tokens,
@@ -229,7 +265,6 @@ def parse_pseudograd_manifest(data: Any, pg_id: str, experiment: str) -> PseudoG
         step_time_s=f.real("step_time_s", 0.0, optional=True),
         island_step=f.int("island_step", optional=True),
         loss=f.real("loss", optional=True, nullable=True),
-        raw=m,
     )
 
 
@@ -416,8 +451,8 @@ def parse_checkpoint_pointer(data: Any, island: str) -> CheckpointPointer:
 
 
 def parse_checkpoint_meta(data: Any, island: str, step: int | None = None) -> dict[str, Any]:
-    """A checkpoint's meta.json: names `island` and `step`; base_version an int or list of ints
-    >= 0; seq and tokens ints >= 0 if present. BadCheckpoint."""
+    """A checkpoint's meta.json: names `island` and `step`; if present, base_version an int or
+    a list of ints >= 0, seq and tokens ints >= 0. BadCheckpoint."""
     m = _obj(data, safejson.CHECKPOINT_META, BadCheckpoint, f"checkpoint meta of {island}")
     f = Fields(m, BadCheckpoint, f"checkpoint meta of {island}")
     if m.get("island") != island:
@@ -425,9 +460,9 @@ def parse_checkpoint_meta(data: Any, island: str, step: int | None = None) -> di
     got = f.int("step", 0, 10**10 - 1)
     if step is not None and got != step:
         f.fail(f"step {got} is not LATEST's {step}")
-    base = m.get("base_version")
+    base = m.get("base_version", [])
     bases = base if isinstance(base, list) else [base]
-    if not bases or not all(is_int(b) and 0 <= b <= MAX_VERSION for b in bases):
+    if not all(is_int(b) and 0 <= b <= MAX_VERSION for b in bases):
         f.fail(f"base_version {show(base)} is not a version or a list of versions")
     f.int("seq", 0, MAX_SEQ + 1, optional=True)
     f.int("tokens", optional=True)
