@@ -12,19 +12,28 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import threading
 import time
 import uuid
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 import numpy as np
 
 from training.faults import fault_point
 from training.names import validate_name
+from training.store import records, safejson
+from training.store.keys import (
+    GLOBAL_DIR,
+    SkipTally,
+    checkpoint_dir,
+    global_dir,
+    parse_key_or_none,
+    parse_pseudograd_id,
+    pseudograd_id,
+)
 from training.store.objectstore import (
     CorruptObject,
     Generation,
@@ -32,22 +41,14 @@ from training.store.objectstore import (
     ObjectStore,
     StoreError,
 )
-from training.store.tensors import decode_tensors, encode_tensors, sha256
+from training.store.safejson import JSONLimits, dump_json
+from training.store.tensors import MAX_HEADER_BYTES, decode_tensors, encode_tensors, sha256
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-MAX_FRAGMENT = 999
-_NAME = r"[a-z0-9][a-z0-9-]{0,62}"
-_PG_ID = re.compile(rf"^({_NAME})/(\d{{8,}})-f(\d{{3}})$")
-_GLOBAL_DIR = re.compile(r"^global/v(\d{8,})-[0-9a-f]{8}$")
-_PG_MARKER = re.compile(rf"^pseudograds/({_NAME}/\d{{8,}}-f\d{{3}})\.json$")
-_LEDGER_ENTRY = re.compile(rf"^ledger/({_NAME}/\d{{8,}}-f\d{{3}})\.json$")
-_QUARANTINE_ENTRY = re.compile(rf"^quarantine/({_NAME}/\d{{8,}}-f\d{{3}})\.json$")
-_PER_ISLAND = re.compile(rf"^[a-z]+/({_NAME})\.json$")
-_NAME_RE = re.compile(_NAME)
-_METRIC = re.compile(r"^metrics/[a-z0-9-]+/\d{20}-[0-9a-f]{8}\.json$")
+_ANY = JSONLimits(16 * 2**20)  # objects without a kind of their own (kept for load_json)
 
 _GLOBAL_RESERVED = frozenset(
     {"experiment", "version", "parent_version", "parent_dir", "created_at", "applied"}
@@ -67,57 +68,15 @@ class DoubleApply(StoreError):
 
 
 # ---------------------------------------------------------------------------------------------
-# JSON and ids
+# JSON and ids: the one reader is safejson.load_json, the one name parser keys.parse_key
 
 
-def _json_default(value: Any) -> Any:
-    if isinstance(value, np.generic):
-        return value.item()
-    if isinstance(value, np.ndarray):
-        return value.tolist()
-    raise TypeError(f"not JSON serializable: {type(value).__name__}")
-
-
-def dump_json(obj: Any) -> bytes:
-    """The one JSON encoding used for every store object: sorted keys, compact, UTF-8.
-
-    numpy scalars and arrays become plain numbers and lists. NaN/inf are written as NaN/Infinity
-    (what Python's json reads back), so metrics with a diverged loss still round-trip.
-    """
-    return json.dumps(
-        obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=_json_default
-    ).encode()
-
-
-def load_json(data: bytes, what: str) -> dict[str, Any]:
-    """Parse a JSON object; CorruptObject naming `what` if it is not one."""
+def load_json(data: bytes, what: str, limits: JSONLimits = _ANY) -> dict[str, Any]:
+    """Parse a JSON object under `limits` (safejson.load_json); CorruptObject naming `what`."""
     try:
-        obj = json.loads(data)
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise CorruptObject(f"{what}: not valid JSON ({exc})") from None
-    if not isinstance(obj, dict):
-        raise CorruptObject(f"{what}: not a JSON object")
-    return obj
-
-
-def pseudograd_id(island: str, seq: int, fragment: int) -> str:
-    """The id of a pseudo-gradient: "{island}/{seq:08d}-f{fragment:03d}"."""
-    validate_name("island", island)
-    if isinstance(seq, bool) or not isinstance(seq, int) or seq < 0:
-        raise ValueError(f"invalid seq {seq!r}: must be an int >= 0")
-    if isinstance(fragment, bool) or not isinstance(fragment, int):
-        raise ValueError(f"invalid fragment {fragment!r}: must be an int")
-    if not 0 <= fragment <= MAX_FRAGMENT:
-        raise ValueError(f"invalid fragment {fragment!r}: must be in [0, {MAX_FRAGMENT}]")
-    return f"{island}/{seq:08d}-f{fragment:03d}"
-
-
-def parse_pseudograd_id(pg_id: str) -> tuple[str, int, int]:
-    """(island, seq, fragment) of a canonical pseudo-gradient id; ValueError otherwise."""
-    match = _PG_ID.fullmatch(pg_id) if isinstance(pg_id, str) else None
-    if match is None or pseudograd_id(match[1], int(match[2]), int(match[3])) != pg_id:
-        raise ValueError(f"invalid pseudo-gradient id {pg_id!r}: expected island/SSSSSSSS-fFFF")
-    return match[1], int(match[2]), int(match[3])
+        return safejson.load_json(data, limits)
+    except CorruptObject as exc:
+        raise CorruptObject(f"{what}: {exc}") from None
 
 
 def _now() -> float:
@@ -177,6 +136,7 @@ class PseudoGradRef:
     id: str
     manifest: dict[str, Any] = field(compare=False)
     payload_key: str
+    error: str | None = field(default=None, compare=False)  # the marker could not be read
 
 
 @dataclass
@@ -247,6 +207,7 @@ class ExperimentStore:
         self._pool: ThreadPoolExecutor | None = None
         self._pool_pid = 0
         self._pool_lock = threading.Lock()
+        self.skipped = SkipTally()  # objects readers skipped (junk names, broken heartbeats)
 
     @property
     def url(self) -> str:
@@ -259,14 +220,31 @@ class ExperimentStore:
     def _key(self, relative: str) -> str:
         return f"{self.experiment}/{relative}"
 
-    def _read_json(self, relative: str) -> dict[str, Any]:
-        return load_json(self.store.read(self._key(relative)), f"{self.url}/{relative}")
+    def _read_json(self, relative: str, limits: JSONLimits = _ANY) -> dict[str, Any]:
+        data = self.store.read(self._key(relative), max_bytes=limits.max_bytes)
+        return load_json(data, f"{self.url}/{relative}", limits)
 
-    def _read_json_or_none(self, relative: str) -> dict[str, Any] | None:
+    def _read_json_or_none(self, relative: str, limits: JSONLimits = _ANY) -> dict[str, Any] | None:
         try:
-            return self._read_json(relative)
+            return self._read_json(relative, limits)
         except ObjectNotFound:
             return None
+
+    def _skip(self, relative: str, reason: Any) -> None:
+        """Count an object no contribution is to blame for, and go on (docs/THREAT_MODEL.md)."""
+        self.skipped.note(relative, str(reason))
+        log.warning("skipped %s/%s: %s", self.url, relative, reason)
+
+    def _named(self, relative_prefix: str, kind: str) -> list[Any]:
+        """Parsed names of kind `kind` under a prefix; other names are skipped and counted."""
+        names = []
+        for relative in self._list(relative_prefix):
+            name = parse_key_or_none(relative)
+            if name is not None and name.kind == kind:
+                names.append(name)
+            elif name is None or name.kind not in ("pseudograd-payload", "checkpoint-file"):
+                self._skip(relative, f"not a {kind} name")
+        return names
 
     def _write_json(self, relative: str, obj: Any) -> None:
         self.store.write(self._key(relative), dump_json(obj))
@@ -292,30 +270,45 @@ class ExperimentStore:
             pool = self._pool
         return list(pool.map(fn, items))
 
-    def _read_many(self, relatives: Sequence[str]) -> list[bytes | None]:
-        """Contents of many objects (None for one deleted since it was listed)."""
+    def _read_many(
+        self, relatives: Sequence[str], max_bytes: int | None = None
+    ) -> list[bytes | CorruptObject | None]:
+        """Contents of many objects: None for one deleted since it was listed, the
+        CorruptObject (ObjectTooLarge) for one over `max_bytes`."""
 
-        def read(relative: str) -> bytes | None:
+        def read(relative: str) -> bytes | CorruptObject | None:
             try:
-                return self.store.read(self._key(relative))
+                return self.store.read(self._key(relative), max_bytes=max_bytes)
             except ObjectNotFound:
                 return None
+            except CorruptObject as exc:
+                return exc
 
         return self._parallel(read, relatives)
 
     def _verified_tensors(
-        self, relative: str, digest: Any, nbytes: Any, what: str
+        self,
+        relative: str,
+        digest: Any,
+        nbytes: Any,
+        what: str,
+        max_header: int = MAX_HEADER_BYTES,
     ) -> dict[str, np.ndarray]:
-        """Read a payload, check its size and sha256 against the manifest, decode it."""
+        """Read a payload (never more than the manifest's `nbytes`), check its size and sha256
+        against the manifest, decode it (a header of at most `max_header` bytes)."""
+        if not records.is_int(nbytes) or nbytes < 0:
+            raise CorruptObject(f"{what}: invalid nbytes {safejson.show(nbytes)}")
         try:
-            data = self.store.read(self._key(relative))
+            data = self.store.read(self._key(relative), max_bytes=nbytes)
         except ObjectNotFound:
             raise CorruptObject(f"{what}: payload {relative} is missing") from None
+        except CorruptObject as exc:
+            raise CorruptObject(f"{what}: {exc}") from None
         if len(data) != nbytes:
             raise CorruptObject(f"{what}: payload {relative} has {len(data)} bytes, not {nbytes}")
         if sha256(data) != digest:
             raise CorruptObject(f"{what}: payload {relative} fails its sha256 check")
-        return decode_tensors(data)[0]
+        return decode_tensors(data, max_header)[0]
 
     # config --------------------------------------------------------------------------------
     def write_config(self, cfg: Mapping[str, Any]) -> None:
@@ -324,14 +317,16 @@ class ExperimentStore:
         data = dump_json(cfg)
         if self.store.create(self._key(self.CONFIG), data):
             return
-        if self._read_json(self.CONFIG) != json.loads(data):
+        if self.read_config() != json.loads(data):
             raise ExperimentExists(
                 f"{self.url} exists with a different config.json; pick a new experiment name"
             )
 
     def read_config(self) -> dict[str, Any]:
-        """config.json; ObjectNotFound if the experiment has none."""
-        return self._read_json(self.CONFIG)
+        """config.json (a JSON object naming this experiment, if it names one);
+        ObjectNotFound if the experiment has none, BadConfigRecord if it is invalid."""
+        data = self.store.read(self._key(self.CONFIG), max_bytes=safejson.CONFIG.max_bytes)
+        return records.parse_config_record(data, self.experiment)
 
     def update_config(
         self, change: Callable[[dict[str, Any]], dict[str, Any]], attempts: int = 20
@@ -344,11 +339,11 @@ class ExperimentStore:
         """
         key = self._key(self.CONFIG)
         for attempt in range(attempts):
-            got = self.store.read_versioned(key)
+            got = self.store.read_versioned(key, max_bytes=safejson.CONFIG.max_bytes)
             if got is None:
                 raise ObjectNotFound(f"{self.url}/{self.CONFIG} does not exist")
             data, generation = got
-            current = load_json(data, f"{self.url}/{self.CONFIG}")
+            current = records.parse_config_record(data, self.experiment)
             new = change(json.loads(data))
             if new == current:
                 return current
@@ -373,16 +368,15 @@ class ExperimentStore:
     # global versions -----------------------------------------------------------------------
     def head(self) -> HeadPointer | None:
         """The current HEAD pointer (with its generation), or None before the first publish."""
-        got = self.store.read_versioned(self._key(self.HEAD))
+        got = self.store.read_versioned(self._key(self.HEAD), max_bytes=safejson.POINTER.max_bytes)
         if got is None:
             return None
         data, generation = got
-        obj = load_json(data, f"{self.url}/{self.HEAD}")
-        version, directory = obj.get("version"), obj.get("dir")
-        match = _GLOBAL_DIR.fullmatch(directory) if isinstance(directory, str) else None
-        if not _is_int(version) or match is None or int(match[1]) != version:
-            raise CorruptObject(f"{self.url}/{self.HEAD}: invalid pointer {obj!r}")
-        return HeadPointer(version=version, dir=directory, generation=generation)
+        try:
+            pointer = records.parse_head(data)
+        except CorruptObject as exc:
+            raise type(exc)(f"{self.url}/{self.HEAD}: {exc}") from None
+        return HeadPointer(version=pointer.version, dir=pointer.dir, generation=generation)
 
     def publish_global(
         self,
@@ -416,7 +410,7 @@ class ExperimentStore:
         if len(set(ids)) != len(ids):
             raise ValueError("applied lists a pseudo-gradient twice")
 
-        directory = f"global/v{version:08d}-{_uuid8()}"
+        directory = global_dir(version, _uuid8())
         payloads = {"params": encode_tensors(params), "outer_state": encode_tensors(outer_state)}
         for name, data in payloads.items():
             self.store.write(self._key(f"{directory}/{name}.safetensors"), data)
@@ -450,12 +444,14 @@ class ExperimentStore:
 
     def _global_manifest(self, head: HeadPointer) -> dict[str, Any]:
         relative = f"{head.dir}/manifest.json"
-        manifest = self._read_json_or_none(relative)
-        if manifest is None:
-            raise CorruptObject(f"{self.url}/{relative} is missing but HEAD points to it")
-        if manifest.get("version") != head.version or manifest.get("experiment") != self.experiment:
-            raise CorruptObject(f"{self.url}/{relative} does not describe version {head.version}")
-        return manifest
+        try:
+            data = self.store.read(self._key(relative), safejson.GLOBAL_MANIFEST.max_bytes)
+        except ObjectNotFound:
+            raise CorruptObject(f"{self.url}/{relative} is missing but HEAD points to it") from None
+        try:
+            return records.parse_global_manifest(data, self.experiment, head.version).raw
+        except CorruptObject as exc:
+            raise type(exc)(f"{self.url}/{relative}: {exc}") from None
 
     def load_global(self, head: HeadPointer | None = None) -> GlobalVersion:
         """Load `head` (default: the current HEAD), verifying both payloads' size and sha256
@@ -503,15 +499,23 @@ class ExperimentStore:
         head = self.head()
         if head is None:
             return []
-        relatives = [k for k in self._list("global/") if k.endswith("/manifest.json")]
-        raw: dict[str, bytes] = {}
-        for relative, data in zip(relatives, self._read_many(relatives), strict=True):
+        names = [n for n in self._named("global/", "global-file") if n.file == "manifest.json"]
+        relatives = [f"{n.dir}/manifest.json" for n in names]
+        raw: dict[str, tuple[int, bytes | CorruptObject]] = {}
+        limit = safejson.GLOBAL_MANIFEST.max_bytes
+        for name, data in zip(names, self._read_many(relatives, limit), strict=True):
             if data is not None:
-                raw[relative.removesuffix("/manifest.json")] = data
+                raw[name.dir] = (name.version, data)
         chain: list[dict[str, Any]] = []
         directory: Any = head.dir
         while isinstance(directory, str) and directory in raw and len(chain) < len(raw):
-            manifest = load_json(raw[directory], f"{self.url}/{directory}/manifest.json")
+            version, data = raw[directory]
+            if isinstance(data, CorruptObject):
+                raise data
+            try:
+                manifest = records.parse_global_manifest(data, self.experiment, version).raw
+            except CorruptObject as exc:
+                raise type(exc)(f"{self.url}/{directory}/manifest.json: {exc}") from None
             chain.append(manifest)
             directory = manifest.get("parent_dir")
         return chain[::-1]
@@ -549,7 +553,7 @@ class ExperimentStore:
         if clash:
             raise ValueError(f"manifest may not set {clash}")
         stem = f"pseudograds/{pg_id}"
-        existing = self._read_json_or_none(f"{stem}.json")
+        existing = self._read_json_or_none(f"{stem}.json", safejson.MANIFEST)
         if existing is not None:
             return self._pg_ref(island, seq, fragment, existing)
 
@@ -572,7 +576,9 @@ class ExperimentStore:
             return self._pg_ref(island, seq, fragment, json.loads(dump_json(full)))
         # Someone committed this pseudo-gradient in between; theirs stands, ours is unreferenced.
         self.store.delete(self._key(payload))
-        return self._pg_ref(island, seq, fragment, self._read_json(f"{stem}.json"))
+        return self._pg_ref(
+            island, seq, fragment, self._read_json(f"{stem}.json", safejson.MANIFEST)
+        )
 
     def list_pseudograds(
         self, island: str | None = None, exclude: Collection[str] = ()
@@ -588,73 +594,88 @@ class ExperimentStore:
             "pseudograds/" if island is None else f"pseudograds/{validate_name('island', island)}/"
         )
         excluded = set(exclude)
-        ids = []
-        for relative in self._list(prefix):
-            match = _PG_MARKER.fullmatch(relative)
-            if match is not None and match[1] not in excluded:
-                ids.append(match[1])
+        ids = [n.id for n in self._named(prefix, "pseudograd-marker") if n.id not in excluded]
         refs = []
-        for pg_id, data in zip(
-            ids, self._read_many([f"pseudograds/{i}.json" for i in ids]), strict=True
-        ):
+        markers = self._read_many(
+            [f"pseudograds/{i}.json" for i in ids], safejson.MANIFEST.max_bytes
+        )
+        for pg_id, data in zip(ids, markers, strict=True):
             if data is None:
                 continue
+            error = None
             try:
-                manifest = load_json(data, f"{self.url}/pseudograds/{pg_id}.json")
+                if isinstance(data, CorruptObject):
+                    raise data
+                manifest = safejson.load_json(data, safejson.MANIFEST)
             except CorruptObject as exc:
-                log.warning("%s", exc)
-                manifest = {}
-            refs.append(self._pg_ref(*parse_pseudograd_id(pg_id), manifest))
+                log.warning("%s/pseudograds/%s.json: %s", self.url, pg_id, exc)
+                manifest, error = {}, f"unreadable manifest: {exc}"
+            ref = self._pg_ref(*parse_pseudograd_id(pg_id), manifest)
+            refs.append(ref if error is None else replace(ref, error=error))
         return refs
 
-    def load_pseudograd(self, ref: PseudoGradRef) -> dict[str, np.ndarray]:
+    def load_pseudograd(
+        self,
+        ref: PseudoGradRef,
+        max_nbytes: int | None = None,
+        max_header: int | None = None,
+        limit_of: str = "",
+    ) -> dict[str, np.ndarray]:
         """The tensors of a committed pseudo-gradient, verified against its manifest.
 
-        CorruptObject unless: the manifest names this experiment, island, seq and fragment; the
-        payload key is `pseudograds/{island}/{seq:08d}-f{fragment:03d}-<8 hex>.safetensors`
-        (so never outside this island's prefix); and the payload's size and sha256 match.
+        CorruptObject unless: the marker was readable; the manifest names this experiment,
+        island, seq and fragment (records.parse_pseudograd_commit); the payload key is
+        `pseudograds/{island}/{seq:08d}-f{fragment:03d}-<8 hex>.safetensors` (so never outside
+        this island's prefix); the declared size is at most `max_nbytes` (refused before any
+        read; `limit_of` names the limit in the message); and the payload's size and sha256
+        match (it is read with the declared size as its limit, its header with `max_header`).
         """
         what = f"{self.url} pseudo-gradient {ref.id}"
+        if ref.error is not None:
+            raise CorruptObject(f"{what}: {ref.error}")
         pg_id = pseudograd_id(ref.island, ref.seq, ref.fragment)
-        m = ref.manifest
-        if ref.id != pg_id or [m.get(k) for k in ("experiment", "island", "seq", "fragment")] != [
-            self.experiment,
-            ref.island,
-            ref.seq,
-            ref.fragment,
-        ]:
+        if ref.id != pg_id:
             raise CorruptObject(f"{what}: manifest does not describe this pseudo-gradient")
-        payload = m.get("payload")
-        pattern = re.escape(f"pseudograds/{pg_id}-") + r"[0-9a-f]{8}\.safetensors"
-        if not isinstance(payload, str) or re.fullmatch(pattern, payload) is None:
-            raise CorruptObject(
-                f"{what}: payload key {payload!r} is not inside pseudograds/{ref.island}/"
-            )
-        if payload != ref.payload_key:
+        try:
+            commit = records.parse_pseudograd_commit(ref.manifest, pg_id, self.experiment)
+        except CorruptObject as exc:
+            raise CorruptObject(f"{what}: {exc}") from None
+        if commit.payload != ref.payload_key:
             raise CorruptObject(f"{what}: ref payload_key {ref.payload_key!r} != manifest")
-        return self._verified_tensors(payload, m.get("sha256"), m.get("nbytes"), what)
+        if max_nbytes is not None and commit.nbytes > max_nbytes:
+            raise CorruptObject(
+                f"{what}: payload of {commit.nbytes} bytes is over the {max_nbytes}-byte limit"
+                f"{limit_of}"
+            )
+        return self._verified_tensors(
+            commit.payload, commit.sha256, commit.nbytes, what, max_header or MAX_HEADER_BYTES
+        )
 
     # ledger and quarantine -----------------------------------------------------------------
     def applied_ids(self) -> set[str]:
         """Ids of applied pseudo-gradients, from a listing only (no reads)."""
-        return {m[1] for k in self._list("ledger/") if (m := _LEDGER_ENTRY.fullmatch(k))}
+        return {n.id for n in self._named("ledger/", "ledger")}
 
     def applied(self) -> dict[str, int]:
         """pseudo-gradient id -> the version that applied it, from the ledger.
 
-        An unreadable ledger entry raises CorruptObject (never guess about exactly-once).
+        Only the merger writes the ledger. An entry whose content is unreadable still names an
+        applied id (it is never applied again: at most once wins over at least once); it maps
+        to version -1 and is skipped and counted. Junk names are skipped and counted.
         """
         ids = sorted(self.applied_ids())
         result: dict[str, int] = {}
-        for pg_id, data in zip(
-            ids, self._read_many([f"ledger/{i}.json" for i in ids]), strict=True
-        ):
+        entries = self._read_many([f"ledger/{i}.json" for i in ids], safejson.POINTER.max_bytes)
+        for pg_id, data in zip(ids, entries, strict=True):
             if data is None:
                 continue
-            version = load_json(data, f"{self.url}/ledger/{pg_id}.json").get("version")
-            if not _is_int(version):
-                raise CorruptObject(f"{self.url}/ledger/{pg_id}.json: invalid version {version!r}")
-            result[pg_id] = version
+            try:
+                if isinstance(data, CorruptObject):
+                    raise data
+                result[pg_id] = records.parse_ledger_entry(data)
+            except CorruptObject as exc:
+                self._skip(f"ledger/{pg_id}.json", exc)
+                result[pg_id] = -1
         return result
 
     def record_applied(self, ids: Iterable[str], version: int) -> None:
@@ -672,7 +693,11 @@ class ExperimentStore:
             relative = f"ledger/{pg_id}.json"
             if self.store.create(self._key(relative), entry):
                 return None
-            existing = self._read_json(relative).get("version")
+            try:
+                existing = records.parse_ledger_entry(self.store.read(self._key(relative), 4096))
+            except CorruptObject as exc:  # unreadable: the id stays applied (see applied())
+                self._skip(relative, exc)
+                return None
             return None if existing == version else f"{pg_id} (version {existing})"
 
         outcomes = [record(ids[0])] if ids else []
@@ -703,27 +728,48 @@ class ExperimentStore:
     def quarantine(self, pg_id: str, reason: str) -> None:
         """Mark a pseudo-gradient as never to be applied (overwrites an earlier reason)."""
         parse_pseudograd_id(pg_id)
+        reason = safejson.one_line(reason, records.MAX_REASON)
         self._write_json(f"quarantine/{pg_id}.json", {"reason": reason, "at": _now()})
 
     def quarantined(self) -> dict[str, str]:
-        """pseudo-gradient id -> reason."""
-        ids = [m[1] for k in self._list("quarantine/") if (m := _QUARANTINE_ENTRY.fullmatch(k))]
+        """pseudo-gradient id -> reason. An entry whose content is unreadable still quarantines
+        its id (with that as the reason) and is counted as skipped."""
+        ids = [n.id for n in self._named("quarantine/", "quarantine")]
         result = {}
+        limit = safejson.QUARANTINE.max_bytes
         for pg_id, data in zip(
-            ids, self._read_many([f"quarantine/{i}.json" for i in ids]), strict=True
+            ids, self._read_many([f"quarantine/{i}.json" for i in ids], limit), strict=True
         ):
-            if data is not None:
-                result[pg_id] = str(load_json(data, f"quarantine/{pg_id}.json").get("reason", ""))
+            if data is None:
+                continue
+            try:
+                if isinstance(data, CorruptObject):
+                    raise data
+                result[pg_id] = records.parse_quarantine_entry(data).reason
+            except CorruptObject as exc:
+                self._skip(f"quarantine/{pg_id}.json", exc)
+                result[pg_id] = f"(unreadable quarantine entry: {exc})"
         return result
 
     # per-island status objects -------------------------------------------------------------
-    def _per_island(self, folder: str) -> dict[str, dict[str, Any]]:
-        relatives = [k for k in self._list(f"{folder}/") if _PER_ISLAND.fullmatch(k)]
+    def _per_island(
+        self, folder: str, kind: str, parse: Callable[[bytes, str], dict[str, Any]], limit: int
+    ) -> dict[str, dict[str, Any]]:
+        """island -> its parsed record under `folder`; broken ones are skipped and counted."""
+        islands = [n.island for n in self._named(f"{folder}/", kind)]
+        relatives = [f"{folder}/{island}.json" for island in islands]
         result = {}
-        for relative, data in zip(relatives, self._read_many(relatives), strict=True):
-            if data is not None:
-                island = relative[len(folder) + 1 : -len(".json")]
-                result[island] = load_json(data, f"{self.url}/{relative}")
+        for island, relative, data in zip(
+            islands, relatives, self._read_many(relatives, limit), strict=True
+        ):
+            if data is None:
+                continue
+            try:
+                if isinstance(data, CorruptObject):
+                    raise data
+                result[island] = parse(data, island)
+            except CorruptObject as exc:
+                self._skip(relative, exc)
         return result
 
     def write_heartbeat(self, island: str, info: Mapping[str, Any]) -> None:
@@ -734,7 +780,9 @@ class ExperimentStore:
 
     def heartbeats(self) -> dict[str, dict[str, Any]]:
         """island -> its last heartbeat."""
-        return self._per_island("heartbeats")
+        return self._per_island(
+            "heartbeats", "heartbeat", records.parse_heartbeat, safejson.HEARTBEAT.max_bytes
+        )
 
     def mark_done(self, island: str, info: Mapping[str, Any]) -> None:
         """Write done/{island}.json: the island finished its work."""
@@ -743,7 +791,7 @@ class ExperimentStore:
 
     def done(self) -> dict[str, dict[str, Any]]:
         """island -> its done record."""
-        return self._per_island("done")
+        return self._per_island("done", "done", records.parse_done, safejson.POINTER.max_bytes)
 
     # checkpoints ---------------------------------------------------------------------------
     def save_checkpoint(
@@ -754,7 +802,7 @@ class ExperimentStore:
         validate_name("island", island)
         if not _is_int(step) or step < 0:
             raise ValueError(f"invalid step {step!r}")
-        directory = f"checkpoints/{island}/c{step:010d}-{_uuid8()}"
+        directory = checkpoint_dir(island, step, _uuid8())
         data = encode_tensors(tensors)
         digest = sha256(data)
         self.store.write(self._key(f"{directory}/state.safetensors"), data)
@@ -769,26 +817,30 @@ class ExperimentStore:
         The state's size and sha256 are checked against LATEST.json (CorruptObject).
         """
         validate_name("island", island)
-        latest = self._read_json_or_none(f"checkpoints/{island}/LATEST.json")
+        latest = self._checkpoint_pointer(island)
         if latest is None:
             return None
-        directory, step = latest.get("dir"), latest.get("step")
-        pattern = re.escape(f"checkpoints/{island}/c") + r"\d{10,}-[0-9a-f]{8}"
-        if (
-            not isinstance(directory, str)
-            or re.fullmatch(pattern, directory) is None
-            or not _is_int(step)
-            or directory.split("/")[-1][1:].split("-")[0] != f"{step:010d}"
-        ):
-            raise CorruptObject(f"{self.url}/checkpoints/{island}/LATEST.json: invalid {latest!r}")
+        directory, step = latest.dir, latest.step
         what = f"{self.url} checkpoint of {island} at step {step}"
         tensors = self._verified_tensors(
-            f"{directory}/state.safetensors", latest.get("sha256"), latest.get("nbytes"), what
+            f"{directory}/state.safetensors", latest.sha256, latest.nbytes, what
         )
-        meta = self._read_json_or_none(f"{directory}/meta.json")
-        if meta is None:
-            raise CorruptObject(f"{what}: meta.json is missing")
-        return tensors, meta
+        try:
+            data = self.store.read(
+                self._key(f"{directory}/meta.json"), safejson.CHECKPOINT_META.max_bytes
+            )
+        except ObjectNotFound:
+            raise CorruptObject(f"{what}: meta.json is missing") from None
+        return tensors, records.parse_checkpoint_meta(data, island, step)
+
+    def _checkpoint_pointer(self, island: str) -> records.CheckpointPointer | None:
+        """checkpoints/{island}/LATEST.json, parsed (None if absent; BadCheckpoint)."""
+        relative = f"checkpoints/{island}/LATEST.json"
+        try:
+            data = self.store.read(self._key(relative), safejson.POINTER.max_bytes)
+        except ObjectNotFound:
+            return None
+        return records.parse_checkpoint_pointer(data, island)
 
     # metrics -------------------------------------------------------------------------------
     def append_metric(self, kind: str, record: Mapping[str, Any]) -> None:
@@ -803,12 +855,22 @@ class ExperimentStore:
     def read_metrics(self, kind: str) -> list[dict[str, Any]]:
         """The records of `kind`, oldest first."""
         validate_name("metric kind", kind)
-        relatives = [k for k in self._list(f"metrics/{kind}/") if _METRIC.fullmatch(k)]
-        return [
-            load_json(data, f"{self.url}/{relative}")
-            for relative, data in zip(relatives, self._read_many(relatives), strict=True)
-            if data is not None
-        ]
+        relatives = [k for k in self._list(f"metrics/{kind}/") if parse_key_or_none(k)]
+        for junk in set(self._list(f"metrics/{kind}/")) - set(relatives):
+            self._skip(junk, "not a metric record name")
+        records_ = []
+        for relative, data in zip(
+            relatives, self._read_many(relatives, safejson.METRIC.max_bytes), strict=True
+        ):
+            if data is None:
+                continue
+            try:
+                if isinstance(data, CorruptObject):
+                    raise data
+                records_.append(records.parse_metric(data, kind))
+            except CorruptObject as exc:
+                self._skip(relative, exc)
+        return records_
 
     # control -------------------------------------------------------------------------------
     def _stop_key(self, island: str | None) -> str:
@@ -824,10 +886,7 @@ class ExperimentStore:
 
     def stopped_islands(self) -> set[str]:
         """Islands asked to leave (control/stop/{island}), from a listing only."""
-        prefix = "control/stop/"
-        return {
-            k[len(prefix) :] for k in self._list(prefix) if _NAME_RE.fullmatch(k[len(prefix) :])
-        }
+        return {n.island for n in self._named("control/stop/", "island-stop")}
 
     def stop_requested(self, island: str | None = None) -> bool:
         """True if an experiment-wide stop, or (given an island) that island's stop, exists."""
@@ -847,7 +906,7 @@ class ExperimentStore:
             parent, parent_dir = manifest.get("parent_version"), manifest.get("parent_dir")
             if parent_dir is None:
                 complete = True
-            elif _is_int(parent) and isinstance(parent_dir, str):
+            elif records.is_int(parent) and isinstance(parent_dir, str):
                 dirs[parent] = parent_dir
         return head, dirs, complete
 
@@ -862,21 +921,28 @@ class ExperimentStore:
         if keep_first and 0 in dirs:
             keep.add(0)
         bases: list[Any] = [b.get("base_version") for b in self.heartbeats().values()]
-        latest = [k for k in self._list("checkpoints/") if k.endswith("/LATEST.json")]
-        for pointer in self._read_many(latest):
-            if pointer is None:
+        for name in self._named("checkpoints/", "checkpoint-latest"):
+            try:
+                pointer = self._checkpoint_pointer(name.island)
+                if pointer is None:
+                    continue
+                data = self.store.read(
+                    self._key(f"{pointer.dir}/meta.json"), safejson.CHECKPOINT_META.max_bytes
+                )
+                meta = records.parse_checkpoint_meta(data, name.island, pointer.step)
+            except ObjectNotFound:
                 continue
-            directory = load_json(pointer, "checkpoint LATEST.json").get("dir")
-            if isinstance(directory, str) and directory.startswith("checkpoints/"):
-                meta = self._read_json_or_none(f"{directory}/meta.json") or {}
-                found = meta.get("base_version")
-                bases += found if isinstance(found, list) else [found]
-        keep |= {b for b in bases if _is_int(b)}
+            except CorruptObject as exc:
+                self._skip(f"checkpoints/{name.island}/LATEST.json", exc)
+                continue
+            found = meta.get("base_version")
+            bases += found if isinstance(found, list) else [found]
+        keep |= {b for b in bases if records.is_int(b)}
         return keep
 
     def plan_gc(self, keep_last: int = 5, keep_first: bool = True) -> GCPlan:
         """What `collect_garbage` would delete now; reads only (see GCPlan)."""
-        if not _is_int(keep_last) or keep_last < 1:
+        if not records.is_int(keep_last) or keep_last < 1:
             raise ValueError(f"keep_last must be an int >= 1, got {keep_last!r}")
         head, dirs, complete = self._head_chain()
         plan = GCPlan(head=None if head is None else head.version, keep_last=keep_last)
@@ -897,7 +963,7 @@ class ExperimentStore:
         on_chain = set(dirs.values())
         if complete:  # a broken chain (a manifest deleted by hand) hides what is committed
             for directory in sorted(files):
-                match = _GLOBAL_DIR.fullmatch(directory)
+                match = GLOBAL_DIR.fullmatch(directory)
                 if match and directory not in on_chain and int(match[1]) <= head.version:
                     plan.orphan_dirs.append(directory)
 
@@ -905,14 +971,12 @@ class ExperimentStore:
         quarantined = set(self.quarantined())
         markers: set[str] = set()
         payload_keys: dict[str, list[str]] = {}
-        payload_re = re.compile(
-            rf"^pseudograds/({_NAME}/\d{{8,}}-f\d{{3}})-[0-9a-f]{{8}}\.safetensors$"
-        )
         for key in self._list("pseudograds/"):
-            if m := _PG_MARKER.fullmatch(key):
-                markers.add(m[1])
-            elif m := payload_re.fullmatch(key):
-                payload_keys.setdefault(m[1], []).append(key)
+            name = parse_key_or_none(key)
+            if name is not None and name.kind == "pseudograd-marker":
+                markers.add(name.id)
+            elif name is not None and name.kind == "pseudograd-payload":
+                payload_keys.setdefault(name.id, []).append(key)
         window_start = head.version - keep_last + 1
         for pg_id in sorted(markers | set(payload_keys)):
             version = applied.get(pg_id)
@@ -920,25 +984,31 @@ class ExperimentStore:
                 plan.pseudograds.append(pg_id)
         collected = set(plan.pseudograds)
         several = [i for i in sorted(markers - collected) if len(payload_keys.get(i, [])) > 1]
+        limit = safejson.MANIFEST.max_bytes
         for pg_id, data in zip(
-            several, self._read_many([f"pseudograds/{i}.json" for i in several]), strict=True
+            several, self._read_many([f"pseudograds/{i}.json" for i in several], limit), strict=True
         ):
-            named = load_json(data, f"pseudograds/{pg_id}.json").get("payload") if data else None
+            try:
+                named = safejson.load_json(data, safejson.MANIFEST).get("payload")
+            except CorruptObject:
+                continue  # unreadable (or None: deleted): keep every payload of the id
             if isinstance(named, str):
                 plan.orphan_payloads += [k for k in payload_keys[pg_id] if k != named]
 
-        ckpt_dirs: dict[str, set[str]] = {}
+        ckpt_dirs: dict[str, dict[str, int]] = {}
         for key in self._list("checkpoints/"):
-            parts = key.split("/")
-            if len(parts) == 4 and re.fullmatch(r"c\d{10,}-[0-9a-f]{8}", parts[2]):
-                ckpt_dirs.setdefault(parts[1], set()).add("/".join(parts[:3]))
+            name = parse_key_or_none(key)
+            if name is not None and name.kind == "checkpoint-file":
+                ckpt_dirs.setdefault(name.island, {})[name.dir] = name.step
         for island, directories in sorted(ckpt_dirs.items()):
-            latest = self._read_json_or_none(f"checkpoints/{island}/LATEST.json") or {}
-            step = latest.get("step")
-            if not _is_int(step):
+            try:
+                latest = self._checkpoint_pointer(island)
+            except CorruptObject:
+                latest = None
+            if latest is None:
                 continue  # no committed checkpoint: everything may still be in flight
-            for directory in sorted(directories):
-                if int(directory.rsplit("/c", 1)[1].split("-")[0]) < step:
+            for directory, step in sorted(directories.items()):
+                if step < latest.step:
                     plan.checkpoints.append(directory)
         return plan
 
