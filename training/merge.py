@@ -26,16 +26,79 @@ from dataclasses import dataclass, field
 import jax
 import numpy as np
 
-from training import codecs, model, outer
+from training import claims, codecs, model, outer
 from training.config import ExperimentConfig
 from training.island import fragment_names
 from training.pytree import named_to_state, state_to_named
+from training.store import records
 from training.store.experiment import ExperimentStore, GlobalVersion, PseudoGradRef
 from training.store.objectstore import StoreError, StoreUnreachable, TransientStoreError
 
 log = logging.getLogger("diloco.merge")
 
 NORM_HISTORY = 64
+
+
+@dataclass
+class _Round:
+    """What one merge_once knows to bound claims (training/claims.py): the limits, the merger's
+    clock, when recent versions were published, each island's last applied claim and heartbeat,
+    and the claims accepted so far in this round."""
+
+    limits: claims.Limits
+    now: float
+    base_times: dict[int, float]
+    previous: dict[str, claims.Claim]
+    heartbeats: dict[str, claims.Beat]
+    accepted: dict[tuple[str, int], list[claims.Claim]] = field(default_factory=dict)
+
+    def check(self, claim: claims.Claim) -> str | None:
+        return claims.check_claim(
+            claim,
+            self.limits,
+            self.now,
+            base_time=self.base_times.get(claim.base_version),
+            earlier=self.accepted.get((claim.island, claim.fragment), []),
+            previous=self.previous.get(claim.island),
+            heartbeat=self.heartbeats.get(claim.island),
+        )
+
+    def accept(self, claim: claims.Claim) -> None:
+        self.accepted.setdefault((claim.island, claim.fragment), []).append(claim)
+        self.previous[claim.island] = claim
+
+
+def _beats(heartbeats: dict[str, dict]) -> dict[str, claims.Beat]:
+    out = {}
+    for island, hb in heartbeats.items():  # validated by records.parse_heartbeat
+        if hb.get("step") is not None and hb.get("time") is not None:
+            out[island] = claims.Beat(int(hb["step"]), float(hb["time"]))
+    return out
+
+
+def _remember(last_claim: dict[str, list], claim: claims.Claim) -> None:
+    """Keep an island's newest applied claim (seq, island_step, published_at) in merge_state."""
+    if claim.island_step is None or claim.published_at is None:
+        return
+    known = last_claim.get(claim.island)
+    if isinstance(known, list) and known and records.is_real(known[0]) and known[0] >= claim.seq:
+        return
+    last_claim[claim.island] = [claim.seq, claim.island_step, claim.published_at]
+
+
+def _claim_history(merge_state: dict) -> tuple[dict[int, float], dict[str, claims.Claim]]:
+    """(version -> publish time, island -> last applied claim) kept in merge_state; entries
+    that do not parse are ignored (they only loosen the bounds)."""
+    times = {}
+    for v, t in (merge_state.get("version_times") or {}).items():
+        if isinstance(v, str) and v.isascii() and v.isdigit() and records.is_real(t):
+            times[int(v)] = float(t)
+    previous = {}
+    for island, c in (merge_state.get("last_claim") or {}).items():
+        if isinstance(c, list) and len(c) == 3 and all(records.is_real(x) for x in c):
+            seq, step, at = c
+            previous[island] = claims.Claim(island, 0, int(seq), 0, 1, 1, float(at), int(step))
+    return times, previous
 
 
 @dataclass
@@ -46,6 +109,7 @@ class Contribution:
     weight: float
     staleness: int
     arrived_at: float
+    claim: claims.Claim | None = None
 
 
 @dataclass
@@ -56,6 +120,7 @@ class MergeResult:
     waiting_until: float | None = None  # decoupled grace window: try again at this time
     lost_race: bool = False
     tokens_merged: int | None = None  # in the global model after this version
+    skipped: int = 0  # objects skipped (junk names, broken heartbeats): counted, not fatal
 
 
 def _per_island(group: list[Contribution]) -> tuple[list[dict], list[float]]:
@@ -75,7 +140,7 @@ def _per_island(group: list[Contribution]) -> tuple[list[dict], list[float]]:
                 {n: outer.weighted_mean([c.delta[n] for c in contribs], ws) for n in names}
             )
         weights.append(float(sum(ws)))
-    return deltas, weights
+    return deltas, claims.cap_weights(weights)
 
 
 def initial_version(cfg: ExperimentConfig, store: ExperimentStore) -> int | None:
@@ -90,7 +155,7 @@ def initial_version(cfg: ExperimentConfig, store: ExperimentStore) -> int | None
     extra = dict(
         fragment_versions=[0] * cfg.fragments.count,
         tokens_merged=0,
-        merge_state=dict(norms=[], last_seq={}, sync_s=0.0),
+        merge_state=dict(norms=[], last_seq={}, sync_s=0.0, version_times={"0": time.time()}),
     )
     head = store.publish_global(0, params, state, extra, applied=[], expected=None)
     return None if head is None else 0
@@ -131,6 +196,7 @@ class Merger:
         head_version: int,
         merge_state: dict,
         params_norm: float | None = None,
+        round_: _Round | None = None,
     ) -> Contribution | str:
         """A checked contribution, or the reason to quarantine it.
 
@@ -139,48 +205,40 @@ class Merger:
         norm over 1000 x k x `params_norm` (the global parameters' norm) is quarantined.
         """
 
-        def is_int(v) -> bool:
-            return isinstance(v, int) and not isinstance(v, bool)
-
-        def is_real(v) -> bool:
-            return is_int(v) or isinstance(v, float) and bool(np.isfinite(v))
-
-        m = ref.manifest
-        if m.get("experiment") != self.cfg.name:
-            return f"manifest names experiment {m.get('experiment')!r}, not {self.cfg.name!r}"
-        if m.get("island") != ref.island or m.get("fragment") != ref.fragment:
-            return "manifest island/fragment do not match its name"
+        if ref.error is not None:
+            return ref.error
+        try:
+            m = records.parse_pseudograd_manifest(ref.manifest, ref.id, self.cfg.name)
+        except records.BadRecord as err:
+            return str(err)
         if not 0 <= ref.fragment < len(self.frags):
             return f"fragment {ref.fragment} out of range (P = {len(self.frags)})"
         last = merge_state["last_seq"].get(f"{ref.island}/{ref.fragment}")
         if last is not None and ref.seq <= last:
             return f"replayed sequence number {ref.seq} (already merged up to {last})"
-        base = m.get("base_version")
-        if not is_int(base) or base < 0 or base > head_version:
+        base = m.base_version
+        if base > head_version:
             return f"base_version {base!r} is not a committed version (head {head_version})"
         staleness = head_version - base
         if staleness > self.cfg.outer.max_staleness * len(self.frags):
             return f"stale: base version {base}, head {head_version}"
-        steps, tokens = m.get("steps"), m.get("tokens")
-        if not (is_int(steps) and is_int(tokens) and 0 < steps < 2**53 and 0 < tokens < 2**53):
-            return f"bad steps/tokens in manifest: {steps!r}/{tokens!r}"
-        per_step = self.cfg.data.batch_size * self.cfg.data.seq_len
-        if tokens > steps * per_step:
-            return f"tokens {tokens} exceed {steps} steps x {per_step} tokens per step"
-        for key in ("published_at", "step_time_s"):
-            if key in m and not is_real(m[key]):
-                return f"bad {key} in manifest: {m[key]!r}"
-        codec = m.get("codec")
-        if codec not in codecs.CODECS:
-            return f"unknown codec {codec!r}"
+        steps, tokens, codec = m.steps, m.tokens, m.codec
+        claim = claims.Claim.of(m)
+        round_ = round_ or self._round(merge_state, {})
+        reason = round_.check(claim)
+        if reason is not None:
+            return reason
+        names = self.frags[ref.fragment]
+        max_nbytes, max_header = codecs.payload_limits({n: self.shapes[n] for n in names}, codec)
         try:
-            payload = self.store.load_pseudograd(ref)
+            payload = self.store.load_pseudograd(
+                ref, max_nbytes, max_header, f" of fragment {ref.fragment} in {codec}"
+            )
             delta = codecs.decode(payload, codec)
         except (TransientStoreError, StoreUnreachable):
             raise  # not the payload's fault: retry the merge later, quarantine nothing
         except (StoreError, ValueError, KeyError) as err:
             return f"unreadable payload: {err}"
-        names = self.frags[ref.fragment]
         if sorted(delta) != names:
             extra = sorted(set(delta) - set(names))[:3]
             missing = sorted(set(names) - set(delta))[:3]
@@ -210,7 +268,14 @@ class Merger:
         if self.cfg.outer.staleness_decay:
             # staleness counts global versions; with P fragments a round is about P versions
             weight /= 1.0 + staleness / len(self.frags)
-        return Contribution(ref, delta, norm, weight, staleness, float(m.get("published_at", 0.0)))
+        round_.accept(claim)
+        arrived = m.published_at or 0.0
+        return Contribution(ref, delta, norm, weight, staleness, arrived, claim)
+
+    def _round(self, merge_state: dict, heartbeats: dict[str, dict]) -> _Round:
+        times, previous = _claim_history(merge_state)
+        limits = claims.Limits.from_config(self.cfg)
+        return _Round(limits, self.clock(), times, previous, _beats(heartbeats))
 
     # -- policies ---------------------------------------------------------------------------
 
@@ -263,6 +328,7 @@ class Merger:
     def merge_once(self) -> MergeResult:
         result = MergeResult()
         started = time.monotonic()
+        skipped_before = self.store.skipped.count
         head = self.store.head()
         if head is None:
             raise RuntimeError(f"experiment {self.cfg.name!r} has no global version: run init")
@@ -274,10 +340,11 @@ class Merger:
         quarantined = self.store.quarantined()
         by_frag: dict[int, list[Contribution]] = {}
         head_moved = False
+        round_ = self._round(merge_state, self.store.heartbeats())
         for ref in self.store.list_pseudograds():
             if ref.id in applied or ref.id in quarantined:
                 continue
-            checked = self._validate(ref, g.version, merge_state, params_norm)
+            checked = self._validate(ref, g.version, merge_state, params_norm, round_)
             if isinstance(checked, str):
                 # Judge only against the current HEAD: a racing merger may have published a
                 # newer version this ref is based on (or whose norms move the median).
@@ -295,6 +362,7 @@ class Merger:
         fault_point("merge.after-read")
         active = self._active_islands()
         plan = self._select(by_frag, merge_state, result, active)
+        result.skipped = self.store.skipped.count - skipped_before
         if not plan:
             return result
 
@@ -303,6 +371,7 @@ class Merger:
         frag_versions = list(g.manifest["fragment_versions"])
         norms = list(merge_state["norms"])
         last_seq = dict(merge_state["last_seq"])
+        last_claim = dict(merge_state.get("last_claim") or {})
         tokens_merged = int(g.manifest["tokens_merged"])
         details = []
         for p, groups in plan.items():
@@ -327,7 +396,8 @@ class Merger:
                     norms.append(c.norm)
                     key = f"{c.ref.island}/{p}"
                     last_seq[key] = max(last_seq.get(key, -1), c.ref.seq)
-                    tokens_merged += int(c.ref.manifest["tokens"])
+                    tokens_merged += c.claim.tokens
+                    _remember(last_claim, c.claim)
                     details.append(
                         dict(
                             id=c.ref.id,
@@ -344,6 +414,10 @@ class Merger:
             frag_versions[p] = g.version + 1
 
         sync_s = time.monotonic() - started
+        merged_at = self.clock()
+        keep = self.cfg.outer.max_staleness * len(self.frags) + 1
+        times = dict(merge_state.get("version_times") or {}, **{str(g.version + 1): merged_at})
+        times = dict(sorted(times.items(), key=lambda kv: -int(kv[0]))[:keep])
         extra = dict(
             fragment_versions=frag_versions,
             tokens_merged=tokens_merged,
@@ -351,9 +425,11 @@ class Merger:
                 norms=norms[-NORM_HISTORY:],
                 last_seq=last_seq,
                 sync_s=0.8 * merge_state.get("sync_s", 0.0) + 0.2 * sync_s,
+                version_times=times,
+                last_claim=last_claim,
             ),
             contributions=details,
-            merged_at=self.clock(),
+            merged_at=merged_at,
         )
         new_head = self.store.publish_global(
             g.version + 1, params, state, extra, applied=result.applied, expected=head
@@ -371,6 +447,7 @@ class Merger:
                 version=result.version,
                 applied=len(result.applied),
                 quarantined=len(result.quarantined),
+                skipped=result.skipped,
                 tokens_merged=tokens_merged,
                 seconds=sync_s,
                 at=self.clock(),
