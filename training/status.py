@@ -9,7 +9,11 @@ from training.goodput import BADPUT, experiment_goodput
 
 
 def collect_status(cfg: ExperimentConfig, store, now: float | None = None) -> dict:
+    """Everything `diloco status` shows. Every record comes through the store's strict readers
+    (training/store/records.py): broken heartbeats, markers and metrics are skipped and counted
+    in `skipped` ({"count", "examples"}), never fatal."""
     now = time.time() if now is None else now
+    skipped_before = store.skipped.count
     head = store.head()
     manifest = store.load_global(head).manifest if head else {}
     beats = store.heartbeats()
@@ -51,6 +55,9 @@ def collect_status(cfg: ExperimentConfig, store, now: float | None = None) -> di
         goodput=experiment_goodput(cfg, {n: hb.get("goodput_state") for n, hb in beats.items()}),
         stop_requested=store.stop_requested(None),
         islands=islands,
+        skipped=dict(
+            count=store.skipped.count - skipped_before, examples=store.skipped.examples[:5]
+        ),
     )
 
 
@@ -69,7 +76,7 @@ def format_status(s: dict) -> str:
     ]
     if s["last_eval"]:
         e = s["last_eval"]
-        lines.append(f"last eval: version {e['version']} loss {e['loss']:.4f}")
+        lines.append(f"last eval: version {e['version']} loss {_fmt(e['loss'], '.4f')}")
     g = s.get("goodput")
     if g:
         top = sorted(((g["badput"][c], c) for c in BADPUT if g["badput"][c] >= 0.005), reverse=True)
@@ -77,6 +84,11 @@ def format_status(s: dict) -> str:
         lines.append(
             f"goodput {g['goodput']:.1%} (chip-weighted, {g['islands']} islands, {g['chips']} chips)"
             f"  badput: {badput}"
+        )
+    skipped = s.get("skipped") or {}
+    if skipped.get("count"):
+        lines.append(
+            f"skipped {skipped['count']} unreadable objects, e.g. {skipped['examples'][0]}"
         )
     header = f"{'island':16s} {'state':11s} {'step':>7s} {'tokens':>10s} {'tok/s':>8s} {'loss':>7s} {'stale':>5s} {'beat age':>8s} {'goodput':>7s}"
     lines += ["", header, "-" * len(header)]
