@@ -116,11 +116,11 @@ def test_check_claims_judges_each_claim_against_the_ones_accepted_before_it():
     ("weights", "capped"),
     [
         ([1.0], [1.0]),
-        ([1e12, 100.0], [400.0, 100.0]),  # hostile share 400 / 500 = 80% = k / (k + 1)
-        ([1.0, 2.0, 3.0], [1.0, 2.0, 3.0]),  # honest heterogeneity within 4x: untouched
-        ([100.0, 1.0, 1.0, 1.0], [4.0, 1.0, 1.0, 1.0]),
+        ([1e12, 100.0], [800.0, 100.0]),  # hostile share 800 / 900 = 89% = k / (k + 1)
+        ([1.0, 2.0, 8.0], [1.0, 2.0, 8.0]),  # honest heterogeneity within 8x: untouched
+        ([100.0, 1.0, 1.0, 1.0], [8.0, 1.0, 1.0, 1.0]),
         ([0.0, 5.0], [0.0, 5.0]),  # the other's median is 0: nothing to cap against
     ],
 )
-def test_a_weight_is_capped_at_4_times_the_median_of_the_others(weights, capped):
+def test_a_weight_is_capped_at_8_times_the_median_of_the_others(weights, capped):
     assert cap_weights(weights) == capped
