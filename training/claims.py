@@ -26,6 +26,8 @@ no store access; the merger gathers the facts):
 tiny model on one CPU core); it is also the pace at which a lying island can push the token
 budget. Each rule returns the reason to quarantine, or None.
 
+The norm median (`norm_median`) is per island for the same reason.
+
 The weight cap (`cap_weights`): within one merge, an island's vote weight is capped at
 `WEIGHT_CAP` (k = 8) times the median of the other votes' weights, so no single claim swamps
 the merge however its tokens and steps were chosen: with two islands the larger share is at
@@ -230,3 +232,19 @@ def cap_weights(weights: Sequence[float], k: float = WEIGHT_CAP) -> list[float]:
         median = statistics.median(others) if others else 0.0
         out.append(min(w, k * median) if median > 0 else w)
     return out
+
+
+def norm_median(history: Sequence[Any]) -> float:
+    """The running median the merger clips norms against, one vote per island: the median of
+    each island's median over `history` entries `[island, norm]` (a bare number, as older
+    merge states hold, is a vote of its own). So one island publishing tiny (or huge) norms
+    moves the median by at most one island's vote: it cannot drag the clip limit down until
+    every honest contribution looks absurd. 0.0 for an empty history."""
+    per_island: dict[Any, list[float]] = {}
+    for i, entry in enumerate(history):
+        if isinstance(entry, list | tuple) and len(entry) == 2:
+            per_island.setdefault(("island", entry[0]), []).append(float(entry[1]))
+        else:
+            per_island[("legacy", i)] = [float(entry)]
+    votes = [statistics.median(norms) for norms in per_island.values()]
+    return float(statistics.median(votes)) if votes else 0.0

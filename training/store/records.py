@@ -304,14 +304,21 @@ def validate_applied(value: Any, error: type[CorruptObject] = BadGlobalManifest)
 
 
 def validate_merge_state(value: Any, error: type[CorruptObject] = BadGlobalManifest) -> dict:
-    """merge_state: norms (finite numbers >= 0), last_seq ("island/p" -> seq), sync_s (>= 0);
+    """merge_state: norms ([island, norm] or bare norms >= 0), last_seq ("island/p" -> seq),
+    sync_s (>= 0);
     other keys pass unchecked (the merger validates what it adds)."""
     f = Fields(value if isinstance(value, dict) else {}, error, "merge_state")
     if not isinstance(value, dict):
         f.fail(f"{show(value)} is not an object")
     norms = value.get("norms", [])
-    if not isinstance(norms, list) or not all(is_real(n) and n >= 0 for n in norms):
-        f.fail(f"norms {show(norms)} is not a list of finite numbers >= 0")
+
+    def norm_ok(n: Any) -> bool:
+        if isinstance(n, list) and len(n) == 2 and is_name(n[0]):
+            n = n[1]
+        return is_real(n) and n >= 0
+
+    if not isinstance(norms, list) or not all(norm_ok(n) for n in norms):
+        f.fail(f"norms {show(norms)} is not a list of [island, norm >= 0]")
     last_seq = value.get("last_seq", {})
     if not isinstance(last_seq, dict):
         f.fail(f"last_seq {show(last_seq)} is not an object")
