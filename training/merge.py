@@ -200,8 +200,9 @@ class Merger:
     ) -> Contribution | str:
         """A checked contribution, or the reason to quarantine it.
 
-        Norms: over k x the running median of merged norms (k = clip_multiplier) is clipped to
-        it, over 1000x that is quarantined. Until four norms are merged there is no median: a
+        Norms: over k x the running median of merged norms (k = clip_multiplier; one vote per
+        island, claims.norm_median) is clipped to
+        it, over 1000x that (and over k x `params_norm`) is quarantined. Until four norms are merged there is no median: a
         norm over 1000 x k x `params_norm` (the global parameters' norm) is quarantined.
         """
 
@@ -252,11 +253,14 @@ class Merger:
                 return f"non-finite values in {n}"
         norm = outer.global_norm(delta)
         history = merge_state["norms"]
-        median = float(np.median(history)) if len(history) >= 4 else 0.0
+        median = claims.norm_median(history) if len(history) >= 4 else 0.0
         k = self.cfg.outer.clip_multiplier
         if median > 0:
             limit = k * median
-            if not norm <= 1000 * limit:
+            # a norm within k x the parameters' own norm is clipped, never quarantined: a
+            # median dragged down by one island's tiny norms cannot reject everyone else
+            plausible = params_norm is not None and norm <= k * params_norm
+            if not norm <= 1000 * limit and not plausible:
                 return f"norm {norm:.3g} is over 1000x the clip limit {limit:.3g}"
             delta, _ = outer.clip_to(delta, limit)
         elif params_norm and not norm <= 1000 * k * params_norm:
@@ -393,7 +397,7 @@ class Merger:
                 frag_params, frag_state = outer.apply_outer(self.tx, frag_params, frag_state, delta)
                 for c in group:
                     result.applied.append(c.ref.id)
-                    norms.append(c.norm)
+                    norms.append([c.ref.island, c.norm])
                     key = f"{c.ref.island}/{p}"
                     last_seq[key] = max(last_seq.get(key, -1), c.ref.seq)
                     tokens_merged += c.claim.tokens
