@@ -20,6 +20,7 @@ import pytest
 from tests.helpers import new_store, publish_delta, random_delta, small_config
 from training.cli import main
 from training.merge import Merger
+from training.outer import global_norm
 from training.status import collect_status
 from training.store.experiment import ExperimentStore, dump_json
 from training.store.objectstore import open_store
@@ -163,6 +164,35 @@ def test_a_flood_of_plausible_claims_on_one_base_is_bounded_by_time(monkeypatch)
     assert 6 <= len(r.applied) <= 7  # 8 x 6 = 48 <= 50 + 10 t; 8 x 8 = 64 > 60 for t < 1 s
     assert len(r.quarantined) == 20 - len(r.applied)
     assert all("on base version 1" in why for why in r.quarantined.values())
+
+
+def test_one_island_of_tiny_norms_cannot_drag_the_clip_limit_under_the_others():
+    """Island a merges four near-zero updates first: before, the running median became 1e-9
+    and every honest update was "over 1000x the clip limit" for good. Now a norm within k x
+    the parameters' norm is only clipped, and the median has one vote per island."""
+    cfg = small_config(
+        islands=("a", "b"),
+        outer={"method": "nesterov", "lr": 1.0, "momentum": 0.0, "rda": False},
+    )
+    store = new_store(cfg)
+    theta = store.load_global().params
+    for seq in range(4):
+        d = random_delta(theta, 50 + seq)
+        tiny = {k: v * (1e-9 / global_norm(d)) for k, v in d.items()}
+        publish_delta(store, cfg, "a", seq, tiny, base_version=seq)
+        assert Merger(cfg, store).merge_once().version == seq + 1
+    first = random_delta(theta, 1)
+    publish_delta(store, cfg, "b", 0, first, base_version=4)
+    r = Merger(cfg, store).merge_once()
+    assert r.applied == ["b/00000000-f000"] and r.quarantined == {}  # clipped to 5e-9
+    second = random_delta(theta, 2)
+    publish_delta(store, cfg, "b", 1, second, base_version=5)
+    before = store.load_global().params
+    r = Merger(cfg, store).merge_once()
+    assert r.applied == ["b/00000001-f000"] and r.quarantined == {}
+    step = global_norm({k: before[k] - store.load_global().params[k] for k in theta})
+    # median of the islands' medians {1e-9, |first|} ~ |first| / 2: the limit 2.5 |first| > |second|
+    assert step == pytest.approx(global_norm(second), rel=1e-4)
 
 
 # -- payload size ---------------------------------------------------------------------------------
