@@ -236,14 +236,15 @@ class ExperimentStore:
         log.warning("skipped %s/%s: %s", self.url, relative, reason)
 
     def _named(self, relative_prefix: str, kind: str) -> list[Any]:
-        """Parsed names of kind `kind` under a prefix; other names are skipped and counted."""
+        """Parsed names of kind `kind` under a prefix; names outside the layout are skipped
+        and counted (names of other kinds, e.g. payloads next to markers, are left alone)."""
         names = []
         for relative in self._list(relative_prefix):
             name = parse_key_or_none(relative)
-            if name is not None and name.kind == kind:
+            if name is None:
+                self._skip(relative, f"not a name of the layout (expected a {kind})")
+            elif name.kind == kind:
                 names.append(name)
-            elif name is None or name.kind not in ("pseudograd-payload", "checkpoint-file"):
-                self._skip(relative, f"not a {kind} name")
         return names
 
     def _write_json(self, relative: str, obj: Any) -> None:
