@@ -201,9 +201,11 @@ class Merger:
         """A checked contribution, or the reason to quarantine it.
 
         Norms: over k x the running median of merged norms (k = clip_multiplier; one vote per
-        island, claims.norm_median) is clipped to
-        it, over 1000x that (and over k x `params_norm`) is quarantined. Until four norms are merged there is no median: a
+        island, claims.norm_median) is clipped to it; over 1000x that and over k x
+        `params_norm` it is quarantined. Until four norms are merged there is no median: a
         norm over 1000 x k x `params_norm` (the global parameters' norm) is quarantined.
+        Manifests are parsed by records.parse_pseudograd_manifest, claims bounded by
+        training/claims.py, payloads over codecs.payload_limits refused before they are read.
         """
 
         if ref.error is not None:
