@@ -1,6 +1,6 @@
 """Merger-level fuzzing: a live experiment (memory:// store, tiny model) where island "a" writes
-random mutations of valid contributions and junk into every prefix it may write (docs/
-THREAT_MODEL.md), while islands "b" and "c" publish valid contributions in two rounds. Whatever
+random mutations of valid contributions and junk into every prefix it may write (docs/STORE.md,
+"Threat model"), while islands "b" and "c" publish valid contributions in two rounds. Whatever
 "a" wrote: no merge raises, every valid contribution is applied exactly once (in exactly one
 version's `applied` list and in the ledger under that version), nothing is applied twice, the
 merged token count is the sum of the applied contributions' tokens, no STOP is written, and

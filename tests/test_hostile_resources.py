@@ -7,7 +7,7 @@ payload grown to 1 GiB after its commit, a 1 GiB marker and a 1 GiB heartbeat. T
 run next to two honest contributions; the peak of Python allocations (tracemalloc, which sees
 numpy buffers and bytes) and the wall time of each are measured. The fast test plants 1,000
 objects and asserts loose bounds; the slow one plants 10,000 and prints the numbers for
-docs/THREAT_MODEL.md.
+docs/STORE.md ("Threat model").
 """
 
 from __future__ import annotations
