@@ -496,8 +496,8 @@ def test_offer_best_keeps_the_lowest_loss_when_two_writers_race(exp_any, monkeyp
     both_read, first_swapped, seen = threading.Barrier(2), threading.Event(), threading.local()
     read, swap = exp_any.store.read_versioned, exp_any.store.compare_and_swap
 
-    def read_versioned(key):
-        got = read(key)
+    def read_versioned(key, max_bytes=None):
+        got = read(key, max_bytes)
         if key.endswith("/snapshots/BEST.json") and not getattr(seen, "read", False):
             seen.read = True
             both_read.wait(timeout=30)

@@ -108,18 +108,33 @@ def test_decoupled_waits_inside_the_grace_window():
 
 
 def test_token_weights_favor_the_island_with_more_tokens():
-    # weights tokens^2/steps: a = 1000^2/8, b = 100^2/8 -> b's share is 1/101 of the mean
+    # weights tokens^2/steps: a = 1000^2/8, b = 400^2/8 (within the 8x weight cap)
     cfg = small_config(outer={"method": "decoupled", "lr": 1.0, "momentum": 0.0, "rda": False})
     store = new_store(cfg)
     theta = store.load_params()
     one = {k: np.ones_like(v) for k, v in theta.items()}
     publish_delta(store, cfg, "a", 0, one, tokens=1000, steps=8)
+    publish_delta(store, cfg, "b", 0, {k: -v for k, v in one.items()}, tokens=400, steps=8)
+    Merger(cfg, store, clock=lambda: 1e9).merge_once()
+    new = store.load_params()
+    k = "blocks/0/mlp_up/kernel"
+    # delta = (1 * w_a - 1 * w_b) / (w_a + w_b) = (1000^2 - 400^2) / (1000^2 + 400^2) = 0.724138
+    np.testing.assert_allclose(theta[k] - new[k], 840 / 1160, rtol=1e-5)
+
+
+def test_a_weight_over_8x_the_others_is_capped():
+    # weights a = 1024^2/8 = 131072, b = 100^2/8 = 1250: a is capped at 8 x 1250 = 10000
+    cfg = small_config(outer={"method": "decoupled", "lr": 1.0, "momentum": 0.0, "rda": False})
+    store = new_store(cfg)
+    theta = store.load_params()
+    one = {k: np.ones_like(v) for k, v in theta.items()}
+    publish_delta(store, cfg, "a", 0, one, tokens=1024, steps=8)
     publish_delta(store, cfg, "b", 0, {k: -v for k, v in one.items()}, tokens=100, steps=8)
     Merger(cfg, store, clock=lambda: 1e9).merge_once()
     new = store.load_params()
     k = "blocks/0/mlp_up/kernel"
-    # delta = (1 * w_a - 1 * w_b) / (w_a + w_b) = (10000 - 100) / 10100 = 0.980198
-    np.testing.assert_allclose(theta[k] - new[k], 9900 / 10100, rtol=1e-5)
+    # delta = (10000 - 1250) / (10000 + 1250) = 0.777778 (uncapped it would be 0.981107)
+    np.testing.assert_allclose(theta[k] - new[k], 8750 / 11250, rtol=1e-5)
 
 
 def _hostile(store, cfg, theta, kind):

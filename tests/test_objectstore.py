@@ -18,6 +18,7 @@ from training.store.objectstore import (
     LocalStore,
     MemoryStore,
     ObjectNotFound,
+    ObjectTooLarge,
     StoreUnreachable,
     TransientStoreError,
     open_store,
@@ -30,6 +31,64 @@ RACERS = 8
 @pytest.fixture(params=BACKENDS)
 def store(request, tmp_path):
     return open_backend(request.param, request, tmp_path)
+
+
+# --- size limits on reads --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("size", [0, 1, 1000])
+def test_read_within_max_bytes_returns_the_whole_object(store, size):
+    store.write("k", b"x" * size)
+    assert store.read("k", max_bytes=size) == b"x" * size
+    assert store.read_versioned("k", max_bytes=size)[0] == b"x" * size
+
+
+def test_read_over_max_bytes_raises_object_too_large(store):
+    store.write("k", b"x" * 1001)
+    with pytest.raises(ObjectTooLarge, match="over the 1000-byte limit"):
+        store.read("k", max_bytes=1000)
+
+
+def test_read_versioned_over_max_bytes_raises_object_too_large(store):
+    store.write("k", b"x" * 1001)
+    with pytest.raises(ObjectTooLarge, match="over the 1000-byte limit"):
+        store.read_versioned("k", max_bytes=1000)
+
+
+def test_read_of_missing_key_with_max_bytes_raises_object_not_found(store):
+    with pytest.raises(ObjectNotFound):
+        store.read("missing", max_bytes=10)
+    assert store.read_versioned("missing", max_bytes=10) is None
+
+
+def test_local_read_over_max_bytes_reads_nothing_of_the_file(tmp_path, monkeypatch):
+    """The size is checked on the open file before any byte is read."""
+    store = LocalStore(tmp_path)
+    store.write("big", b"x" * 10_000)
+    reads = []
+    real_open = open
+
+    class Spy:
+        def __init__(self, f):
+            self.f = f
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def fileno(self):
+            return self.f.fileno()
+
+        def read(self, n=-1):
+            reads.append(n)
+            return self.f.read(n)
+
+    monkeypatch.setattr("builtins.open", lambda p, m="r", *a, **k: Spy(real_open(p, m, *a, **k)))
+    with pytest.raises(ObjectTooLarge):
+        store.read("big", max_bytes=100)
+    assert reads == []
 
 
 # --- basic reads and writes ------------------------------------------------------------------

@@ -142,8 +142,8 @@ class ChaosStore(ObjectStore):
             sleep=self.sleep,
         )
 
-    def read(self, key: str) -> bytes:
-        return self._call("read", key, lambda: self.inner.read(key))
+    def read(self, key: str, max_bytes: int | None = None) -> bytes:
+        return self._call("read", key, lambda: self.inner.read(key, max_bytes))
 
     def write(self, key: str, data: bytes) -> None:
         return self._call("write", key, lambda: self.inner.write(key, data))
@@ -151,8 +151,10 @@ class ChaosStore(ObjectStore):
     def create(self, key: str, data: bytes) -> bool:
         return self._call("create", key, lambda: self.inner.create(key, data))
 
-    def read_versioned(self, key: str) -> tuple[bytes, Generation] | None:
-        return self._call("read_versioned", key, lambda: self.inner.read_versioned(key))
+    def read_versioned(
+        self, key: str, max_bytes: int | None = None
+    ) -> tuple[bytes, Generation] | None:
+        return self._call("read_versioned", key, lambda: self.inner.read_versioned(key, max_bytes))
 
     def compare_and_swap_generation(
         self, key: str, data: bytes, expected: Generation | None

@@ -221,6 +221,36 @@ def decode(
     return {name: _decode_tensor(name, payload, codec, block) for name in names}
 
 
+def encoded_layout(name: str, shape: tuple[int, ...], codec: str, block: int = DEFAULT_BLOCK):
+    """[(tensor name, data bytes, ndim)] of the payload tensors `encode` writes for one tensor
+    of `shape`: exactly what the layout in this module's docstring says."""
+    _check_codec(codec)
+    n = math.prod(shape)
+    if codec == "fp32":
+        return [(name, 4 * n, len(shape))]
+    if codec == "bf16":
+        return [(name, 2 * n, len(shape))]
+    scales = (name + SCALE_SUFFIX, 4 * _num_blocks(n, block), 1)
+    if codec == "int8":
+        return [(name, n, len(shape)), scales]
+    return [(name, -(-n // 2), 1), scales, (name + SHAPE_SUFFIX, 4 * len(shape), 1)]
+
+
+def payload_limits(
+    shapes: dict[str, tuple[int, ...]], codec: str, block: int = DEFAULT_BLOCK
+) -> tuple[int, int]:
+    """(max file bytes, max header bytes) of a safetensors payload that encodes tensors of
+    `shapes` in `codec`: the data bytes exactly, plus `header_bound` for the header. A
+    pseudo-gradient of a fragment whose manifest or object is larger is refused unread."""
+    from training.store.tensors import header_bound
+
+    entries = [
+        e for name, shape in shapes.items() for e in encoded_layout(name, shape, codec, block)
+    ]
+    header = header_bound([(name, ndim) for name, _, ndim in entries])
+    return header + sum(nbytes for _, nbytes, _ in entries), header
+
+
 def payload_nbytes(payload: dict[str, np.ndarray]) -> int:
     """Total bytes of all payload tensors (data, scales and shapes)."""
     return sum(int(np.asarray(t).nbytes) for t in payload.values())

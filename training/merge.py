@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from training import claims, codecs, model
 from training import merge_rules as rules
-from training import model
 from training.config import ExperimentConfig
 from training.faults import fault_point
 from training.runtime import fragment_names
@@ -52,6 +52,7 @@ class MergeResult:
     lost_race: bool = False
     tokens_merged: int | None = None  # mean over the owned fragments after this round
     contributions: list[dict] = field(default_factory=list)
+    skipped: int = 0  # objects skipped this round (junk names, broken records): counted
 
     @property
     def version(self) -> int | None:
@@ -78,18 +79,31 @@ def initial_version(cfg: ExperimentConfig, store: ExperimentStore) -> int | None
             continue
         frag = {n: params[n] for n in names}
         state = rules.init_state(cfg.outer, {n: v.shape for n, v in frag.items()})
-        extra = dict(tokens_merged=0, merge_state=_merge_state(state, {}, [], 0.0))
+        ms = _merge_state(state, {}, [], 0.0, {"0": time.time()}, {})
+        extra = dict(tokens_merged=0, merge_state=ms)
         created |= store.publish_fragment(p, 0, frag, rules.state_tensors(state), extra) is not None
     return 0 if created else None
 
 
-def _merge_state(state: rules.OuterFragmentState, cursors: dict, norms: list, sync_s: float):
+def _merge_state(
+    state: rules.OuterFragmentState,
+    cursors: dict,
+    norms: list,
+    sync_s: float,
+    version_times: dict,
+    last_claim: dict,
+):
+    """A fragment's merge_state (docs/STORE.md): the outer counters, cursors, the last norms
+    ([island, norm]), sync_s, and for the claims' bounds (training/claims.py) version_times
+    (version -> merger time) and last_claim (island -> [seq, island_step, published_at])."""
     return dict(
         steps=state.steps,
         seen=state.seen,
         cursors=cursors,
         norms=norms[-rules.NORM_HISTORY :],
         sync_s=sync_s,
+        version_times=version_times,
+        last_claim=last_claim,
     )
 
 
@@ -111,6 +125,17 @@ class Merger:
             raise ValueError(f"fragments {bad} out of range (P = {len(self.frags)})")
         shapes = {k: tuple(v.shape) for k, v in model.abstract_params(cfg.model).items()}
         self.shapes = [{n: shapes[n] for n in names} for names in self.frags]
+        # a fragment version's payloads are at most its fp32 size (params; outer state: the
+        # momentum and Delayed Nesterov buffers, "momentum/<name>", "buffer/<name>")
+        self._fragment_limits = [
+            {
+                "params": codecs.payload_limits(s, "fp32")[0],
+                "outer_state": codecs.payload_limits(
+                    {f"{k}/{n}": v for k in ("momentum", "buffer") for n, v in s.items()}, "fp32"
+                )[0],
+            }
+            for s in self.shapes
+        ]
         self._snapshot_at = 0.0
         self._manifests: dict[str, dict] = {}  # version dir -> manifest (immutable once committed)
         self._repaired: set[str] = set()  # version dirs whose ledger entries this merger wrote
@@ -143,6 +168,7 @@ class Merger:
     # -- one round ---------------------------------------------------------------------------
     def merge_once(self) -> MergeResult:
         result = MergeResult()
+        skipped_before = self.store.skipped.count
         heads = self.store.heads(self.fragments)
         if any(h is None for h in heads):
             raise RuntimeError(f"experiment {self.cfg.name!r} has no global version: run init")
@@ -155,11 +181,13 @@ class Merger:
         pending = self.store.pending_after(cursors, [i.name for i in self.cfg.islands])
         fault_point("merge.after-read")
         active = self._active_islands()
+        beats = claims.beats(self.store.heartbeats()) if any(pending.values()) else {}
         for head in heads:
             if pending[head.fragment]:
                 self._merge_fragment(
-                    head, manifests[head.fragment], pending[head.fragment], active, result
+                    head, manifests[head.fragment], pending[head.fragment], active, result, beats
                 )
+        result.skipped = self.store.skipped.count - skipped_before
         if result.versions:
             self._after_merge(result)
         return result
@@ -171,14 +199,27 @@ class Merger:
         refs: list[PseudoGradRef],
         active: set[str],
         result: MergeResult,
+        beats: dict[str, claims.Beat],
     ) -> None:
         started = time.monotonic()
         p = head.fragment
         ms = manifest["merge_state"]
+        base_times, previous = claims.history(ms)
+        round_ = claims.Round(
+            claims.Limits.from_config(self.cfg), self.clock(), base_times, previous, beats
+        )
         candidates, rejected = [], {}
-        for ref in refs:
+        for ref in sorted(refs, key=lambda r: (r.island, r.seq)):
             checked = rules.check_manifest(
-                self.cfg, ref.id, ref.island, ref.seq, p, ref.manifest, head.version
+                self.cfg,
+                ref.id,
+                ref.island,
+                ref.seq,
+                p,
+                ref.manifest,
+                head.version,
+                round_,
+                ref.error,
             )
             if isinstance(checked, str):
                 rejected[ref.id] = checked
@@ -199,7 +240,9 @@ class Merger:
         if not groups:
             return
 
-        fv = self.store.load_fragment(head, outer_state=True, manifest=manifest)
+        fv = self.store.load_fragment(
+            head, outer_state=True, manifest=manifest, max_nbytes=self._fragment_limits[p]
+        )
         params = fv.params
         state = rules.state_from_tensors(
             self.cfg.outer, self.shapes[p], fv.outer_state, ms["steps"], ms["seen"]
@@ -208,6 +251,7 @@ class Merger:
         params_norm = math.sqrt(sum(rules.sq_norm(v) for v in params.values()))
         norms = list(ms["norms"])
         cursors = dict(ms["cursors"])
+        last_claim = dict(ms.get("last_claim") or {})
         tokens_merged = int(manifest["tokens_merged"])
         applied, details = [], []
         for group in groups:
@@ -218,7 +262,8 @@ class Merger:
             by_island: dict[str, list[rules.Candidate]] = {}
             for c in group:
                 by_island.setdefault(c.island, []).append(c)
-            for _, contribs in sorted(by_island.items()):
+            caps = rules.capped_weights(self.cfg.outer, group)
+            for island, contribs in sorted(by_island.items()):
                 vote, kept, vote_norms = self._vote(contribs, norms, params_norm, result)
                 if vote is None:
                     continue
@@ -226,17 +271,15 @@ class Merger:
                 scale, _ = rules.norm_verdict(
                     self.cfg.outer, norm, rules.clip_limit(self.cfg.outer, norms), params_norm
                 )
-                tokens, steps = sum(c.tokens for c in kept), sum(c.steps for c in kept)
-                staleness = max(c.staleness for c in kept)
                 weight = (
                     1.0
                     if self.cfg.outer.method == "sync"
-                    else rules.vote_weight(self.cfg.outer, tokens, steps, staleness)
+                    else min(rules.island_weight(self.cfg.outer, kept), caps[island])
                 )
                 combiner.add(vote, weight, scale)
                 del vote
                 voted += kept
-                norms += vote_norms
+                norms += [[island, n] for n in vote_norms]
                 for c in kept:
                     details.append(
                         dict(
@@ -274,13 +317,17 @@ class Merger:
                 applied.append(c.id)
                 cursors[c.island] = max(cursors.get(c.island, -1), c.seq)
                 tokens_merged += c.tokens
+                claims.remember(last_claim, self._claim(c))
         if not applied:
             return
         sync_s = 0.8 * ms["sync_s"] + 0.2 * (time.monotonic() - started)
         merged_at = self.clock()
+        times = claims.version_times(
+            ms, head.version + 1, merged_at, self.cfg.outer.max_staleness + 1
+        )
         extra = dict(
             tokens_merged=tokens_merged,
-            merge_state=_merge_state(state, cursors, norms, sync_s),
+            merge_state=_merge_state(state, cursors, norms, sync_s, times, last_claim),
             contributions=details,
             merged_at=merged_at,
         )
@@ -305,15 +352,18 @@ class Merger:
         kept, vote_norms = [], []
         limit = rules.clip_limit(self.cfg.outer, norms)
         for c in contribs:
+            shapes = self.shapes[c.fragment]
+            max_nbytes, max_header = codecs.payload_limits(shapes, c.codec)
             try:
-                payload = self.store.load_pseudograd(self._ref(c))
+                payload = self.store.load_pseudograd(
+                    self._ref(c), max_nbytes, max_header, f" of fragment {c.fragment} in {c.codec}"
+                )
             except (TransientStoreError, StoreUnreachable):
                 raise  # not the payload's fault: retry later, quarantine nothing
             except (StoreError, ValueError, KeyError) as err:
                 self._quarantine(c.id, f"unreadable payload: {err}", result)
                 continue
             try:
-                shapes = self.shapes[c.fragment]
                 tensors = dict(rules.decode_checked(payload, c.codec, shapes, c.fragment))
             except (ValueError, KeyError) as err:
                 self._quarantine(c.id, str(err).strip("'\""), result)
@@ -334,6 +384,20 @@ class Merger:
             kept.append(c)
             vote_norms.append(norm)
         return vote, kept, vote_norms
+
+    @staticmethod
+    def _claim(c: rules.Candidate) -> claims.Claim:
+        step = c.manifest.get("island_step")
+        return claims.Claim(
+            c.island,
+            c.fragment,
+            c.seq,
+            0,
+            c.steps,
+            c.tokens,
+            c.published_at if "published_at" in c.manifest else None,
+            step if isinstance(step, int) else None,
+        )
 
     def _ref(self, c: rules.Candidate) -> PseudoGradRef:
         payload = c.manifest.get("payload")
@@ -368,6 +432,7 @@ class Merger:
                 version=result.version,
                 applied=len(result.applied),
                 quarantined=len(result.quarantined),
+                skipped=result.skipped,
                 tokens_merged=result.tokens_merged,
                 contributions=result.contributions,
                 at=now,

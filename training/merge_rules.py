@@ -1,8 +1,10 @@
 """The merge's decisions and arithmetic as pure functions, testable without a store.
 
 The merger (training/merge.py) is the I/O shell around these:
-- `check_manifest`: is a committed pseudo-gradient admissible (claims, staleness, codec)? A
-  `Candidate` or the reason to quarantine it. Reads no payload.
+- `check_manifest`: is a committed pseudo-gradient admissible (its manifest parsed strictly by
+  records.parse_pseudograd_manifest, staleness, codec, the claims' bounds of training/claims.py)?
+  A `Candidate` or the reason to quarantine it. Reads no payload.
+- `capped_weights`: the vote weights of a group, each island's capped (claims.cap_weights).
 - `select`: which candidates of one fragment to apply now (quorum K, grace window, sync).
 - `decode_checked`: a payload's tensors decoded one at a time, each checked (tree, dtype, shape,
   finiteness) as it is decoded.
@@ -26,9 +28,11 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from training import codecs
+from training import claims, codecs
 from training.config import ExperimentConfig, OuterConfig
 from training.fragments import is_embedding
+from training.store import records
+from training.store.safejson import show
 
 NORM_HISTORY = 64  # merged norms kept per fragment for the clipping median
 QUARANTINE_FACTOR = 1000.0  # a norm over this x the clip limit is quarantined, not clipped
@@ -156,14 +160,6 @@ class Candidate:
     manifest: Mapping[str, Any]
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_real(v: Any) -> bool:
-    return (_is_int(v) or isinstance(v, float)) and math.isfinite(v)
-
-
 def check_manifest(
     cfg: ExperimentConfig,
     ref_id: str,
@@ -172,49 +168,55 @@ def check_manifest(
     fragment: int,
     manifest: Mapping[str, Any],
     head_version: int,
+    round_: claims.Round | None = None,
+    error: str | None = None,
 ) -> Candidate | str:
-    """A Candidate, or the one-line reason to quarantine the pseudo-gradient."""
-    m = manifest
-    if m.get("experiment") != cfg.name:
-        return f"manifest names experiment {m.get('experiment')!r}, not {cfg.name!r}"
-    if m.get("island") != island or m.get("fragment") != fragment:
+    """A Candidate, or the one-line reason to quarantine the pseudo-gradient.
+
+    `error`: why its marker could not be read (the reason, as is). The manifest is parsed by
+    records.parse_pseudograd_manifest (names, payload key, types, codec); then the fragment's
+    range, the base version (committed, no staler than `outer.max_staleness` fragment
+    versions), `final`, and, given a `round_`, the claims' bounds (claims.check_claim; an
+    accepted claim is added to the round).
+    """
+    if error is not None:
+        return error
+    try:
+        m = records.parse_pseudograd_manifest(dict(manifest), ref_id, cfg.name)
+    except records.BadRecord as err:
+        return str(err)
+    if (m.island, m.seq, m.fragment) != (island, seq, fragment):
         return "manifest island/fragment do not match its name"
     if not 0 <= fragment < cfg.fragments.count:
         return f"fragment {fragment} out of range (P = {cfg.fragments.count})"
-    base = m.get("base_version")
-    if not _is_int(base) or base < 0 or base > head_version:
+    base = m.base_version
+    if base > head_version:
         return f"base_version {base!r} is not a committed version (head {head_version})"
     staleness = head_version - base
     if staleness > cfg.outer.max_staleness:
         return f"stale: base version {base}, fragment head {head_version}"
-    steps, tokens = m.get("steps"), m.get("tokens")
-    if not (_is_int(steps) and _is_int(tokens) and 0 < steps < 2**53 and 0 < tokens < 2**53):
-        return f"bad steps/tokens in manifest: {steps!r}/{tokens!r}"
-    per_step = cfg.data.batch_size * cfg.data.seq_len
-    if tokens > steps * per_step:
-        return f"tokens {tokens} exceed {steps} steps x {per_step} tokens per step"
-    for key in ("published_at", "step_time_s"):
-        if key in m and not _is_real(m[key]):
-            return f"bad {key} in manifest: {m[key]!r}"
-    codec = m.get("codec")
-    if codec not in codecs.CODECS:
-        return f"unknown codec {codec!r}"
-    final = m.get("final", False)
+    final = m.raw.get("final", False)
     if not isinstance(final, bool):
-        return f"bad final flag in manifest: {final!r}"
+        return f"bad final flag in manifest: {show(final)}"
+    if round_ is not None:
+        claim = claims.Claim.of(m)
+        reason = round_.check(claim)
+        if reason is not None:
+            return reason
+        round_.accept(claim)
     return Candidate(
         ref_id,
         island,
         seq,
         fragment,
-        tokens,
-        steps,
+        m.tokens,
+        m.steps,
         staleness,
-        float(m.get("published_at", 0.0)),
-        float(m.get("step_time_s", 0.0)),
-        codec,
+        m.published_at or 0.0,
+        m.step_time_s or 0.0,
+        m.codec,
         final,
-        m,
+        m.raw,
     )
 
 
@@ -222,6 +224,25 @@ def vote_weight(outer: OuterConfig, tokens: int, steps: int, staleness: int) -> 
     """Quantity x quality (tokens^2 / steps), divided by 1 + staleness (fragment versions)."""
     weight = float(tokens) ** 2 / float(steps) if outer.token_weighting else 1.0
     return weight / (1.0 + staleness) if outer.staleness_decay else weight
+
+
+def island_weight(outer: OuterConfig, contribs: Sequence[Candidate]) -> float:
+    """The vote weight of one island's contributions to a fragment, summed into one vote."""
+    tokens, steps = sum(c.tokens for c in contribs), sum(c.steps for c in contribs)
+    staleness = max(c.staleness for c in contribs)
+    return vote_weight(outer, tokens, steps, staleness)
+
+
+def capped_weights(outer: OuterConfig, group: Sequence[Candidate]) -> dict[str, float]:
+    """island -> the cap on its vote weight in `group`: claims.cap_weights over the islands'
+    claimed weights (k x the others' median). Computed from the manifests before any payload
+    is read; a contribution dropped later only loosens the others' caps."""
+    by_island: dict[str, list[Candidate]] = {}
+    for c in group:
+        by_island.setdefault(c.island, []).append(c)
+    islands = sorted(by_island)
+    weights = [island_weight(outer, by_island[i]) for i in islands]
+    return dict(zip(islands, claims.cap_weights(weights), strict=True))
 
 
 # -- selection -----------------------------------------------------------------------------------
@@ -310,9 +331,10 @@ def sq_norm(x: np.ndarray) -> float:
     return float(np.dot(flat, flat))
 
 
-def clip_limit(outer: OuterConfig, norms: Sequence[float]) -> float | None:
-    """k x the running median of merged norms, or None until four norms are known."""
-    return outer.clip_multiplier * float(np.median(norms)) if len(norms) >= 4 else None
+def clip_limit(outer: OuterConfig, norms: Sequence[Any]) -> float | None:
+    """k x the running median of merged norms (entries [island, norm]: one vote per island,
+    claims.norm_median), or None until four norms are known."""
+    return outer.clip_multiplier * claims.norm_median(norms) if len(norms) >= 4 else None
 
 
 def norm_verdict(
@@ -320,11 +342,14 @@ def norm_verdict(
 ) -> tuple[float, str | None]:
     """(scale to apply, reason to quarantine or None) for a contribution of norm `norm`.
 
-    Over the clip limit it is scaled down to it; over 1000x the limit it is quarantined. Until
-    the median exists the bound is 1000 x k x the fragment parameters' norm.
+    Over the clip limit it is scaled down to it; over 1000x the limit and over k x the
+    parameters' norm it is quarantined (a norm within k x the parameters' own norm is clipped,
+    never quarantined: a median dragged down by one island's tiny norms cannot reject everyone
+    else). Until the median exists the bound is 1000 x k x the fragment parameters' norm.
     """
     if limit is not None and limit > 0:
-        if not norm <= QUARANTINE_FACTOR * limit:
+        plausible = norm <= outer.clip_multiplier * params_norm
+        if not norm <= QUARANTINE_FACTOR * limit and not plausible:
             return 0.0, f"norm {norm:.3g} is over 1000x the clip limit {limit:.3g}"
         return (limit / norm if norm > limit else 1.0), None
     bound = QUARANTINE_FACTOR * outer.clip_multiplier * params_norm

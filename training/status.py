@@ -9,10 +9,14 @@ from training.goodput import BADPUT, experiment_goodput
 
 
 def collect_status(cfg: ExperimentConfig, store, now: float | None = None) -> dict:
+    """Everything `diloco status` shows. Every record comes through the store's strict readers
+    (training/store/records.py): junk names and broken heartbeats, markers and metrics are
+    skipped and counted in `skipped` ({"count", "examples"}), never fatal."""
     from training.evaluate import end_of_run_report
     from training.merge import Merger
 
     now = time.time() if now is None else now
+    skipped_before = store.skipped.count
     snapshot = store.current_snapshot()
     heads = list(snapshot.versions) if snapshot else None
     beats = store.heartbeats()
@@ -60,6 +64,9 @@ def collect_status(cfg: ExperimentConfig, store, now: float | None = None) -> di
         goodput=experiment_goodput(cfg, {n: hb.get("goodput_state") for n, hb in beats.items()}),
         stop_requested=store.stop_requested(None),
         islands=islands,
+        skipped=dict(
+            count=store.skipped.count - skipped_before, examples=store.skipped.examples[:5]
+        ),
     )
 
 
@@ -78,10 +85,10 @@ def format_status(s: dict) -> str:
     ]
     if s["last_eval"]:
         e = s["last_eval"]
-        lines.append(f"last eval: versions {e.get('versions')} loss {e['loss']:.4f}")
+        lines.append(f"last eval: versions {e.get('versions')} loss {_fmt(e.get('loss'), '.4f')}")
     if s.get("best_eval"):
         b = s["best_eval"]
-        lines.append(f"best eval: versions {b.get('versions')} loss {b['loss']:.4f}")
+        lines.append(f"best eval: versions {b.get('versions')} loss {_fmt(b.get('loss'), '.4f')}")
     if s.get("warning"):
         lines.append(f"WARNING: {s['warning']}")
     g = s.get("goodput")
@@ -92,6 +99,10 @@ def format_status(s: dict) -> str:
             f"goodput {g['goodput']:.1%} (chip-weighted, {g['islands']} islands, {g['chips']} chips)"
             f"  badput: {badput}"
         )
+    skipped = s.get("skipped") or {}
+    if skipped.get("count"):
+        example = skipped["examples"][0] if skipped.get("examples") else ""
+        lines.append(f"skipped {skipped['count']} unreadable objects, e.g. {example}")
     header = f"{'island':16s} {'state':11s} {'step':>7s} {'tokens':>10s} {'tok/s':>8s} {'loss':>7s} {'stale':>5s} {'beat age':>8s} {'goodput':>7s}"
     lines += ["", header, "-" * len(header)]
     for i in s["islands"]:

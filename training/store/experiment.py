@@ -16,26 +16,23 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any, TypeVar
 
 import numpy as np
 
 from training.faults import fault_point
 from training.names import validate_name
+from training.store import records, safejson
 from training.store.gc import GarbageCollection, GCPlan
+from training.store.keys import ObjectName, SkipTally, checkpoint_dir, parse_key_or_none
 from training.store.layout import (
-    _LEDGER_ENTRY,
-    _METRIC,
-    _NAME_RE,
-    _PER_ISLAND,
-    _PG_MARKER,
     _PG_RESERVED,
-    _QUARANTINE_ENTRY,
+    ANY,
     LAYOUT_VERSION,
     DoubleApply,
     ExperimentExists,
@@ -54,7 +51,8 @@ from training.store.layout import (
     pseudograd_id,
 )
 from training.store.objectstore import CorruptObject, ObjectNotFound, ObjectStore, StoreError
-from training.store.tensors import decode_tensors, encode_tensors, sha256
+from training.store.safejson import JSONLimits
+from training.store.tensors import MAX_HEADER_BYTES, decode_tensors, encode_tensors, sha256
 from training.store.versions import FragmentVersions
 
 __all__ = [
@@ -99,6 +97,7 @@ class ExperimentStore(FragmentVersions, GarbageCollection):
         self._pool: ThreadPoolExecutor | None = None
         self._pool_pid = 0
         self._pool_lock = threading.Lock()
+        self.skipped = SkipTally()  # objects readers skipped (junk names, broken records)
 
     @property
     def url(self) -> str:
@@ -111,14 +110,41 @@ class ExperimentStore(FragmentVersions, GarbageCollection):
     def _key(self, relative: str) -> str:
         return f"{self.experiment}/{relative}"
 
-    def _read_json(self, relative: str) -> dict[str, Any]:
-        return load_json(self.store.read(self._key(relative)), f"{self.url}/{relative}")
+    def _read_json(self, relative: str, limits: JSONLimits = ANY) -> dict[str, Any]:
+        data = self.store.read(self._key(relative), max_bytes=limits.max_bytes)
+        return load_json(data, f"{self.url}/{relative}", limits)
 
-    def _read_json_or_none(self, relative: str) -> dict[str, Any] | None:
+    def _read_json_or_none(self, relative: str, limits: JSONLimits = ANY) -> dict[str, Any] | None:
         try:
-            return self._read_json(relative)
+            return self._read_json(relative, limits)
         except ObjectNotFound:
             return None
+
+    def _skip(self, relative: str, reason: Any) -> None:
+        """Count an object no contribution is to blame for, and go on (docs/STORE.md,
+        "Threat model")."""
+        self.skipped.note(relative, str(reason))
+        log.warning("skipped %s/%s: %s", self.url, relative, reason)
+
+    def _parsed(self, relative: str) -> ObjectName | None:
+        """keys.parse_key of a listed name; a name outside the layout is skipped and counted."""
+        name = parse_key_or_none(relative)
+        if name is None:
+            self._skip(relative, "not a name of the layout")
+        return name
+
+    def _named(
+        self, relative_prefix: str, kind: str, start_after: str | None = None
+    ) -> list[ObjectName]:
+        """Parsed names of kind `kind` under a prefix (after `start_after`); names outside the
+        layout are skipped and counted (names of other kinds, e.g. payloads next to markers,
+        are left alone)."""
+        names = []
+        for relative in self._list(relative_prefix, start_after):
+            name = self._parsed(relative)
+            if name is not None and name.kind == kind:
+                names.append(name)
+        return names
 
     def _write_json(self, relative: str, obj: Any) -> None:
         self.store.write(self._key(relative), dump_json(obj))
@@ -145,30 +171,63 @@ class ExperimentStore(FragmentVersions, GarbageCollection):
             pool = self._pool
         return list(pool.map(fn, items))
 
-    def _read_many(self, relatives: Sequence[str]) -> list[bytes | None]:
-        """Contents of many objects (None for one deleted since it was listed)."""
+    def _read_many(
+        self, relatives: Sequence[str], max_bytes: int | None = None
+    ) -> list[bytes | CorruptObject | None]:
+        """Contents of many objects: None for one deleted since it was listed, the
+        CorruptObject (ObjectTooLarge) for one over `max_bytes`."""
 
-        def read(relative: str) -> bytes | None:
+        def read(relative: str) -> bytes | CorruptObject | None:
             try:
-                return self.store.read(self._key(relative))
+                return self.store.read(self._key(relative), max_bytes=max_bytes)
             except ObjectNotFound:
                 return None
+            except CorruptObject as exc:
+                return exc
 
         return self._parallel(read, relatives)
 
+    def _read_records(
+        self, relatives: Sequence[str], limit: int, parse: Callable[[bytes, str], T]
+    ) -> list[tuple[str, T]]:
+        """(relative, parse(bytes, relative)) of many objects read with `limit`; deleted ones
+        are left out, unreadable ones skipped and counted."""
+        out = []
+        for relative, data in zip(relatives, self._read_many(relatives, limit), strict=True):
+            if data is None:
+                continue
+            try:
+                if isinstance(data, CorruptObject):
+                    raise data
+                out.append((relative, parse(data, relative)))
+            except CorruptObject as exc:
+                self._skip(relative, exc)
+        return out
+
     def _verified_tensors(
-        self, relative: str, digest: Any, nbytes: Any, what: str, copy: bool = True
+        self,
+        relative: str,
+        digest: Any,
+        nbytes: Any,
+        what: str,
+        copy: bool = True,
+        max_header: int = MAX_HEADER_BYTES,
     ) -> dict[str, np.ndarray]:
-        """Read a payload, check its size and sha256 against the manifest, decode it."""
+        """Read a payload (never more than the manifest's `nbytes`), check its size and sha256
+        against the manifest, decode it (a header of at most `max_header` bytes)."""
+        if not records.is_int(nbytes) or nbytes < 0:
+            raise CorruptObject(f"{what}: invalid nbytes {safejson.show(nbytes)}")
         try:
-            data = self.store.read(self._key(relative))
+            data = self.store.read(self._key(relative), max_bytes=nbytes)
         except ObjectNotFound:
             raise CorruptObject(f"{what}: payload {relative} is missing") from None
+        except CorruptObject as exc:
+            raise CorruptObject(f"{what}: {exc}") from None
         if len(data) != nbytes:
             raise CorruptObject(f"{what}: payload {relative} has {len(data)} bytes, not {nbytes}")
         if sha256(data) != digest:
             raise CorruptObject(f"{what}: payload {relative} fails its sha256 check")
-        return decode_tensors(data, copy=copy)[0]
+        return decode_tensors(data, copy=copy, max_header_bytes=max_header)[0]
 
     # config --------------------------------------------------------------------------------
     def write_config(self, cfg: Mapping[str, Any]) -> None:
@@ -177,15 +236,17 @@ class ExperimentStore(FragmentVersions, GarbageCollection):
         data = dump_json({**dict(cfg), "layout": LAYOUT_VERSION})
         if self.store.create(self._key(self.CONFIG), data):
             return
-        if self._read_json(self.CONFIG) != json.loads(data):
+        if self._read_json(self.CONFIG, safejson.CONFIG) != json.loads(data):
             raise ExperimentExists(
                 f"{self.url} exists with a different config.json; pick a new experiment name"
             )
 
     def read_config(self) -> dict[str, Any]:
         """config.json without its `layout` key; ObjectNotFound if the experiment has none,
-        LayoutMismatch if it was written for another store layout."""
-        cfg = self._read_json(self.CONFIG)
+        BadConfigRecord if it is not a JSON object naming this experiment, LayoutMismatch if it
+        was written for another store layout."""
+        data = self.store.read(self._key(self.CONFIG), max_bytes=safejson.CONFIG.max_bytes)
+        cfg = records.parse_config_record(data, self.experiment)
         layout = cfg.pop("layout", 1)
         if layout != LAYOUT_VERSION:
             raise LayoutMismatch(
@@ -205,11 +266,11 @@ class ExperimentStore(FragmentVersions, GarbageCollection):
         """
         key = self._key(self.CONFIG)
         for attempt in range(attempts):
-            got = self.store.read_versioned(key)
+            got = self.store.read_versioned(key, max_bytes=safejson.CONFIG.max_bytes)
             if got is None:
                 raise ObjectNotFound(f"{self.url}/{self.CONFIG} does not exist")
             data, generation = got
-            current = load_json(data, f"{self.url}/{self.CONFIG}")
+            current = records.parse_config_record(data, self.experiment)
             layout = current.pop("layout", 1)
             if layout != LAYOUT_VERSION:
                 raise LayoutMismatch(
@@ -270,7 +331,7 @@ class ExperimentStore(FragmentVersions, GarbageCollection):
         if clash:
             raise ValueError(f"manifest may not set {clash}")
         stem = f"pseudograds/{pg_id}"
-        existing = self._read_json_or_none(f"{stem}.json")
+        existing = self._read_json_or_none(f"{stem}.json", safejson.MANIFEST)
         if existing is not None:
             return self._pg_ref(island, seq, fragment, existing)
 
@@ -293,7 +354,9 @@ class ExperimentStore(FragmentVersions, GarbageCollection):
             return self._pg_ref(island, seq, fragment, json.loads(dump_json(full)))
         # Someone committed this pseudo-gradient in between; theirs stands, ours is unreferenced.
         self.store.delete(self._key(payload))
-        return self._pg_ref(island, seq, fragment, self._read_json(f"{stem}.json"))
+        return self._pg_ref(
+            island, seq, fragment, self._read_json(f"{stem}.json", safejson.MANIFEST)
+        )
 
     @staticmethod
     def _after_seq(folder: str, island: str, after_seq: int | None) -> str | None:
@@ -320,60 +383,79 @@ class ExperimentStore(FragmentVersions, GarbageCollection):
             "pseudograds/" if island is None else f"pseudograds/{validate_name('island', island)}/"
         )
         excluded = set(exclude)
-        ids = []
-        for relative in self._list(prefix, self._after_seq("pseudograds", island, after_seq)):
-            match = _PG_MARKER.fullmatch(relative)
-            if match is None or match[1] in excluded:
-                continue
-            # the offset relies on the 8-digit padding; this keeps the promise past 10^8
-            if after_seq is None or parse_pseudograd_id(match[1])[1] > after_seq:
-                ids.append(match[1])
+        after = self._after_seq("pseudograds", island, after_seq)
+        ids = [
+            n.id
+            for n in self._named(prefix, "pseudograd-marker", after)
+            if n.id not in excluded and (after_seq is None or n.seq > after_seq)
+        ]
         refs = []
-        for pg_id, data in zip(
-            ids, self._read_many([f"pseudograds/{i}.json" for i in ids]), strict=True
-        ):
+        markers = self._read_many(
+            [f"pseudograds/{i}.json" for i in ids], safejson.MANIFEST.max_bytes
+        )
+        for pg_id, data in zip(ids, markers, strict=True):
             if data is None:
                 continue
+            error = None
             try:
-                manifest = load_json(data, f"{self.url}/pseudograds/{pg_id}.json")
+                if isinstance(data, CorruptObject):
+                    raise data
+                manifest = safejson.load_json(data, safejson.MANIFEST)
             except CorruptObject as exc:
-                log.warning("%s", exc)
-                manifest = {}
-            refs.append(self._pg_ref(*parse_pseudograd_id(pg_id), manifest))
+                log.warning("%s/pseudograds/%s.json: %s", self.url, pg_id, exc)
+                manifest, error = {}, f"unreadable manifest: {exc}"
+            ref = self._pg_ref(*parse_pseudograd_id(pg_id), manifest)
+            refs.append(ref if error is None else replace(ref, error=error))
         return refs
 
-    def load_pseudograd(self, ref: PseudoGradRef) -> dict[str, np.ndarray]:
+    def load_pseudograd(
+        self,
+        ref: PseudoGradRef,
+        max_nbytes: int | None = None,
+        max_header: int | None = None,
+        limit_of: str = "",
+    ) -> dict[str, np.ndarray]:
         """The tensors of a committed pseudo-gradient, verified against its manifest.
 
-        CorruptObject unless: the manifest names this experiment, island, seq and fragment; the
-        payload key is `pseudograds/{island}/{seq:08d}-f{fragment:03d}-<8 hex>.safetensors`
-        (so never outside this island's prefix); and the payload's size and sha256 match.
+        CorruptObject unless: the marker was readable; the manifest names this experiment,
+        island, seq and fragment (records.parse_pseudograd_commit); the payload key is
+        `pseudograds/{island}/{seq:08d}-f{fragment:03d}-<8 hex>.safetensors` (so never outside
+        this island's prefix); the declared size is at most `max_nbytes` (refused before any
+        read; `limit_of` names the limit in the message); and the payload's size and sha256
+        match (it is read with the declared size as its limit, its header with `max_header`).
+        The arrays are read-only views over the downloaded bytes (the merger never mutates
+        them).
         """
         what = f"{self.url} pseudo-gradient {ref.id}"
+        if ref.error is not None:
+            raise CorruptObject(f"{what}: {ref.error}")
         pg_id = pseudograd_id(ref.island, ref.seq, ref.fragment)
-        m = ref.manifest
-        if ref.id != pg_id or [m.get(k) for k in ("experiment", "island", "seq", "fragment")] != [
-            self.experiment,
-            ref.island,
-            ref.seq,
-            ref.fragment,
-        ]:
+        if ref.id != pg_id:
             raise CorruptObject(f"{what}: manifest does not describe this pseudo-gradient")
-        payload = m.get("payload")
-        pattern = re.escape(f"pseudograds/{pg_id}-") + r"[0-9a-f]{8}\.safetensors"
-        if not isinstance(payload, str) or re.fullmatch(pattern, payload) is None:
-            raise CorruptObject(
-                f"{what}: payload key {payload!r} is not inside pseudograds/{ref.island}/"
-            )
-        if payload != ref.payload_key:
+        try:
+            commit = records.parse_pseudograd_commit(ref.manifest, pg_id, self.experiment)
+        except CorruptObject as exc:
+            raise CorruptObject(f"{what}: {exc}") from None
+        if commit.payload != ref.payload_key:
             raise CorruptObject(f"{what}: ref payload_key {ref.payload_key!r} != manifest")
-        # read-only views over the downloaded bytes: the merger decodes them, never mutates them
-        return self._verified_tensors(payload, m.get("sha256"), m.get("nbytes"), what, copy=False)
+        if max_nbytes is not None and commit.nbytes > max_nbytes:
+            raise CorruptObject(
+                f"{what}: payload of {commit.nbytes} bytes is over the {max_nbytes}-byte limit"
+                f"{limit_of}"
+            )
+        return self._verified_tensors(
+            commit.payload,
+            commit.sha256,
+            commit.nbytes,
+            what,
+            copy=False,
+            max_header=max_header or MAX_HEADER_BYTES,
+        )
 
     # ledger and quarantine -----------------------------------------------------------------
     def applied_ids(self) -> set[str]:
         """Ids of applied pseudo-gradients, from a listing only (no reads)."""
-        return {m[1] for k in self._list("ledger/") if (m := _LEDGER_ENTRY.fullmatch(k))}
+        return {n.id for n in self._named("ledger/", "ledger")}
 
     def is_applied(self, pg_id: str) -> bool:
         """Whether `pg_id` has a ledger entry (one existence check, whatever the history)."""
@@ -383,19 +465,23 @@ class ExperimentStore(FragmentVersions, GarbageCollection):
     def applied(self) -> dict[str, int]:
         """pseudo-gradient id -> the version that applied it, from the ledger.
 
-        An unreadable ledger entry raises CorruptObject (never guess about exactly-once).
+        Only the merger writes the ledger. An entry whose content is unreadable still names an
+        applied id (it is never applied again: at most once wins over at least once); it maps
+        to version -1 and is skipped and counted. Junk names are skipped and counted.
         """
         ids = sorted(self.applied_ids())
         result: dict[str, int] = {}
-        for pg_id, data in zip(
-            ids, self._read_many([f"ledger/{i}.json" for i in ids]), strict=True
-        ):
+        entries = self._read_many([f"ledger/{i}.json" for i in ids], safejson.POINTER.max_bytes)
+        for pg_id, data in zip(ids, entries, strict=True):
             if data is None:
                 continue
-            version = load_json(data, f"{self.url}/ledger/{pg_id}.json").get("version")
-            if not _is_int(version):
-                raise CorruptObject(f"{self.url}/ledger/{pg_id}.json: invalid version {version!r}")
-            result[pg_id] = version
+            try:
+                if isinstance(data, CorruptObject):
+                    raise data
+                result[pg_id] = records.parse_ledger_entry(data)
+            except CorruptObject as exc:
+                self._skip(f"ledger/{pg_id}.json", exc)
+                result[pg_id] = -1
         return result
 
     def record_applied(self, ids: Iterable[str], version: int) -> None:
@@ -414,7 +500,13 @@ class ExperimentStore(FragmentVersions, GarbageCollection):
             relative = f"ledger/{pg_id}.json"
             if self.store.create(self._key(relative), entry):
                 return None
-            existing = self._read_json(relative).get("version")
+            try:
+                existing = records.parse_ledger_entry(
+                    self.store.read(self._key(relative), safejson.POINTER.max_bytes)
+                )
+            except CorruptObject as exc:  # unreadable: the id stays applied (see applied())
+                self._skip(relative, exc)
+                return None
             return None if existing == version else f"{pg_id} (version {existing})"
 
         outcomes = [record(ids[0])] if ids else []
@@ -432,6 +524,7 @@ class ExperimentStore(FragmentVersions, GarbageCollection):
     def quarantine(self, pg_id: str, reason: str) -> None:
         """Mark a pseudo-gradient as never to be applied (overwrites an earlier reason)."""
         parse_pseudograd_id(pg_id)
+        reason = safejson.one_line(reason, records.MAX_REASON)
         at = _now()
         self._write_json(
             f"quarantine/{pg_id}.json", {"reason": reason, "at": at, "at_iso": iso(at)}
@@ -440,29 +533,38 @@ class ExperimentStore(FragmentVersions, GarbageCollection):
     def quarantined(
         self, island: str | None = None, after_seq: int | None = None
     ) -> dict[str, str]:
-        """pseudo-gradient id -> reason (of `island` above `after_seq`, if given)."""
+        """pseudo-gradient id -> reason (of `island` above `after_seq`, if given). An entry whose
+        content is unreadable still quarantines its id (with that as the reason) and is counted
+        as skipped."""
         prefix = (
             "quarantine/" if island is None else f"quarantine/{validate_name('island', island)}/"
         )
         after = None if island is None else self._after_seq("quarantine", island, after_seq)
-        ids = [m[1] for k in self._list(prefix, after) if (m := _QUARANTINE_ENTRY.fullmatch(k))]
+        ids = [n.id for n in self._named(prefix, "quarantine", after)]
         result = {}
+        limit = safejson.QUARANTINE.max_bytes
         for pg_id, data in zip(
-            ids, self._read_many([f"quarantine/{i}.json" for i in ids]), strict=True
+            ids, self._read_many([f"quarantine/{i}.json" for i in ids], limit), strict=True
         ):
-            if data is not None:
-                result[pg_id] = str(load_json(data, f"quarantine/{pg_id}.json").get("reason", ""))
+            if data is None:
+                continue
+            try:
+                if isinstance(data, CorruptObject):
+                    raise data
+                result[pg_id] = records.parse_quarantine_entry(data).reason
+            except CorruptObject as exc:
+                self._skip(f"quarantine/{pg_id}.json", exc)
+                result[pg_id] = f"(unreadable quarantine entry: {exc})"
         return result
 
     # per-island status objects -------------------------------------------------------------
-    def _per_island(self, folder: str) -> dict[str, dict[str, Any]]:
-        relatives = [k for k in self._list(f"{folder}/") if _PER_ISLAND.fullmatch(k)]
-        result = {}
-        for relative, data in zip(relatives, self._read_many(relatives), strict=True):
-            if data is not None:
-                island = relative[len(folder) + 1 : -len(".json")]
-                result[island] = load_json(data, f"{self.url}/{relative}")
-        return result
+    def _per_island(
+        self, folder: str, kind: str, parse: Callable[[bytes, str], dict[str, Any]], limit: int
+    ) -> dict[str, dict[str, Any]]:
+        """island -> its parsed record under `folder`; broken ones are skipped and counted."""
+        islands = {f"{folder}/{n.island}.json": n.island for n in self._named(f"{folder}/", kind)}
+        got = self._read_records(list(islands), limit, lambda d, r: parse(d, islands[r]))
+        return {islands[relative]: record for relative, record in got}
 
     def write_heartbeat(self, island: str, info: Mapping[str, Any]) -> None:
         """Overwrite heartbeats/{island}.json with `info` plus island and "at" (unix seconds,
@@ -472,7 +574,9 @@ class ExperimentStore(FragmentVersions, GarbageCollection):
 
     def heartbeats(self) -> dict[str, dict[str, Any]]:
         """island -> its last heartbeat."""
-        return self._per_island("heartbeats")
+        return self._per_island(
+            "heartbeats", "heartbeat", records.parse_heartbeat, safejson.HEARTBEAT.max_bytes
+        )
 
     def mark_done(self, island: str, info: Mapping[str, Any]) -> None:
         """Write done/{island}.json: the island finished its work."""
@@ -481,7 +585,7 @@ class ExperimentStore(FragmentVersions, GarbageCollection):
 
     def done(self) -> dict[str, dict[str, Any]]:
         """island -> its done record."""
-        return self._per_island("done")
+        return self._per_island("done", "done", records.parse_done, safejson.POINTER.max_bytes)
 
     # checkpoints ---------------------------------------------------------------------------
     def save_checkpoint(
@@ -492,7 +596,7 @@ class ExperimentStore(FragmentVersions, GarbageCollection):
         validate_name("island", island)
         if not _is_int(step) or step < 0:
             raise ValueError(f"invalid step {step!r}")
-        directory = f"checkpoints/{island}/c{step:010d}-{_uuid8()}"
+        directory = checkpoint_dir(island, step, _uuid8())
         data = encode_tensors(tensors)
         digest = sha256(data)
         self.store.write(self._key(f"{directory}/state.safetensors"), data)
@@ -507,26 +611,36 @@ class ExperimentStore(FragmentVersions, GarbageCollection):
         The state's size and sha256 are checked against LATEST.json (CorruptObject).
         """
         validate_name("island", island)
-        latest = self._read_json_or_none(f"checkpoints/{island}/LATEST.json")
+        latest = self.checkpoint_pointer(island)
         if latest is None:
             return None
-        directory, step = latest.get("dir"), latest.get("step")
-        pattern = re.escape(f"checkpoints/{island}/c") + r"\d{10,}-[0-9a-f]{8}"
-        if (
-            not isinstance(directory, str)
-            or re.fullmatch(pattern, directory) is None
-            or not _is_int(step)
-            or directory.split("/")[-1][1:].split("-")[0] != f"{step:010d}"
-        ):
-            raise CorruptObject(f"{self.url}/checkpoints/{island}/LATEST.json: invalid {latest!r}")
+        directory, step = latest.dir, latest.step
         what = f"{self.url} checkpoint of {island} at step {step}"
         tensors = self._verified_tensors(
-            f"{directory}/state.safetensors", latest.get("sha256"), latest.get("nbytes"), what
+            f"{directory}/state.safetensors", latest.sha256, latest.nbytes, what
         )
-        meta = self._read_json_or_none(f"{directory}/meta.json")
-        if meta is None:
-            raise CorruptObject(f"{what}: meta.json is missing")
-        return tensors, meta
+        return tensors, self.checkpoint_meta(island, latest)
+
+    def checkpoint_pointer(self, island: str) -> records.CheckpointPointer | None:
+        """checkpoints/{island}/LATEST.json, parsed (None if absent; BadCheckpoint)."""
+        relative = f"checkpoints/{island}/LATEST.json"
+        try:
+            data = self.store.read(self._key(relative), safejson.POINTER.max_bytes)
+        except ObjectNotFound:
+            return None
+        try:
+            return records.parse_checkpoint_pointer(data, island)
+        except CorruptObject as exc:
+            raise type(exc)(f"{self.url}/{relative}: {exc}") from None
+
+    def checkpoint_meta(self, island: str, latest: records.CheckpointPointer) -> dict[str, Any]:
+        """The meta.json of the checkpoint `latest` points at (BadCheckpoint, CorruptObject)."""
+        relative = f"{latest.dir}/meta.json"
+        try:
+            data = self.store.read(self._key(relative), safejson.CHECKPOINT_META.max_bytes)
+        except ObjectNotFound:
+            raise CorruptObject(f"{self.url}/{relative} is missing") from None
+        return records.parse_checkpoint_meta(data, island, latest.step)
 
     # metrics -------------------------------------------------------------------------------
     def append_metric(self, kind: str, record: Mapping[str, Any]) -> None:
@@ -541,11 +655,17 @@ class ExperimentStore(FragmentVersions, GarbageCollection):
     def read_metrics(self, kind: str) -> list[dict[str, Any]]:
         """The records of `kind`, oldest first."""
         validate_name("metric kind", kind)
-        relatives = [k for k in self._list(f"metrics/{kind}/") if _METRIC.fullmatch(k)]
+        relatives = [
+            k
+            for k in self._list(f"metrics/{kind}/")
+            if (n := self._parsed(k)) and n.kind == "metric" and n.metric == kind
+        ]
+        limit = safejson.METRIC.max_bytes
         return [
-            load_json(data, f"{self.url}/{relative}")
-            for relative, data in zip(relatives, self._read_many(relatives), strict=True)
-            if data is not None
+            r
+            for _, r in self._read_records(
+                relatives, limit, lambda d, _: records.parse_metric(d, kind)
+            )
         ]
 
     # control -------------------------------------------------------------------------------
@@ -562,10 +682,7 @@ class ExperimentStore(FragmentVersions, GarbageCollection):
 
     def stopped_islands(self) -> set[str]:
         """Islands asked to leave (control/stop/{island}), from a listing only."""
-        prefix = "control/stop/"
-        return {
-            k[len(prefix) :] for k in self._list(prefix) if _NAME_RE.fullmatch(k[len(prefix) :])
-        }
+        return {n.island for n in self._named("control/stop/", "island-stop")}
 
     def stop_requested(self, island: str | None = None) -> bool:
         """True if an experiment-wide stop, or (given an island) that island's stop, exists."""

@@ -11,25 +11,21 @@ A mixin of `ExperimentStore` (training/store/experiment.py), which supplies the 
 
 from __future__ import annotations
 
-import re
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
+from training.store import safejson
+from training.store.keys import FRAGMENT_DIR
 from training.store.layout import (
-    _FRAGMENT_DIR,
-    _NAME,
-    _PG_MARKER,
     _is_int,
     _now,
     fragment_root,
     load_json,
     parse_pseudograd_id,
 )
-from training.store.objectstore import ObjectNotFound
+from training.store.objectstore import CorruptObject, ObjectNotFound
 
-_PG_PAYLOAD = re.compile(rf"^pseudograds/({_NAME}/\d{{8,}}-f\d{{3}})-[0-9a-f]{{8}}\.safetensors$")
-_CHECKPOINT_DIR = re.compile(r"c\d{10,}-[0-9a-f]{8}")
 _PAYLOAD_FILES = ("params.safetensors", "outer_state.safetensors")
 
 
@@ -78,7 +74,7 @@ class GCPlan:
 
 
 def _version_of(directory: str) -> tuple[int, int] | None:
-    match = _FRAGMENT_DIR.fullmatch(directory)
+    match = FRAGMENT_DIR.fullmatch(directory)
     return None if match is None else (int(match[1]), int(match[2]))
 
 
@@ -104,14 +100,14 @@ class GarbageCollection:
         """Every base version an island names (heartbeat and latest checkpoint): per-fragment
         lists, or one int for every fragment."""
         bases: list[Any] = [b.get("base_version") for b in self.heartbeats().values()]
-        latest = [k for k in self._list("checkpoints/") if k.endswith("/LATEST.json")]
-        for pointer in self._read_many(latest):
-            if pointer is None:
-                continue
-            directory = load_json(pointer, "checkpoint LATEST.json").get("dir")
-            if isinstance(directory, str) and directory.startswith("checkpoints/"):
-                meta = self._read_json_or_none(f"{directory}/meta.json") or {}
-                bases.append(meta.get("base_version"))
+        islands = [n.island for n in self._named("checkpoints/", "checkpoint-latest")]
+        for island in islands:
+            try:
+                latest = self.checkpoint_pointer(island)
+                if latest is not None:
+                    bases.append(self.checkpoint_meta(island, latest).get("base_version"))
+            except CorruptObject as exc:  # an island's own broken checkpoint protects nothing
+                self._skip(f"checkpoints/{island}/LATEST.json", exc)
         return bases
 
     def referenced_versions(
@@ -172,10 +168,11 @@ class GarbageCollection:
         markers: set[str] = set()
         payload_keys: dict[str, list[str]] = {}
         for key in self._list("pseudograds/"):
-            if m := _PG_MARKER.fullmatch(key):
-                markers.add(m[1])
-            elif m := _PG_PAYLOAD.fullmatch(key):
-                payload_keys.setdefault(m[1], []).append(key)
+            name = self._parsed(key)
+            if name is not None and name.kind == "pseudograd-marker":
+                markers.add(name.id)
+            elif name is not None and name.kind == "pseudograd-payload":
+                payload_keys.setdefault(name.id, []).append(key)
         for pg_id in sorted(markers | set(payload_keys)):
             version = applied.get(pg_id)
             head = plan.heads.get(parse_pseudograd_id(pg_id)[2])
@@ -185,25 +182,30 @@ class GarbageCollection:
                 plan.pseudograds.append(pg_id)
         collected = set(plan.pseudograds)
         several = [i for i in sorted(markers - collected) if len(payload_keys.get(i, [])) > 1]
-        for pg_id, data in zip(
-            several, self._read_many([f"pseudograds/{i}.json" for i in several]), strict=True
-        ):
-            named = load_json(data, f"pseudograds/{pg_id}.json").get("payload") if data else None
+        got = self._read_records(
+            [f"pseudograds/{i}.json" for i in several],
+            safejson.MANIFEST.max_bytes,
+            lambda data, relative: load_json(data, relative, safejson.MANIFEST),
+        )
+        for relative, marker in got:
+            pg_id = relative.removeprefix("pseudograds/").removesuffix(".json")
+            named = marker.get("payload")
             if isinstance(named, str):
                 plan.orphan_payloads += [k for k in payload_keys[pg_id] if k != named]
 
-        ckpt_dirs: dict[str, set[str]] = {}
-        for key in self._list("checkpoints/"):
-            parts = key.split("/")
-            if len(parts) == 4 and _CHECKPOINT_DIR.fullmatch(parts[2]):
-                ckpt_dirs.setdefault(parts[1], set()).add("/".join(parts[:3]))
+        ckpt_dirs: dict[str, dict[str, int]] = {}
+        for name in self._named("checkpoints/", "checkpoint-file"):
+            ckpt_dirs.setdefault(name.island, {})[name.dir] = name.step
         for island, directories in sorted(ckpt_dirs.items()):
-            latest = self._read_json_or_none(f"checkpoints/{island}/LATEST.json") or {}
-            step = latest.get("step")
-            if not _is_int(step):
+            try:
+                latest = self.checkpoint_pointer(island)
+            except CorruptObject as exc:
+                self._skip(f"checkpoints/{island}/LATEST.json", exc)
+                continue
+            if latest is None:
                 continue  # no committed checkpoint: everything may still be in flight
-            for directory in sorted(directories):
-                if int(directory.rsplit("/c", 1)[1].split("-")[0]) < step:
+            for directory, step in sorted(directories.items()):
+                if step < latest.step:
                     plan.checkpoints.append(directory)
         return plan
 

@@ -1,12 +1,12 @@
 """The experiment layout (docs/STORE.md): object names, the JSON encoding, and the refs readers get.
 
-Every name pattern of the layout lives here, once; the store modules import them.
+Every object name is parsed by training/store/keys.py (one rule in one place) and every JSON
+object read by training/store/safejson.py; this module re-exports the pieces the store modules
+use and holds the refs readers get.
 """
 
 from __future__ import annotations
 
-import json
-import re
 import threading
 import time
 import uuid
@@ -16,22 +16,32 @@ from typing import Any
 
 import numpy as np
 
-from training.names import validate_name
+from training.store import safejson
+from training.store.keys import (  # the one name parser: re-exported for the store modules
+    MAX_FRAGMENT,
+    fragment_dir,
+    fragment_root,
+    parse_pseudograd_id,
+    pseudograd_id,
+)
 from training.store.objectstore import CorruptObject, Generation, StoreError
+from training.store.safejson import JSONLimits, dump_json
+
+ANY = JSONLimits(16 * 2**20)  # objects without caps of their own
+
+__all__ = [
+    "ANY",
+    "LAYOUT_VERSION",
+    "MAX_FRAGMENT",
+    "dump_json",
+    "fragment_dir",
+    "fragment_root",
+    "load_json",
+    "parse_pseudograd_id",
+    "pseudograd_id",
+]
 
 LAYOUT_VERSION = 2  # recorded in config.json as "layout"; a store of another layout is refused
-
-MAX_FRAGMENT = 999
-_NAME = r"[a-z0-9][a-z0-9-]{0,62}"
-_PG_ID = re.compile(rf"^({_NAME})/(\d{{8,}})-f(\d{{3}})$")
-_FRAGMENT_DIR = re.compile(r"^fragments/f(\d{3})/v(\d{8,})-[0-9a-f]{8}$")
-_SNAPSHOT = re.compile(r"^snapshots/\d{20}-[0-9a-f]{8}\.json$")
-_PG_MARKER = re.compile(rf"^pseudograds/({_NAME}/\d{{8,}}-f\d{{3}})\.json$")
-_LEDGER_ENTRY = re.compile(rf"^ledger/({_NAME}/\d{{8,}}-f\d{{3}})\.json$")
-_QUARANTINE_ENTRY = re.compile(rf"^quarantine/({_NAME}/\d{{8,}}-f\d{{3}})\.json$")
-_PER_ISLAND = re.compile(rf"^[a-z]+/({_NAME})\.json$")
-_NAME_RE = re.compile(_NAME)
-_METRIC = re.compile(r"^metrics/[a-z0-9-]+/\d{20}-[0-9a-f]{8}\.json$")
 
 _FRAGMENT_RESERVED = frozenset(
     {"experiment", "fragment", "version", "parent_version", "parent_dir", "created_at"}
@@ -51,57 +61,15 @@ class DoubleApply(StoreError):
 
 
 # ---------------------------------------------------------------------------------------------
-# JSON and ids
+# JSON: the one reader is safejson.load_json (bounded, strict), the one writer safejson.dump_json
 
 
-def _json_default(value: Any) -> Any:
-    if isinstance(value, np.generic):
-        return value.item()
-    if isinstance(value, np.ndarray):
-        return value.tolist()
-    raise TypeError(f"not JSON serializable: {type(value).__name__}")
-
-
-def dump_json(obj: Any) -> bytes:
-    """The one JSON encoding used for every store object: sorted keys, compact, UTF-8.
-
-    numpy scalars and arrays become plain numbers and lists. NaN/inf are written as NaN/Infinity
-    (what Python's json reads back), so metrics with a diverged loss still round-trip.
-    """
-    return json.dumps(
-        obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=_json_default
-    ).encode()
-
-
-def load_json(data: bytes, what: str) -> dict[str, Any]:
-    """Parse a JSON object; CorruptObject naming `what` if it is not one."""
+def load_json(data: bytes, what: str, limits: JSONLimits = ANY) -> dict[str, Any]:
+    """Parse a JSON object under `limits` (safejson.load_json); CorruptObject naming `what`."""
     try:
-        obj = json.loads(data)
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise CorruptObject(f"{what}: not valid JSON ({exc})") from None
-    if not isinstance(obj, dict):
-        raise CorruptObject(f"{what}: not a JSON object")
-    return obj
-
-
-def pseudograd_id(island: str, seq: int, fragment: int) -> str:
-    """The id of a pseudo-gradient: "{island}/{seq:08d}-f{fragment:03d}"."""
-    validate_name("island", island)
-    if isinstance(seq, bool) or not isinstance(seq, int) or seq < 0:
-        raise ValueError(f"invalid seq {seq!r}: must be an int >= 0")
-    if isinstance(fragment, bool) or not isinstance(fragment, int):
-        raise ValueError(f"invalid fragment {fragment!r}: must be an int")
-    if not 0 <= fragment <= MAX_FRAGMENT:
-        raise ValueError(f"invalid fragment {fragment!r}: must be in [0, {MAX_FRAGMENT}]")
-    return f"{island}/{seq:08d}-f{fragment:03d}"
-
-
-def parse_pseudograd_id(pg_id: str) -> tuple[str, int, int]:
-    """(island, seq, fragment) of a canonical pseudo-gradient id; ValueError otherwise."""
-    match = _PG_ID.fullmatch(pg_id) if isinstance(pg_id, str) else None
-    if match is None or pseudograd_id(match[1], int(match[2]), int(match[3])) != pg_id:
-        raise ValueError(f"invalid pseudo-gradient id {pg_id!r}: expected island/SSSSSSSS-fFFF")
-    return match[1], int(match[2]), int(match[3])
+        return safejson.load_json(data, limits)
+    except CorruptObject as exc:
+        raise type(exc)(f"{what}: {exc}") from None
 
 
 def _now() -> float:
@@ -111,17 +79,6 @@ def _now() -> float:
 def iso(t: float) -> str:
     """ISO-8601 UTC (second precision) of a unix time: stored next to every epoch time."""
     return datetime.fromtimestamp(t, UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
-
-
-def fragment_root(fragment: int) -> str:
-    """The folder of fragment p's version chain: fragments/f{p:03d}."""
-    if (
-        isinstance(fragment, bool)
-        or not isinstance(fragment, int)
-        or not 0 <= fragment <= MAX_FRAGMENT
-    ):
-        raise ValueError(f"invalid fragment {fragment!r}: must be an int in [0, {MAX_FRAGMENT}]")
-    return f"fragments/f{fragment:03d}"
 
 
 def _uuid8() -> str:
@@ -198,3 +155,4 @@ class PseudoGradRef:
     id: str
     manifest: dict[str, Any] = field(compare=False)
     payload_key: str
+    error: str | None = field(default=None, compare=False)  # the marker could not be read

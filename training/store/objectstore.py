@@ -55,6 +55,22 @@ class CorruptObject(StoreError):
     """An object exists but its content is invalid (bad JSON or safetensors, wrong checksum)."""
 
 
+class ObjectTooLarge(CorruptObject):
+    """An object is larger than its reader's `max_bytes`; refused without reading it whole."""
+
+
+def _too_large(where: str, size: int | None, max_bytes: int) -> ObjectTooLarge:
+    got = "more than" if size is None else f"{size} bytes,"
+    return ObjectTooLarge(f"{where} is {got} over the {max_bytes}-byte limit of its reader")
+
+
+def _check_limit(max_bytes: int | None) -> None:
+    if max_bytes is not None and (
+        isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0
+    ):
+        raise ValueError(f"max_bytes must be an int >= 0 or None, got {max_bytes!r}")
+
+
 # ---------------------------------------------------------------------------------------------
 # Keys
 
@@ -169,6 +185,9 @@ class ObjectStore(ABC):
 
     Contract shared by every backend:
     - `read`/`write` move whole objects; readers see the old or the new object, never a partial one.
+    - `read` and `read_versioned` take `max_bytes`: an object larger than that raises
+      ObjectTooLarge, having read at most max_bytes + 1 of its bytes (none where the backend
+      knows the size first), so no reader holds more memory than it asked for.
     - `create` and `compare_and_swap` are atomic: of two racing writers at most one succeeds.
     - `list` is fresh (reflects every completed write and delete) and sorted.
     - Generations are opaque; every successful write/create/CAS gives the object a new one, and a
@@ -178,8 +197,8 @@ class ObjectStore(ABC):
     url: str
 
     @abstractmethod
-    def read(self, key: str) -> bytes:
-        """The object's bytes; ObjectNotFound if absent."""
+    def read(self, key: str, max_bytes: int | None = None) -> bytes:
+        """The object's bytes; ObjectNotFound if absent, ObjectTooLarge over `max_bytes`."""
 
     @abstractmethod
     def write(self, key: str, data: bytes) -> None:
@@ -194,8 +213,11 @@ class ObjectStore(ABC):
         """
 
     @abstractmethod
-    def read_versioned(self, key: str) -> tuple[bytes, Generation] | None:
-        """The object's bytes and generation (consistent with each other), or None if absent."""
+    def read_versioned(
+        self, key: str, max_bytes: int | None = None
+    ) -> tuple[bytes, Generation] | None:
+        """The object's bytes and generation (consistent with each other), or None if absent;
+        ObjectTooLarge over `max_bytes`."""
 
     @abstractmethod
     def compare_and_swap_generation(
@@ -362,13 +384,28 @@ class LocalStore(ObjectStore):
             return int(expected)
         raise ValueError(f"invalid generation {expected!r} for a local store")
 
+    def _read_file(self, key: str, path: Path, max_bytes: int | None) -> bytes:
+        """The file's bytes; the size is checked on the open file (fstat) before reading, and
+        at most max_bytes + 1 bytes are read (a file replaced meanwhile is another inode)."""
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if max_bytes is None:
+                return f.read()
+            if size > max_bytes:
+                raise _too_large(self._where(key), size, max_bytes)
+            data = f.read(max_bytes + 1)
+        if len(data) > max_bytes:
+            raise _too_large(self._where(key), None, max_bytes)
+        return data
+
     # operations ----------------------------------------------------------------------------
-    def read(self, key: str) -> bytes:
+    def read(self, key: str, max_bytes: int | None = None) -> bytes:
         path = self._path(key)
+        _check_limit(max_bytes)
 
         def attempt() -> bytes:
             try:
-                return path.read_bytes()
+                return self._read_file(key, path, max_bytes)
             except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
                 raise ObjectNotFound(f"{self._where(key)} not found") from None
 
@@ -416,22 +453,25 @@ class LocalStore(ObjectStore):
 
         return self._run("create", key, attempt)
 
-    def read_versioned(self, key: str) -> tuple[bytes, Generation] | None:
+    def read_versioned(
+        self, key: str, max_bytes: int | None = None
+    ) -> tuple[bytes, Generation] | None:
         path = self._path(key)
+        _check_limit(max_bytes)
 
         def attempt() -> tuple[bytes, Generation] | None:
             try:
                 fd = os.open(self._generation_path(path), os.O_RDONLY)
             except (FileNotFoundError, NotADirectoryError):
                 try:
-                    return path.read_bytes(), 0
+                    return self._read_file(key, path, max_bytes), 0
                 except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
                     return None
             try:
                 fcntl.flock(fd, fcntl.LOCK_SH)
                 generation = self._read_counter(fd)
                 try:
-                    return path.read_bytes(), generation
+                    return self._read_file(key, path, max_bytes), generation
                 except (FileNotFoundError, IsADirectoryError):
                     return None
             finally:
@@ -544,8 +584,8 @@ class MemoryStore(ObjectStore):
         with _MEMORY_BUCKETS_LOCK:
             self._bucket = _MEMORY_BUCKETS.setdefault(name, _MemoryBucket())
 
-    def read(self, key: str) -> bytes:
-        got = self.read_versioned(key)
+    def read(self, key: str, max_bytes: int | None = None) -> bytes:
+        got = self.read_versioned(key, max_bytes)
         if got is None:
             raise ObjectNotFound(f"{self.url}/{key} not found")
         return got[0]
@@ -558,10 +598,16 @@ class MemoryStore(ObjectStore):
     def create(self, key: str, data: bytes) -> bool:
         return self.compare_and_swap_generation(key, data, None) is not None
 
-    def read_versioned(self, key: str) -> tuple[bytes, Generation] | None:
+    def read_versioned(
+        self, key: str, max_bytes: int | None = None
+    ) -> tuple[bytes, Generation] | None:
         validate_key(key)
+        _check_limit(max_bytes)
         with self._bucket.lock:
-            return self._bucket.objects.get(key)
+            got = self._bucket.objects.get(key)
+        if got is not None and max_bytes is not None and len(got[0]) > max_bytes:
+            raise _too_large(f"{self.url}/{key}", len(got[0]), max_bytes)
+        return got
 
     def compare_and_swap_generation(
         self, key: str, data: bytes, expected: Generation | None
@@ -716,13 +762,31 @@ class GCSStore(ObjectStore):
         except gexc.GoogleAPICallError as exc:
             raise StoreError(f"{op} {where}: HTTP {exc.code} {exc.message}") from exc
 
-    def _download(self, key: str) -> tuple[bytes, int] | None:
-        """One attempt: the bytes and their generation, or None if absent."""
+    def _download(self, key: str, max_bytes: int | None = None) -> tuple[bytes, int] | None:
+        """One attempt: the bytes and their generation, or None if absent.
+
+        With `max_bytes`, a ranged download of bytes [0, max_bytes]: at most max_bytes + 1
+        bytes cross the network, and more than max_bytes means too large (the response's
+        object size, when it has one, is checked first). An empty object answers a range
+        with 416; that is b"".
+        """
         blob = self._blob(key)
         try:
-            data = blob.download_as_bytes(retry=None, timeout=self.timeout)
+            if max_bytes is None:
+                data = blob.download_as_bytes(retry=None, timeout=self.timeout)
+            else:
+                data = blob.download_as_bytes(
+                    start=0, end=max_bytes, retry=None, timeout=self.timeout, checksum=None
+                )
         except gexc.NotFound:
             return None
+        except gexc.RequestRangeNotSatisfiable:
+            blob.reload(retry=None, timeout=self.timeout)
+            if blob.size:
+                raise
+            data = b""
+        if max_bytes is not None and (len(data) > max_bytes or (blob.size or 0) > max_bytes):
+            raise _too_large(self._where(key), blob.size, max_bytes)
         return data, int(blob.generation)
 
     def _upload(self, key: str, data: bytes, if_generation_match: int | None) -> int:
@@ -738,14 +802,16 @@ class GCSStore(ObjectStore):
         return int(blob.generation)
 
     # operations ----------------------------------------------------------------------------
-    def read(self, key: str) -> bytes:
-        blob = self._blob(key)
-        return self._run(
-            "read",
-            key,
-            lambda: blob.download_as_bytes(retry=None, timeout=self.timeout),
-            not_found=ObjectNotFound,
-        )
+    def read(self, key: str, max_bytes: int | None = None) -> bytes:
+        _check_limit(max_bytes)
+
+        def attempt() -> bytes:
+            got = self._download(key, max_bytes)
+            if got is None:
+                raise ObjectNotFound(f"{self._where(key)} not found")
+            return got[0]
+
+        return self._run("read", key, attempt, not_found=ObjectNotFound)
 
     def write(self, key: str, data: bytes) -> None:
         self._run("write", key, lambda: self._upload(key, data, None))
@@ -753,8 +819,13 @@ class GCSStore(ObjectStore):
     def create(self, key: str, data: bytes) -> bool:
         return self.compare_and_swap_generation(key, data, None) is not None
 
-    def read_versioned(self, key: str) -> tuple[bytes, Generation] | None:
-        return self._run("read", key, lambda: self._download(key), not_found=ObjectNotFound)
+    def read_versioned(
+        self, key: str, max_bytes: int | None = None
+    ) -> tuple[bytes, Generation] | None:
+        _check_limit(max_bytes)
+        return self._run(
+            "read", key, lambda: self._download(key, max_bytes), not_found=ObjectNotFound
+        )
 
     def compare_and_swap_generation(
         self, key: str, data: bytes, expected: Generation | None

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import struct
 from collections.abc import Mapping
@@ -14,8 +13,10 @@ import numpy as np
 import safetensors
 
 from training.store.objectstore import CorruptObject
+from training.store.safejson import JSONLimits, load_json, show
 
 __all__ = [
+    "BadTensors",
     "CorruptObject",
     "decode_tensors",
     "encode_tensors",
@@ -42,7 +43,15 @@ _CODES: dict[np.dtype, str] = {
     np.dtype(np.bool_): "BOOL",
 }
 _DTYPES: dict[str, np.dtype] = {code: dtype for dtype, code in _CODES.items()}
-_MAX_HEADER = 100 * 2**20
+MAX_HEADER_BYTES = 8 * 2**20
+"""Default cap of a safetensors JSON header (a 12B model's checkpoint header is ~1 MiB)."""
+MAX_HEADER_DEPTH = 4  # {name: {"shape": [...]}}: 3 levels
+MAX_NDIM = 16
+MAX_DIM = 2**48
+
+
+class BadTensors(CorruptObject):
+    """Bytes that are not strict safetensors (a one-line reason)."""
 
 
 def sha256(data: bytes) -> str:
@@ -143,51 +152,61 @@ def encode_tensors(
     return bytes(safetensors.serialize(specs, metadata=dict(metadata) if metadata else None))
 
 
-def _reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    result = dict(pairs)
-    if len(result) != len(pairs):
-        raise ValueError("duplicate keys")
-    return result
-
-
-def _parse_header(data: bytes) -> tuple[dict[str, Any], int]:
-    """The safetensors JSON header and the offset where tensor data starts; CorruptObject if bad."""
+def _parse_header(data: bytes, max_header: int = MAX_HEADER_BYTES) -> tuple[dict[str, Any], int]:
+    """The safetensors JSON header and the offset where tensor data starts; BadTensors if the
+    length prefix, the size cap `max_header`, the nesting depth or the JSON is wrong."""
     if len(data) < 8:
-        raise CorruptObject(f"not safetensors: {len(data)} bytes, shorter than the 8-byte header")
-    (length,) = struct.unpack("<Q", data[:8])
-    if length > _MAX_HEADER or length > len(data) - 8:
-        raise CorruptObject(
+        raise BadTensors(f"not safetensors: {len(data)} bytes, shorter than the 8-byte header")
+    (length,) = struct.unpack("<Q", bytes(data[:8]))
+    if length > max_header:
+        raise BadTensors(f"not safetensors: header of {length} bytes is over {max_header}")
+    if length > len(data) - 8:
+        raise BadTensors(
             f"not safetensors (or truncated): header length {length} for {len(data)} bytes"
         )
+    limits = JSONLimits(max_header, MAX_HEADER_DEPTH)
     try:
-        header = json.loads(bytes(data[8 : 8 + length]), object_pairs_hook=_reject_duplicate_keys)
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise CorruptObject(f"not safetensors: invalid JSON header ({exc})") from None
-    if not isinstance(header, dict):
-        raise CorruptObject("not safetensors: header is not a JSON object")
+        header = load_json(bytes(data[8 : 8 + length]), limits, BadTensors)
+    except BadTensors as exc:
+        raise BadTensors(f"not safetensors: invalid JSON header ({exc})") from None
     return header, 8 + length
 
 
 def _tensor_layout(name: str, info: Any) -> tuple[np.dtype, tuple[int, ...], int, int]:
-    """(dtype, shape, begin, end) of one header entry; CorruptObject if inconsistent."""
+    """(dtype, shape, begin, end) of one header entry; BadTensors if inconsistent."""
     if not isinstance(info, dict):
-        raise CorruptObject(f"tensor {name!r}: header entry is not an object")
-    dtype = _DTYPES.get(info.get("dtype"))
+        raise BadTensors(f"tensor {show(name)}: header entry is not an object")
+    code = info.get("dtype")
+    dtype = _DTYPES.get(code) if isinstance(code, str) else None
     if dtype is None:
-        raise CorruptObject(f"tensor {name!r}: unsupported dtype {info.get('dtype')!r}")
+        raise BadTensors(f"tensor {show(name)}: unsupported dtype {show(code)}")
     shape, offsets = info.get("shape"), info.get("data_offsets")
-    if not (isinstance(shape, list) and all(_is_count(d) for d in shape)):
-        raise CorruptObject(f"tensor {name!r}: invalid shape {shape!r}")
+    if not (
+        isinstance(shape, list)
+        and len(shape) <= MAX_NDIM
+        and all(_is_count(d) and d <= MAX_DIM for d in shape)
+    ):
+        raise BadTensors(f"tensor {show(name)}: invalid shape {show(shape)}")
     if not (
         isinstance(offsets, list)
         and len(offsets) == 2
         and all(_is_count(o) for o in offsets)
         and offsets[0] <= offsets[1]
     ):
-        raise CorruptObject(f"tensor {name!r}: invalid data_offsets {offsets!r}")
+        raise BadTensors(f"tensor {show(name)}: invalid data_offsets {show(offsets)}")
     if offsets[1] - offsets[0] != math.prod(shape) * dtype.itemsize:
-        raise CorruptObject(f"tensor {name!r}: size does not match shape {shape} {dtype}")
+        raise BadTensors(f"tensor {show(name)}: size does not match shape {shape} {dtype}")
     return dtype, tuple(shape), offsets[0], offsets[1]
+
+
+def header_bound(entries: list[tuple[str, int]]) -> int:
+    """An upper bound on the JSON header bytes (length prefix and padding included) of a
+    safetensors file holding tensors `(name, ndim)`, with no metadata. Each entry is at most
+    `"name":{"dtype":"BF16","shape":[d,...],"data_offsets":[b,e]},` with names escaped at
+    worst 6 bytes a character, dims of at most 20 digits and offsets of at most 20."""
+    per_entry = len('"":{"dtype":"BOOL","shape":[],"data_offsets":[,]},') + 2 * 20
+    total = 2 + sum(6 * len(name) + per_entry + 21 * ndim for name, ndim in entries)
+    return 8 + total + 8
 
 
 def _is_count(value: Any) -> bool:
@@ -199,7 +218,7 @@ def _metadata(header: dict[str, Any]) -> dict[str, str]:
     if not isinstance(metadata, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
     ):
-        raise CorruptObject("safetensors __metadata__ is not a str -> str map")
+        raise BadTensors("safetensors __metadata__ is not a str -> str map")
     return metadata
 
 
@@ -213,19 +232,23 @@ def _slice(
 
 
 def decode_tensors(
-    data: bytes | bytearray | memoryview, copy: bool = True
+    data: bytes | bytearray | memoryview,
+    copy: bool = True,
+    max_header_bytes: int = MAX_HEADER_BYTES,
 ) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     """(tensors, metadata) from safetensors bytes; arrays are writable copies, or with
     copy=False views into `data` (zero-copy: writable only if `data` is a bytearray).
 
-    A strict reader of the safetensors format (header JSON, known dtypes, sizes that match
-    shapes, data regions that cover the data exactly with no gap or overlap). Truncated or
-    garbage input (a pickle, say) raises CorruptObject with a one-line reason; nothing is ever
-    unpickled. Each tensor is copied once out of `data`.
+    A strict reader of the safetensors format (a JSON header of at most `max_header_bytes`
+    and depth MAX_HEADER_DEPTH, read by the store's bounded JSON reader; known dtypes; at most
+    MAX_NDIM dimensions; sizes that match shapes; data regions that cover the data exactly with
+    no gap or overlap). Any other input (truncated, a pickle, deep nesting, huge numbers)
+    raises BadTensors, a CorruptObject with a one-line reason; nothing is ever unpickled. Each
+    tensor is copied once out of `data` (or viewed, copy=False).
     """
     if not isinstance(data, bytes | bytearray | memoryview):
         raise TypeError(f"expected bytes, got {type(data).__name__}")
-    header, start = _parse_header(data)
+    header, start = _parse_header(data, max_header_bytes)
     metadata = _metadata(header)
     layouts = {
         name: _tensor_layout(name, info) for name, info in header.items() if name != "__metadata__"
@@ -233,10 +256,10 @@ def decode_tensors(
     position = 0
     for name, (_, _, begin, end) in sorted(layouts.items(), key=lambda item: item[1][2:]):
         if begin != position:
-            raise CorruptObject(f"tensor {name!r}: data regions overlap or leave a gap")
+            raise BadTensors(f"tensor {show(name)}: data regions overlap or leave a gap")
         position = end
     if start + position != len(data):
-        raise CorruptObject(
+        raise BadTensors(
             f"data is {len(data) - start} bytes but the header describes {position} (truncated?)"
         )
     tensors = {
@@ -246,13 +269,13 @@ def decode_tensors(
     return tensors, metadata
 
 
-def read_tensor(data: bytes, name: str) -> np.ndarray:
+def read_tensor(data: bytes, name: str, max_header_bytes: int = MAX_HEADER_BYTES) -> np.ndarray:
     """One tensor from safetensors bytes, without decoding the others (reads the header and
-    slices the data). KeyError if absent; CorruptObject if the header is invalid."""
-    header, start = _parse_header(data)
+    slices the data). KeyError if absent; BadTensors if the header is invalid."""
+    header, start = _parse_header(data, max_header_bytes)
     if name == "__metadata__" or name not in header:
         raise KeyError(f"no tensor named {name!r}")
     dtype, shape, begin, end = _tensor_layout(name, header[name])
     if start + end > len(data):
-        raise CorruptObject(f"tensor {name!r}: data runs past the end (truncated?)")
+        raise BadTensors(f"tensor {show(name)}: data runs past the end (truncated?)")
     return _slice(data, start, dtype, shape, begin)

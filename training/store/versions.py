@@ -20,10 +20,10 @@ from typing import Any
 import numpy as np
 
 from training.faults import fault_point
+from training.store import records, safejson
+from training.store.keys import BEST, BadName, parse_fragment_dir
 from training.store.layout import (
-    _FRAGMENT_DIR,
     _FRAGMENT_RESERVED,
-    _SNAPSHOT,
     FragmentVersion,
     HeadPointer,
     Snapshot,
@@ -32,6 +32,7 @@ from training.store.layout import (
     _unique_time_ns,
     _uuid8,
     dump_json,
+    fragment_dir,
     fragment_root,
     iso,
     load_json,
@@ -42,7 +43,6 @@ from training.store.tensors import encode_tensors, sha256
 
 log = logging.getLogger(__name__)
 
-BEST = "snapshots/BEST.json"
 PAYLOADS = ("params", "outer_state")
 
 
@@ -62,21 +62,15 @@ class FragmentVersions:
     def head(self, fragment: int) -> HeadPointer | None:
         """Fragment p's HEAD pointer (with its generation), or None before its first version."""
         relative = f"{fragment_root(fragment)}/HEAD.json"
-        got = self.store.read_versioned(self._key(relative))
+        got = self.store.read_versioned(self._key(relative), max_bytes=safejson.POINTER.max_bytes)
         if got is None:
             return None
         data, generation = got
-        obj = load_json(data, f"{self.url}/{relative}")
-        version, directory = obj.get("version"), obj.get("dir")
-        match = _FRAGMENT_DIR.fullmatch(directory) if isinstance(directory, str) else None
-        if (
-            not _is_int(version)
-            or match is None
-            or int(match[1]) != fragment
-            or int(match[2]) != version
-        ):
-            raise CorruptObject(f"{self.url}/{relative}: invalid pointer {obj!r}")
-        return HeadPointer(fragment, version, directory, generation)
+        try:
+            pointer = records.parse_head(data, fragment)
+        except CorruptObject as exc:
+            raise type(exc)(f"{self.url}/{relative}: {exc}") from None
+        return HeadPointer(fragment, pointer.version, pointer.dir, generation)
 
     def heads(self, fragments: Sequence[int] | None = None) -> list[HeadPointer | None]:
         """The HEADs of `fragments` (default: all P), read in parallel, in that order."""
@@ -120,7 +114,7 @@ class FragmentVersions:
         if len(set(ids)) != len(ids):
             raise ValueError("applied lists a pseudo-gradient twice")
 
-        directory = f"{root}/v{version:08d}-{_uuid8()}"
+        directory = fragment_dir(fragment, version, _uuid8())
         sums, sizes = {}, {}
         for name, tensors in (("params", params), ("outer_state", outer_state)):
             data = encode_tensors(tensors)
@@ -161,24 +155,36 @@ class FragmentVersions:
     def fragment_manifest(self, head: HeadPointer) -> dict[str, Any]:
         """The manifest of the version `head` points at; CorruptObject if it does not match."""
         relative = f"{head.dir}/manifest.json"
-        manifest = self._read_json_or_none(relative)
-        if manifest is None:
-            raise CorruptObject(f"{self.url}/{relative} is missing but a pointer names it")
-        if [manifest.get(k) for k in ("experiment", "fragment", "version")] != [
-            self.experiment,
-            head.fragment,
-            head.version,
-        ]:
-            raise CorruptObject(f"{self.url}/{relative} does not describe {head}")
-        return manifest
+        try:
+            data = self.store.read(self._key(relative), safejson.FRAGMENT_MANIFEST.max_bytes)
+        except ObjectNotFound:
+            raise CorruptObject(
+                f"{self.url}/{relative} is missing but a pointer names it"
+            ) from None
+        return self._parse_manifest(relative, data, head.fragment, head.version)
+
+    def _parse_manifest(self, relative: str, data: Any, fragment: int, version: int) -> dict:
+        """records.parse_fragment_manifest, the error naming the object."""
+        if isinstance(data, CorruptObject):
+            raise type(data)(f"{self.url}/{relative}: {data}")
+        try:
+            return records.parse_fragment_manifest(data, self.experiment, fragment, version).raw
+        except CorruptObject as exc:
+            raise type(exc)(f"{self.url}/{relative}: {exc}") from None
 
     def load_fragment(
-        self, head: HeadPointer, outer_state: bool = False, manifest: dict | None = None
+        self,
+        head: HeadPointer,
+        outer_state: bool = False,
+        manifest: dict | None = None,
+        max_nbytes: Mapping[str, int] | None = None,
     ) -> FragmentVersion:
         """The verified params (and, if asked, outer state) of the version `head` points at.
 
-        Each payload is read once, its size and sha256 checked against the manifest, and its
-        tensors decoded as writable arrays. ObjectNotFound if the version was garbage-collected.
+        Each payload is read once (never more than its manifest's nbytes, which must be at most
+        `max_nbytes[name]` when given: the fragment's size, from its shapes), its size and
+        sha256 checked against the manifest, and its tensors decoded as writable arrays.
+        ObjectNotFound if the version was garbage-collected.
         """
         manifest = manifest if manifest is not None else self.fragment_manifest(head)
         digests, sizes = manifest.get("sha256"), manifest.get("nbytes")
@@ -186,6 +192,13 @@ class FragmentVersions:
             raise CorruptObject(f"{self.url}/{head.dir}/manifest.json lacks sha256 / nbytes")
         what = f"{self.url} fragment {head.fragment} version {head.version}"
         names = PAYLOADS if outer_state else ("params",)
+        for name in names:
+            limit = None if max_nbytes is None else max_nbytes.get(name)
+            if limit is not None and _is_int(sizes.get(name)) and sizes[name] > limit:
+                raise CorruptObject(
+                    f"{what}: {name} of {sizes[name]} bytes is over the {limit}-byte size of "
+                    "the fragment"
+                )
         try:
             tensors = {
                 name: self._verified_tensors(
@@ -210,16 +223,22 @@ class FragmentVersions:
         head = self.head(fragment)
         if head is None:
             return []
-        root = fragment_root(fragment)
-        relatives = [k for k in self._list(f"{root}/v") if k.endswith("/manifest.json")]
-        raw: dict[str, bytes] = {}
-        for relative, data in zip(relatives, self._read_many(relatives), strict=True):
+        names = [
+            n
+            for n in self._named(f"{fragment_root(fragment)}/", "fragment-file")
+            if n.file == "manifest.json" and n.fragment == fragment
+        ]
+        relatives = [f"{n.dir}/manifest.json" for n in names]
+        limit = safejson.FRAGMENT_MANIFEST.max_bytes
+        raw: dict[str, tuple[int, Any]] = {}
+        for name, data in zip(names, self._read_many(relatives, limit), strict=True):
             if data is not None:
-                raw[relative.removesuffix("/manifest.json")] = data
+                raw[name.dir] = (name.version, data)
         chain: list[dict[str, Any]] = []
         directory: Any = head.dir
         while isinstance(directory, str) and directory in raw and len(chain) < len(raw):
-            manifest = load_json(raw[directory], f"{self.url}/{directory}/manifest.json")
+            version, data = raw[directory]
+            manifest = self._parse_manifest(f"{directory}/manifest.json", data, fragment, version)
             chain.append(manifest)
             directory = manifest.get("parent_dir")
         return chain[::-1]
@@ -307,13 +326,22 @@ class FragmentVersions:
         return name
 
     def snapshots(self) -> list[dict[str, Any]]:
-        """Every recorded snapshot, oldest first."""
-        relatives = [k for k in self._list("snapshots/") if _SNAPSHOT.fullmatch(k)]
-        return [
-            load_json(data, f"{self.url}/{relative}")
-            for relative, data in zip(relatives, self._read_many(relatives), strict=True)
-            if data is not None
+        """Every recorded snapshot, oldest first (unreadable ones skipped and counted)."""
+        relatives = [
+            k for k in self._list("snapshots/") if (n := self._parsed(k)) and n.kind == "snapshot"
         ]
+        out = []
+        limit = safejson.SNAPSHOT.max_bytes
+        for relative, data in zip(relatives, self._read_many(relatives, limit), strict=True):
+            if data is None:
+                continue
+            try:
+                if isinstance(data, CorruptObject):
+                    raise data
+                out.append(load_json(data, f"{self.url}/{relative}", safejson.SNAPSHOT))
+            except CorruptObject as exc:
+                self._skip(relative, exc)
+        return out
 
     def snapshot_of(self, record: Mapping[str, Any]) -> Snapshot:
         """The Snapshot a recorded snapshot (or an eval / BEST record) names; CorruptObject if
@@ -322,11 +350,17 @@ class FragmentVersions:
         if not (
             isinstance(versions, list) and isinstance(dirs, list) and len(versions) == len(dirs)
         ):
-            raise CorruptObject(f"{self.url}: invalid snapshot {dict(record)!r:.200}")
+            raise CorruptObject(f"{self.url}: invalid snapshot {safejson.show(dict(record), 200)}")
         for p, (v, d) in enumerate(zip(versions, dirs, strict=True)):
-            match = _FRAGMENT_DIR.fullmatch(d) if isinstance(d, str) else None
-            if not _is_int(v) or match is None or int(match[1]) != p or int(match[2]) != v:
-                raise CorruptObject(f"{self.url}: snapshot entry {p} is invalid: {v!r} {d!r}")
+            try:
+                ok = _is_int(v) and parse_fragment_dir(d, p)[1] == v
+            except BadName:
+                ok = False
+            if not ok:
+                raise CorruptObject(
+                    f"{self.url}: snapshot entry {p} is invalid: "
+                    f"{safejson.show(v)} {safejson.show(d)}"
+                )
         tokens = record.get("tokens_merged", 0)
         if not _is_int(tokens):
             raise CorruptObject(f"{self.url}: snapshot has invalid tokens_merged {tokens!r:.50}")
@@ -349,7 +383,7 @@ class FragmentVersions:
 
     def best(self) -> dict[str, Any] | None:
         """snapshots/BEST.json: the best evaluated snapshot with its eval record, or None."""
-        return self._read_json_or_none(BEST)
+        return self._read_json_or_none(BEST, safejson.SNAPSHOT)
 
     def offer_best(self, record: Mapping[str, Any]) -> bool:
         """Make `record` (an eval record naming a snapshot and its `loss`) BEST if its loss is
@@ -360,9 +394,9 @@ class FragmentVersions:
             return False
         key = self._key(BEST)
         for _ in range(10):
-            got = self.store.read_versioned(key)
+            got = self.store.read_versioned(key, max_bytes=safejson.SNAPSHOT.max_bytes)
             if got is not None:
-                current = load_json(got[0], f"{self.url}/{BEST}").get("loss")
+                current = load_json(got[0], f"{self.url}/{BEST}", safejson.SNAPSHOT).get("loss")
                 if isinstance(current, float | int) and current <= loss:
                     return False
             if self.store.compare_and_swap(key, dump_json(dict(record)), got and got[1]):

@@ -1,0 +1,126 @@
+"""Claims of steps and tokens are bounded by what an island can have done; weights are capped.
+
+Numbers are derived by hand from training/claims.py's rules. The experiment: H = 32, batch 16 x
+seq 64 = 1024 tokens per step, tau = 2, 1000 steps/s at most, 5 s of clock skew.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from training.claims import Beat, Claim, Limits, cap_weights, check_claim, check_claims
+
+L = Limits(H=32, tokens_per_step=1024, tau=2, max_steps_per_s=1000.0, clock_skew_s=5.0)
+NOW = 10_000.0
+
+
+def claim(seq=0, steps=32, tokens=32 * 1024, base=3, at=NOW - 1, island_step=None, fragment=0):
+    return Claim("a", fragment, seq, base, steps, tokens, at, island_step)
+
+
+def test_an_honest_claim_passes():
+    assert check_claim(claim(), L, NOW, base_time=NOW - 10) is None
+
+
+def test_the_first_interval_of_a_staggered_fragment_may_hold_up_to_2h_steps():
+    assert check_claim(claim(steps=64, tokens=64 * 1024), L, NOW) is None
+
+
+def test_more_steps_than_2h_is_refused():
+    reason = check_claim(claim(steps=65, tokens=65), L, NOW)
+    assert reason == "claims 65 steps since its last publish of fragment 0; at most 2 x H = 64"
+
+
+def test_the_issue_case_2_to_the_40_steps_is_refused():
+    reason = check_claim(claim(steps=2**40, tokens=2**40 * 1024), L, NOW)
+    assert reason.startswith(f"claims {2**40} steps")
+
+
+def test_more_tokens_than_steps_times_batch_is_refused():
+    reason = check_claim(claim(steps=4, tokens=4 * 1024 + 1), L, NOW)
+    assert reason == "tokens 4097 exceed 4 steps x 1024 tokens per step"
+
+
+def test_a_claim_from_the_future_is_refused():
+    assert check_claim(claim(at=NOW + 5), L, NOW) is None  # within the skew
+    assert check_claim(claim(at=NOW + 60), L, NOW) == "published_at is 60 s in the future"
+
+
+def test_steps_since_the_base_version_are_bounded_by_the_time_since_it_was_published():
+    # base published 0.5 s ago: n claims may hold tau x n + 1000 x (0.5 + 5) steps together
+    many = [claim(seq=i, steps=32) for i in range(171)]
+    # 172 claims: 172 x 32 = 5504 <= 2 x 172 + 5500 = 5844
+    assert check_claim(claim(seq=171), L, NOW, base_time=NOW - 0.5, earlier=many) is None
+    many += [claim(seq=i, steps=32) for i in range(171, 200)]
+    # 201 claims: 201 x 32 = 6432 > 2 x 201 + 5500 = 5902
+    reason = check_claim(claim(seq=200), L, NOW, base_time=NOW - 0.5, earlier=many)
+    assert reason == (
+        "claims 6432 steps in 201 contribution(s) on base version 3, published 0.5 s ago: "
+        "over 5902 at 1000 steps/s"
+    )
+
+
+def test_earlier_claims_on_older_bases_do_not_count_against_a_newer_base():
+    older = [claim(seq=i, steps=32, base=1) for i in range(500)]
+    assert check_claim(claim(seq=500, base=3), L, NOW, base_time=NOW - 0.5, earlier=older) is None
+
+
+def test_the_base_rule_is_skipped_when_the_merger_clock_is_another_clock():
+    """A virtual-clock bench (now = 12 s) with a base published at unix time: no judgement."""
+    assert check_claim(claim(at=1.0), L, 12.0, base_time=1.7e9) is None
+
+
+def test_island_step_may_not_grow_faster_than_the_rate_on_the_island_clock():
+    prev = claim(seq=4, island_step=1000, at=NOW - 10)
+    ok = claim(seq=5, island_step=1000 + 15_000, at=NOW)  # 15000 <= 1000 x (10 + 5)
+    assert check_claim(ok, L, NOW, previous=prev) is None
+    bad = claim(seq=5, island_step=1000 + 15_001, at=NOW)
+    reason = check_claim(bad, L, NOW, previous=prev)
+    assert reason == "island_step went from 1000 to 16001 in 10 s (seq 4 -> 5): over 1000 steps/s"
+
+
+def test_a_lower_island_step_is_a_restart_from_an_older_checkpoint_and_passes():
+    prev = claim(seq=4, island_step=1000, at=NOW - 10)
+    assert check_claim(claim(seq=5, island_step=40, at=NOW), L, NOW, previous=prev) is None
+
+
+def test_more_steps_than_the_island_ever_did_is_refused():
+    reason = check_claim(claim(steps=32, island_step=31), L, NOW)
+    assert reason == "claims 32 steps but its island_step is 31"
+
+
+def test_island_step_is_bounded_by_the_last_heartbeat():
+    beat = Beat(step=500, time=NOW - 2)
+    assert check_claim(claim(island_step=7500, at=NOW), L, NOW, heartbeat=beat) is None
+    reason = check_claim(claim(island_step=7501, at=NOW), L, NOW, heartbeat=beat)
+    assert (
+        reason
+        == "island_step 7501 is over 7500: its heartbeat said step 500 2 s before it published"
+    )
+
+
+def test_a_heartbeat_newer_than_the_claim_does_not_bound_it():
+    beat = Beat(step=10, time=NOW)  # e.g. written after a restart from an older checkpoint
+    assert check_claim(claim(island_step=900, at=NOW - 1), L, NOW, heartbeat=beat) is None
+
+
+def test_check_claims_judges_each_claim_against_the_ones_accepted_before_it():
+    # base 3 published 0.01 s ago: bound 2 x n + 1000 x 5.01 = 5010 + 2n steps
+    claims = [claim(seq=i, steps=64, tokens=64) for i in range(100)]  # 64 n <= 5010 + 2 n
+    rejected = check_claims(claims, L, NOW, base_times={3: NOW - 0.01})
+    # 62 n <= 5010 holds up to n = 80: claims 0..79 pass, then each later one is over
+    assert sorted(rejected) == [("a", i) for i in range(80, 100)]
+
+
+@pytest.mark.parametrize(
+    ("weights", "capped"),
+    [
+        ([1.0], [1.0]),
+        ([1e12, 100.0], [800.0, 100.0]),  # hostile share 800 / 900 = 89% = k / (k + 1)
+        ([1.0, 2.0, 8.0], [1.0, 2.0, 8.0]),  # honest heterogeneity within 8x: untouched
+        ([100.0, 1.0, 1.0, 1.0], [8.0, 1.0, 1.0, 1.0]),
+        ([0.0, 5.0], [0.0, 5.0]),  # the other's median is 0: nothing to cap against
+    ],
+)
+def test_a_weight_is_capped_at_8_times_the_median_of_the_others(weights, capped):
+    assert cap_weights(weights) == capped
