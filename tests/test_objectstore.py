@@ -415,3 +415,22 @@ def test_gs_create_retried_after_a_lost_response_reports_created(request, tmp_pa
 def test_local_store_files_are_plain_files_under_the_root(tmp_path):
     LocalStore(tmp_path).write("exp/config.json", b"{}")
     assert Path(tmp_path / "exp" / "config.json").read_bytes() == b"{}"
+
+
+def test_a_file_store_never_imports_the_google_client_libraries(tmp_path):
+    """file:// users load no Google client library: the GCS backend is imported only by
+    open_store("gs://...") (training/store/gcs.py)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from training.store.experiment import ExperimentStore\n"
+        "from training.store.objectstore import open_store\n"
+        f"store = ExperimentStore(open_store('file://{tmp_path}/s'), 'e')\n"
+        "store.write_config({'name': 'e'})\n"
+        "store.read_config()\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'google'))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout

@@ -1,0 +1,297 @@
+"""file:// and plain paths: objects as files, conditional writes with flock and a generation
+counter (see the class docstring and docs/STORE.md)."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TypeVar
+
+from training.store.objectstore import (
+    CorruptObject,
+    Generation,
+    ObjectNotFound,
+    ObjectStore,
+    StoreError,
+    StoreUnreachable,
+    _check_limit,
+    _too_large,
+    retry,
+    validate_key,
+    validate_prefix,
+)
+
+T = TypeVar("T")
+
+_GENERATION_WIDTH = 20
+
+
+class LocalStore(ObjectStore):
+    """Objects as files under a root directory (file:// URLs and plain paths).
+
+    - write: temp file in the same directory, fsync, os.replace (atomic), fsync of the directory.
+    - create: temp file, then os.link(temp, final), which fails if final exists; temp unlinked.
+    - generations: each object `dir/name` has a hidden sidecar `dir/.name.gen` holding a fixed-width
+      decimal counter. The sidecar is also the lock: every mutation holds `flock(LOCK_EX)` on it,
+      bumps the counter (fsync) and then replaces the object; `read_versioned` holds `LOCK_SH`.
+      A crash between the two steps leaves the counter ahead of the file, which only makes a
+      pending compare-and-swap fail (safe). A file without sidecar (put there by hand) has
+      generation 0. Sidecars survive delete so generations never repeat.
+    Safe across threads and processes on one machine (flock); not meant for NFS.
+    Hidden names (starting with '.') are never listed and cannot be keys.
+    """
+
+    def __init__(self, root: str | os.PathLike[str]):
+        self.root = Path(os.path.abspath(os.fspath(root)))
+        self.url = f"file://{self.root}"
+
+    # paths ---------------------------------------------------------------------------------
+    def _path(self, key: str) -> Path:
+        return self.root.joinpath(*validate_key(key).split("/"))
+
+    @staticmethod
+    def _generation_path(path: Path) -> Path:
+        return path.with_name(f".{path.name}.gen")
+
+    def _where(self, key: str) -> str:
+        return f"{self.url}/{key}"
+
+    # helpers -------------------------------------------------------------------------------
+    def _run(self, op: str, key: str, fn: Callable[[], T]) -> T:
+        """Run `fn` with retries; map OSError to StoreError subclasses with one-line messages."""
+        try:
+            return retry(fn)
+        except StoreError:
+            raise
+        except PermissionError as exc:
+            raise StoreUnreachable(f"{op} {self._where(key)}: permission denied") from exc
+        except (NotADirectoryError, IsADirectoryError, FileExistsError) as exc:
+            raise StoreError(
+                f"{op} {self._where(key)}: a file and a directory collide on this path"
+            ) from exc
+        except OSError as exc:
+            raise StoreError(f"{op} {self._where(key)}: {exc.strerror or exc}") from exc
+
+    @staticmethod
+    def _write_temp(path: Path, data: bytes) -> Path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex}")
+        try:
+            with open(temp, "xb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+        except BaseException:
+            temp.unlink(missing_ok=True)
+            raise
+        return temp
+
+    @staticmethod
+    def _fsync_dir(directory: Path) -> None:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    @contextmanager
+    def _locked_generation(self, path: Path) -> Iterator[int]:
+        """Hold LOCK_EX on the sidecar; yields its fd (see _read_counter / _write_counter)."""
+        fd = os.open(self._generation_path(path), os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield fd
+        finally:
+            os.close(fd)
+
+    @staticmethod
+    def _read_counter(fd: int) -> int:
+        raw = os.pread(fd, _GENERATION_WIDTH + 1, 0).strip()
+        if not raw:
+            return 0
+        if not raw.isdigit():
+            raise CorruptObject(f"generation sidecar holds {raw[:40]!r}, not a counter")
+        return int(raw)
+
+    @staticmethod
+    def _write_counter(fd: int, value: int) -> None:
+        os.pwrite(fd, f"{value:0{_GENERATION_WIDTH}d}\n".encode(), 0)
+        os.fsync(fd)
+
+    @staticmethod
+    def _as_int(expected: Generation) -> int:
+        if isinstance(expected, int) and not isinstance(expected, bool):
+            return expected
+        if isinstance(expected, str) and expected.isdigit():
+            return int(expected)
+        raise ValueError(f"invalid generation {expected!r} for a local store")
+
+    def _read_file(self, key: str, path: Path, max_bytes: int | None) -> bytes:
+        """The file's bytes; the size is checked on the open file (fstat) before reading, and
+        at most max_bytes + 1 bytes are read (a file replaced meanwhile is another inode)."""
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if max_bytes is None:
+                return f.read()
+            if size > max_bytes:
+                raise _too_large(self._where(key), size, max_bytes)
+            data = f.read(max_bytes + 1)
+        if len(data) > max_bytes:
+            raise _too_large(self._where(key), None, max_bytes)
+        return data
+
+    # operations ----------------------------------------------------------------------------
+    def read(self, key: str, max_bytes: int | None = None) -> bytes:
+        path = self._path(key)
+        _check_limit(max_bytes)
+
+        def attempt() -> bytes:
+            try:
+                return self._read_file(key, path, max_bytes)
+            except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+                raise ObjectNotFound(f"{self._where(key)} not found") from None
+
+        return self._run("read", key, attempt)
+
+    def write(self, key: str, data: bytes) -> None:
+        path = self._path(key)
+
+        def attempt() -> None:
+            temp = self._write_temp(path, data)
+            try:
+                with self._locked_generation(path) as fd:
+                    self._write_counter(fd, self._read_counter(fd) + 1)
+                    os.replace(temp, path)
+            finally:
+                temp.unlink(missing_ok=True)
+            self._fsync_dir(path.parent)
+
+        self._run("write", key, attempt)
+
+    def create(self, key: str, data: bytes) -> bool:
+        path = self._path(key)
+
+        def attempt() -> bool:
+            if path.exists():
+                return False
+            temp = self._write_temp(path, data)
+            try:
+                with self._locked_generation(path) as fd:
+                    if path.exists():
+                        return False
+                    self._write_counter(fd, self._read_counter(fd) + 1)
+                    try:
+                        os.link(temp, path)
+                    except FileExistsError:
+                        return False
+                    except OSError as exc:
+                        if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP):
+                            raise
+                        os.replace(temp, path)  # no hard links here; the lock keeps it atomic
+            finally:
+                temp.unlink(missing_ok=True)
+            self._fsync_dir(path.parent)
+            return True
+
+        return self._run("create", key, attempt)
+
+    def read_versioned(
+        self, key: str, max_bytes: int | None = None
+    ) -> tuple[bytes, Generation] | None:
+        path = self._path(key)
+        _check_limit(max_bytes)
+
+        def attempt() -> tuple[bytes, Generation] | None:
+            try:
+                fd = os.open(self._generation_path(path), os.O_RDONLY)
+            except (FileNotFoundError, NotADirectoryError):
+                try:
+                    return self._read_file(key, path, max_bytes), 0
+                except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+                    return None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH)
+                generation = self._read_counter(fd)
+                try:
+                    return self._read_file(key, path, max_bytes), generation
+                except (FileNotFoundError, IsADirectoryError):
+                    return None
+            finally:
+                os.close(fd)
+
+        return self._run("read", key, attempt)
+
+    def compare_and_swap_generation(
+        self, key: str, data: bytes, expected: Generation | None
+    ) -> Generation | None:
+        path = self._path(key)
+        wanted = None if expected is None else self._as_int(expected)
+
+        def attempt() -> Generation | None:
+            temp = self._write_temp(path, data)
+            try:
+                with self._locked_generation(path) as fd:
+                    counter = self._read_counter(fd)
+                    current = counter if path.is_file() else None
+                    if current != wanted:
+                        return None
+                    self._write_counter(fd, counter + 1)
+                    os.replace(temp, path)
+            finally:
+                temp.unlink(missing_ok=True)
+            self._fsync_dir(path.parent)
+            return counter + 1
+
+        return self._run("compare_and_swap", key, attempt)
+
+    def exists(self, key: str) -> bool:
+        return self._path(key).is_file()
+
+    def list(self, prefix: str, start_after: str | None = None) -> list[str]:
+        validate_prefix(prefix)
+        directory, _, _ = prefix.rpartition("/")
+        start = self.root.joinpath(*directory.split("/")) if directory else self.root
+        keys: list[str] = []
+        for dirpath, dirnames, filenames in os.walk(start):
+            relative = Path(dirpath).relative_to(self.root).as_posix()
+            base = "" if relative == "." else relative + "/"
+            dirnames[:] = [
+                d
+                for d in dirnames
+                if not d.startswith(".")
+                and ((base + d + "/").startswith(prefix) or prefix.startswith(base + d + "/"))
+            ]
+            keys.extend(
+                base + name
+                for name in filenames
+                if not name.startswith(".") and (base + name).startswith(prefix)
+            )
+        return sorted(k for k in keys if start_after is None or k > start_after)
+
+    def delete(self, key: str) -> None:
+        path = self._path(key)
+
+        def attempt() -> None:
+            if not path.exists() and not self._generation_path(path).exists():
+                return
+            with self._locked_generation(path) as fd:
+                if not path.is_file():
+                    return
+                self._write_counter(fd, self._read_counter(fd) + 1)
+                path.unlink()
+
+        self._run("delete", key, attempt)
+
+    def check(self) -> None:
+        existing = self.root
+        while not existing.exists() and existing != existing.parent:
+            existing = existing.parent
+        if not existing.is_dir():
+            raise StoreUnreachable(f"{self.url}: {existing} is not a directory")
+        if not os.access(existing, os.W_OK | os.X_OK):
+            raise StoreUnreachable(f"{self.url}: {existing} is not writable")
