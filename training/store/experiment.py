@@ -6,9 +6,9 @@ them, readers ignore anything without its marker, each fragment's HEAD advances 
 and-swap, and the ledger of applied pseudo-gradients is create-only. The named fault points
 (training/faults.py) sit between those steps so chaos tests can kill a process there.
 
-This module holds the experiment's own objects (config, pseudo-gradients, ledger, quarantine,
-heartbeats, checkpoints, metrics, control); the per-fragment version chains and snapshots are in
-training/store/versions.py, garbage collection in training/store/gc.py, names in layout.py.
+This module holds the I/O helpers, config, pseudo-gradients, ledger and quarantine; heartbeats,
+checkpoints, metrics and control are in training/store/island_objects.py, the per-fragment
+version chains and snapshots in versions.py, garbage collection in gc.py, names in keys.py.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ from training.faults import fault_point
 from training.names import validate_name
 from training.store import records, safejson
 from training.store.gc import GarbageCollection, GCPlan
-from training.store.keys import ObjectName, SkipTally, checkpoint_dir, parse_key_or_none
+from training.store.island_objects import IslandObjects
+from training.store.keys import ObjectName, SkipTally, parse_key_or_none
 from training.store.layout import (
     _PG_RESERVED,
     ANY,
@@ -40,9 +41,7 @@ from training.store.layout import (
     HeadPointer,
     PseudoGradRef,
     Snapshot,
-    _is_int,
     _now,
-    _unique_time_ns,
     _uuid8,
     dump_json,
     iso,
@@ -80,7 +79,7 @@ class LayoutMismatch(StoreError):
     """config.json records another store layout than the one this code reads."""
 
 
-class ExperimentStore(FragmentVersions, GarbageCollection):
+class ExperimentStore(FragmentVersions, GarbageCollection, IslandObjects):
     """The objects of one experiment under `<store root>/<experiment>/` (layout: docs/STORE.md).
 
     Every method is safe to call from several threads and processes at once; every write is safe
@@ -556,136 +555,3 @@ class ExperimentStore(FragmentVersions, GarbageCollection):
                 self._skip(f"quarantine/{pg_id}.json", exc)
                 result[pg_id] = f"(unreadable quarantine entry: {exc})"
         return result
-
-    # per-island status objects -------------------------------------------------------------
-    def _per_island(
-        self, folder: str, kind: str, parse: Callable[[bytes, str], dict[str, Any]], limit: int
-    ) -> dict[str, dict[str, Any]]:
-        """island -> its parsed record under `folder`; broken ones are skipped and counted."""
-        islands = {f"{folder}/{n.island}.json": n.island for n in self._named(f"{folder}/", kind)}
-        got = self._read_records(list(islands), limit, lambda d, r: parse(d, islands[r]))
-        return {islands[relative]: record for relative, record in got}
-
-    def write_heartbeat(self, island: str, info: Mapping[str, Any]) -> None:
-        """Overwrite heartbeats/{island}.json with `info` plus island and "at" (unix seconds,
-        unless `info` sets it)."""
-        validate_name("island", island)
-        self._write_json(f"heartbeats/{island}.json", {"at": _now(), **info, "island": island})
-
-    def heartbeats(self) -> dict[str, dict[str, Any]]:
-        """island -> its last heartbeat."""
-        return self._per_island(
-            "heartbeats", "heartbeat", records.parse_heartbeat, safejson.HEARTBEAT.max_bytes
-        )
-
-    def mark_done(self, island: str, info: Mapping[str, Any]) -> None:
-        """Write done/{island}.json: the island finished its work."""
-        validate_name("island", island)
-        self._write_json(f"done/{island}.json", {"at": _now(), **info, "island": island})
-
-    def done(self) -> dict[str, dict[str, Any]]:
-        """island -> its done record."""
-        return self._per_island("done", "done", records.parse_done, safejson.POINTER.max_bytes)
-
-    # checkpoints ---------------------------------------------------------------------------
-    def save_checkpoint(
-        self, island: str, step: int, tensors: Mapping[str, np.ndarray], meta: Mapping[str, Any]
-    ) -> None:
-        """Write checkpoints/{island}/c{step:010d}-{uuid8}/ (state, then meta.json), then point
-        LATEST.json at it (written last). Older checkpoint directories are kept."""
-        validate_name("island", island)
-        if not _is_int(step) or step < 0:
-            raise ValueError(f"invalid step {step!r}")
-        directory = checkpoint_dir(island, step, _uuid8())
-        data = encode_tensors(tensors)
-        digest = sha256(data)
-        self.store.write(self._key(f"{directory}/state.safetensors"), data)
-        fixed = {"island": island, "step": step, "created_at": _now()}
-        self._write_json(f"{directory}/meta.json", {**meta, **fixed, "sha256": digest})
-        latest = {"step": step, "dir": directory, "sha256": digest, "nbytes": len(data)}
-        self._write_json(f"checkpoints/{island}/LATEST.json", latest)
-
-    def load_checkpoint(self, island: str) -> tuple[dict[str, np.ndarray], dict[str, Any]] | None:
-        """(tensors, meta) of the checkpoint LATEST.json points to, or None if there is none.
-
-        The state's size and sha256 are checked against LATEST.json (CorruptObject).
-        """
-        validate_name("island", island)
-        latest = self.checkpoint_pointer(island)
-        if latest is None:
-            return None
-        directory, step = latest.dir, latest.step
-        what = f"{self.url} checkpoint of {island} at step {step}"
-        tensors = self._verified_tensors(
-            f"{directory}/state.safetensors", latest.sha256, latest.nbytes, what
-        )
-        return tensors, self.checkpoint_meta(island, latest)
-
-    def checkpoint_pointer(self, island: str) -> records.CheckpointPointer | None:
-        """checkpoints/{island}/LATEST.json, parsed (None if absent; BadCheckpoint)."""
-        relative = f"checkpoints/{island}/LATEST.json"
-        try:
-            data = self.store.read(self._key(relative), safejson.POINTER.max_bytes)
-        except ObjectNotFound:
-            return None
-        try:
-            return records.parse_checkpoint_pointer(data, island)
-        except CorruptObject as exc:
-            raise type(exc)(f"{self.url}/{relative}: {exc}") from None
-
-    def checkpoint_meta(self, island: str, latest: records.CheckpointPointer) -> dict[str, Any]:
-        """The meta.json of the checkpoint `latest` points at (BadCheckpoint, CorruptObject)."""
-        relative = f"{latest.dir}/meta.json"
-        try:
-            data = self.store.read(self._key(relative), safejson.CHECKPOINT_META.max_bytes)
-        except ObjectNotFound:
-            raise CorruptObject(f"{self.url}/{relative} is missing") from None
-        return records.parse_checkpoint_meta(data, island, latest.step)
-
-    # metrics -------------------------------------------------------------------------------
-    def append_metric(self, kind: str, record: Mapping[str, Any]) -> None:
-        """Write one record as metrics/{kind}/{time_ns:020d}-{uuid8}.json (GCS has no append).
-
-        The time in the name orders records (strictly increasing within one process).
-        """
-        validate_name("metric kind", kind)
-        name = f"metrics/{kind}/{_unique_time_ns():020d}-{_uuid8()}.json"
-        self._write_json(name, dict(record))
-
-    def read_metrics(self, kind: str) -> list[dict[str, Any]]:
-        """The records of `kind`, oldest first."""
-        validate_name("metric kind", kind)
-        relatives = [
-            k
-            for k in self._list(f"metrics/{kind}/")
-            if (n := self._parsed(k)) and n.kind == "metric" and n.metric == kind
-        ]
-        limit = safejson.METRIC.max_bytes
-        return [
-            r
-            for _, r in self._read_records(
-                relatives, limit, lambda d, _: records.parse_metric(d, kind)
-            )
-        ]
-
-    # control -------------------------------------------------------------------------------
-    def _stop_key(self, island: str | None) -> str:
-        return self.STOP if island is None else f"control/stop/{validate_name('island', island)}"
-
-    def request_stop(self, island: str | None = None) -> None:
-        """Ask every island (None) or one island to stop: control/STOP or control/stop/{island}."""
-        self._write_json(self._stop_key(island), {"at": _now()})
-
-    def clear_stop(self, island: str | None = None) -> None:
-        """Remove a stop marker written by request_stop (missing is fine)."""
-        self.store.delete(self._key(self._stop_key(island)))
-
-    def stopped_islands(self) -> set[str]:
-        """Islands asked to leave (control/stop/{island}), from a listing only."""
-        return {n.island for n in self._named("control/stop/", "island-stop")}
-
-    def stop_requested(self, island: str | None = None) -> bool:
-        """True if an experiment-wide stop, or (given an island) that island's stop, exists."""
-        if self.store.exists(self._key(self.STOP)):
-            return True
-        return island is not None and self.store.exists(self._key(self._stop_key(island)))

@@ -1,0 +1,160 @@
+"""Per-island objects of an experiment: heartbeats, done markers, checkpoints, metrics and
+stop markers (docs/STORE.md). A mixin of `ExperimentStore` (training/store/experiment.py), which
+supplies the I/O helpers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+from training.names import validate_name
+from training.store import records, safejson
+from training.store.keys import checkpoint_dir
+from training.store.layout import (
+    _is_int,
+    _now,
+    _unique_time_ns,
+    _uuid8,
+)
+from training.store.objectstore import CorruptObject, ObjectNotFound
+from training.store.tensors import encode_tensors, sha256
+
+
+class IslandObjects:
+    """Heartbeats, done markers, checkpoints, metrics, control (mixed into ExperimentStore)."""
+
+    # per-island status objects -------------------------------------------------------------
+    def _per_island(
+        self, folder: str, kind: str, parse: Callable[[bytes, str], dict[str, Any]], limit: int
+    ) -> dict[str, dict[str, Any]]:
+        """island -> its parsed record under `folder`; broken ones are skipped and counted."""
+        islands = {f"{folder}/{n.island}.json": n.island for n in self._named(f"{folder}/", kind)}
+        got = self._read_records(list(islands), limit, lambda d, r: parse(d, islands[r]))
+        return {islands[relative]: record for relative, record in got}
+
+    def write_heartbeat(self, island: str, info: Mapping[str, Any]) -> None:
+        """Overwrite heartbeats/{island}.json with `info` plus island and "at" (unix seconds,
+        unless `info` sets it)."""
+        validate_name("island", island)
+        self._write_json(f"heartbeats/{island}.json", {"at": _now(), **info, "island": island})
+
+    def heartbeats(self) -> dict[str, dict[str, Any]]:
+        """island -> its last heartbeat."""
+        return self._per_island(
+            "heartbeats", "heartbeat", records.parse_heartbeat, safejson.HEARTBEAT.max_bytes
+        )
+
+    def mark_done(self, island: str, info: Mapping[str, Any]) -> None:
+        """Write done/{island}.json: the island finished its work."""
+        validate_name("island", island)
+        self._write_json(f"done/{island}.json", {"at": _now(), **info, "island": island})
+
+    def done(self) -> dict[str, dict[str, Any]]:
+        """island -> its done record."""
+        return self._per_island("done", "done", records.parse_done, safejson.POINTER.max_bytes)
+
+    # checkpoints ---------------------------------------------------------------------------
+    def save_checkpoint(
+        self, island: str, step: int, tensors: Mapping[str, np.ndarray], meta: Mapping[str, Any]
+    ) -> None:
+        """Write checkpoints/{island}/c{step:010d}-{uuid8}/ (state, then meta.json), then point
+        LATEST.json at it (written last). Older checkpoint directories are kept."""
+        validate_name("island", island)
+        if not _is_int(step) or step < 0:
+            raise ValueError(f"invalid step {step!r}")
+        directory = checkpoint_dir(island, step, _uuid8())
+        data = encode_tensors(tensors)
+        digest = sha256(data)
+        self.store.write(self._key(f"{directory}/state.safetensors"), data)
+        fixed = {"island": island, "step": step, "created_at": _now()}
+        self._write_json(f"{directory}/meta.json", {**meta, **fixed, "sha256": digest})
+        latest = {"step": step, "dir": directory, "sha256": digest, "nbytes": len(data)}
+        self._write_json(f"checkpoints/{island}/LATEST.json", latest)
+
+    def load_checkpoint(self, island: str) -> tuple[dict[str, np.ndarray], dict[str, Any]] | None:
+        """(tensors, meta) of the checkpoint LATEST.json points to, or None if there is none.
+
+        The state's size and sha256 are checked against LATEST.json (CorruptObject).
+        """
+        validate_name("island", island)
+        latest = self.checkpoint_pointer(island)
+        if latest is None:
+            return None
+        directory, step = latest.dir, latest.step
+        what = f"{self.url} checkpoint of {island} at step {step}"
+        tensors = self._verified_tensors(
+            f"{directory}/state.safetensors", latest.sha256, latest.nbytes, what
+        )
+        return tensors, self.checkpoint_meta(island, latest)
+
+    def checkpoint_pointer(self, island: str) -> records.CheckpointPointer | None:
+        """checkpoints/{island}/LATEST.json, parsed (None if absent; BadCheckpoint)."""
+        relative = f"checkpoints/{island}/LATEST.json"
+        try:
+            data = self.store.read(self._key(relative), safejson.POINTER.max_bytes)
+        except ObjectNotFound:
+            return None
+        try:
+            return records.parse_checkpoint_pointer(data, island)
+        except CorruptObject as exc:
+            raise type(exc)(f"{self.url}/{relative}: {exc}") from None
+
+    def checkpoint_meta(self, island: str, latest: records.CheckpointPointer) -> dict[str, Any]:
+        """The meta.json of the checkpoint `latest` points at (BadCheckpoint, CorruptObject)."""
+        relative = f"{latest.dir}/meta.json"
+        try:
+            data = self.store.read(self._key(relative), safejson.CHECKPOINT_META.max_bytes)
+        except ObjectNotFound:
+            raise CorruptObject(f"{self.url}/{relative} is missing") from None
+        return records.parse_checkpoint_meta(data, island, latest.step)
+
+    # metrics -------------------------------------------------------------------------------
+    def append_metric(self, kind: str, record: Mapping[str, Any]) -> None:
+        """Write one record as metrics/{kind}/{time_ns:020d}-{uuid8}.json (GCS has no append).
+
+        The time in the name orders records (strictly increasing within one process).
+        """
+        validate_name("metric kind", kind)
+        name = f"metrics/{kind}/{_unique_time_ns():020d}-{_uuid8()}.json"
+        self._write_json(name, dict(record))
+
+    def read_metrics(self, kind: str) -> list[dict[str, Any]]:
+        """The records of `kind`, oldest first."""
+        validate_name("metric kind", kind)
+        relatives = [
+            k
+            for k in self._list(f"metrics/{kind}/")
+            if (n := self._parsed(k)) and n.kind == "metric" and n.metric == kind
+        ]
+        limit = safejson.METRIC.max_bytes
+        return [
+            r
+            for _, r in self._read_records(
+                relatives, limit, lambda d, _: records.parse_metric(d, kind)
+            )
+        ]
+
+    # control -------------------------------------------------------------------------------
+    def _stop_key(self, island: str | None) -> str:
+        return self.STOP if island is None else f"control/stop/{validate_name('island', island)}"
+
+    def request_stop(self, island: str | None = None) -> None:
+        """Ask every island (None) or one island to stop: control/STOP or control/stop/{island}."""
+        self._write_json(self._stop_key(island), {"at": _now()})
+
+    def clear_stop(self, island: str | None = None) -> None:
+        """Remove a stop marker written by request_stop (missing is fine)."""
+        self.store.delete(self._key(self._stop_key(island)))
+
+    def stopped_islands(self) -> set[str]:
+        """Islands asked to leave (control/stop/{island}), from a listing only."""
+        return {n.island for n in self._named("control/stop/", "island-stop")}
+
+    def stop_requested(self, island: str | None = None) -> bool:
+        """True if an experiment-wide stop, or (given an island) that island's stop, exists."""
+        if self.store.exists(self._key(self.STOP)):
+            return True
+        return island is not None and self.store.exists(self._key(self._stop_key(island)))
