@@ -330,18 +330,12 @@ class FragmentVersions:
         relatives = [
             k for k in self._list("snapshots/") if (n := self._parsed(k)) and n.kind == "snapshot"
         ]
-        out = []
-        limit = safejson.SNAPSHOT.max_bytes
-        for relative, data in zip(relatives, self._read_many(relatives, limit), strict=True):
-            if data is None:
-                continue
-            try:
-                if isinstance(data, CorruptObject):
-                    raise data
-                out.append(load_json(data, f"{self.url}/{relative}", safejson.SNAPSHOT))
-            except CorruptObject as exc:
-                self._skip(relative, exc)
-        return out
+        records = self._read_records(
+            relatives,
+            safejson.SNAPSHOT.max_bytes,
+            lambda data, rel: load_json(data, f"{self.url}/{rel}", safejson.SNAPSHOT),
+        )
+        return [record for _, record in records]
 
     def snapshot_of(self, record: Mapping[str, Any]) -> Snapshot:
         """The Snapshot a recorded snapshot (or an eval / BEST record) names; CorruptObject if
