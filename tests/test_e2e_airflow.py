@@ -83,10 +83,10 @@ class Bucket:
                 return None
             raise
 
-    def versions(self) -> list[dict]:
-        """Manifests of every fragment's HEAD and its parent chain (store layout 2), oldest
-        first per fragment."""
-        out = []
+    def chains(self) -> dict[int, list[dict]]:
+        """Per fragment, the manifests of its HEAD and parent chain (store layout 2), oldest
+        first."""
+        out: dict[int, list[dict]] = {}
         for name in self.names("fragments/"):
             if not name.endswith("/HEAD.json"):
                 continue
@@ -97,8 +97,13 @@ class Bucket:
                 assert manifest is not None, f"{directory} is on HEAD's chain without a manifest"
                 chain.append(manifest)
                 directory = manifest.get("parent_dir")
-            out += chain[::-1]
+            if chain:
+                out[chain[0]["fragment"]] = chain[::-1]
         return out
+
+    def versions(self) -> list[dict]:
+        """Every fragment's chain, one after the other."""
+        return [v for chain in self.chains().values() for v in chain]
 
     def pseudograds(self, island: str | None = None) -> dict[str, dict]:
         """Committed pseudo-gradients: id -> manifest (markers only, not payloads)."""
@@ -219,10 +224,8 @@ def test_experiment_on_gcs_survives_a_killed_island(airflow, gcs_bucket):  # noq
     assert killed_ti["state"] == "success"
 
     # the bucket, read with google-cloud-storage alone
-    versions = bucket.versions()
-    chains: dict[int, list[dict]] = {}
-    for v in versions:
-        chains.setdefault(v["fragment"], []).append(v)
+    chains = bucket.chains()
+    versions = [v for chain in chains.values() for v in chain]
     for chain in chains.values():
         assert [v["version"] for v in chain] == list(range(len(chain)))
         assert chain[0]["applied"] == []

@@ -87,10 +87,8 @@ def _run(airflow, gcs_bucket: str, label: str, chaos: dict) -> dict:  # noqa: F8
 
 def _check_exactly_once(bucket: Bucket) -> dict:
     """Zero lost, zero double-applied, from manifests and ledger (google-cloud-storage only)."""
-    versions = bucket.versions()  # every fragment's chain (store layout 2)
-    chains: dict[int, list[dict]] = {}
-    for v in versions:
-        chains.setdefault(v["fragment"], []).append(v)
+    chains = bucket.chains()  # every fragment's chain (store layout 2)
+    versions = [v for chain in chains.values() for v in chain]
     for chain in chains.values():
         assert [v["version"] for v in chain] == list(range(len(chain)))
         assert chain[0]["applied"] == []

@@ -87,6 +87,7 @@ class Island:
         self.publishes = 0
         self._stop = False
         self._budget_reached = False
+        self._rate = 0.0  # tokens/s of the last heartbeat (kept by the publish-round heartbeat)
         self.since: list[dict] = [{} for _ in range(self.P)]  # per fragment, since its publish
         self.goodput = GoodputAccountant.for_clock(clock)
         self.chaos = IslandChaos.for_island(cfg, name, store)
@@ -189,7 +190,7 @@ class Island:
         overwritten, or blended with `inner.alpha`. The anchor moves to the adopted version (for
         a blend, to the blended point less its unpublished steps).
         """
-        wanted = [p for p in fragments]
+        wanted = list(fragments)
         heads = self.store.heads(wanted)
         moved = 0
         alpha = self.cfg.inner.alpha
@@ -323,7 +324,7 @@ class Island:
     def heartbeat(self, loss: float | None, tokens_per_s: float | None) -> None:
         """Overwrite this island's heartbeat (`tokens_per_s` None: keep the last rate)."""
         if tokens_per_s is None:
-            tokens_per_s = getattr(self, "_rate", 0.0)
+            tokens_per_s = self._rate
         self._rate = tokens_per_s
         goodput = self.goodput.state()
         self.store.write_heartbeat(

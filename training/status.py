@@ -13,7 +13,6 @@ def collect_status(cfg: ExperimentConfig, store, now: float | None = None) -> di
     (training/store/records.py): junk names and broken heartbeats, markers and metrics are
     skipped and counted in `skipped` ({"count", "examples"}), never fatal."""
     from training.evaluate import end_of_run_report
-    from training.merge import Merger
 
     now = time.time() if now is None else now
     skipped_before = store.skipped.count
@@ -23,7 +22,7 @@ def collect_status(cfg: ExperimentConfig, store, now: float | None = None) -> di
     done = store.done()
     applied = store.applied_ids()
     quarantined = store.quarantined()
-    pending = sum(len(refs) for refs in Merger(cfg, store).pending().values()) if heads else 0
+    pending = sum(len(refs) for refs in store.pending().values()) if heads else 0
     evals = store.read_metrics("eval")
     report = end_of_run_report(store)
     islands = []

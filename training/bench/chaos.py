@@ -37,7 +37,7 @@ import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from training.bench.quality import base_config, method_config
+from training.bench.quality import base_config, method_config, parse_sets
 from training.bench.sim import VirtualClock, eval_set
 from training.bench.trace import MergeTracer, format_trace, merges
 from training.chaos import kill_times, victim_chooser
@@ -402,15 +402,7 @@ def main(argv: list[str]) -> int:
         parser.error(f"--rates expects numbers, got {args.rates!r}")
     if any(r < 0 for r in rates):
         parser.error("--rates must be >= 0")
-    overrides = {}
-    for item in args.set or []:
-        key, sep, value = item.partition("=")
-        if not sep:
-            parser.error(f"--set expects key=value, got {item!r}")
-        try:
-            overrides[key] = json.loads(value)
-        except json.JSONDecodeError:
-            overrides[key] = value
+    overrides = parse_sets(args.set or [], parser)
     if args.stagger_s < 0:
         parser.error("--stagger-s must be >= 0")
     p = BenchParams(
