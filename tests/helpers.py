@@ -24,6 +24,9 @@ def small_config(name: str = "exp", islands=("a", "b"), **sections):
         "islands": [i if isinstance(i, dict) else {"name": i} for i in islands],
         "codec": "fp32",
         "token_budget": 10**9,
+        # rounds on the island's own step counter: publishes at fixed steps, whatever the wall
+        # clock does (clock rounds are tested in tests/test_rounds.py with a fake clock)
+        "outer": {"rounds": "steps"},
     }
     for key, value in sections.items():
         if isinstance(value, dict):

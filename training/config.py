@@ -122,6 +122,19 @@ class OuterConfig(_Frozen):
         "sees one full round per M single-island merges (as Delayed Nesterov's g/N)",
     )
     clip_multiplier: float = Field(5.0, gt=1, description="clip norms above k x running median")
+    rounds: Literal["steps", "clock"] = Field(
+        "clock",
+        description="when an island's rounds end: every H_m of its own steps, or on a clock "
+        "shared by all islands (training/rounds.py), which brings an island back in phase after "
+        "a restart; the synchronous method always uses steps",
+    )
+    round_s: float | None = Field(
+        None,
+        gt=0,
+        le=86400,
+        description="clock rounds: the round period in seconds; default H x the first "
+        "contributor's measured step time (DyLU sizes every island's H_m to it)",
+    )
 
 
 class FragmentConfig(_Frozen):

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import jax
 import numpy as np
 
-from training import codecs, inner
+from training import codecs, inner, rounds
 from training.chaos import IslandChaos
 from training.config import ExperimentConfig
 from training.data import BatchLoader, shard_tokens
@@ -91,6 +91,8 @@ class Island:
         self.since: list[dict] = [{} for _ in range(self.P)]  # per fragment, since its publish
         self.goodput = GoodputAccountant.for_clock(clock)
         self.chaos = IslandChaos.for_island(cfg, name, store)
+        self.round_clock: rounds.RoundClock | None = None  # clock rounds, once learnt
+        self._next_at: list[float] = []  # clock rounds: each fragment's pending boundary
 
     # -- state ------------------------------------------------------------------------------
 
@@ -152,10 +154,12 @@ class Island:
         self.pending_adopt: dict[int, int] = {}
         self.awaiting: dict[int, str] = {}
         self._last_step_at = self.clock()
+        self._timed = False  # the first step after a start (the compile) is not timed
+        self._learn_round_clock()
 
     def _reset_counters(self, fragments) -> None:
         for p in fragments:
-            self.since[p] = dict(steps=0, tokens=0, loss=0.0, seconds=0.0)
+            self.since[p] = dict(steps=0, tokens=0, loss=0.0, seconds=0.0, timed=0)
 
     def checkpoint(self) -> None:
         host = inner.to_host(self.params)
@@ -261,17 +265,49 @@ class Island:
             s["steps"] += 1
             s["tokens"] += inputs.size
             s["loss"] += loss
-            s["seconds"] += elapsed
+            if self._timed:
+                s["seconds"] += elapsed
+                s["timed"] += 1
+        self._timed = True
         result = StepResult(loss)
-        for p in fragments_due(self.step_count, self.H, self.P):
+        for p in self._due(now):
             result.published.append(self.publish(p))
         if result.published:
+            if self.round_clock is None:
+                self._learn_round_clock()
             t = gp.charge("waiting_for_global", t)
             self.checkpoint()
             t = gp.charge("checkpoint_save", t)
             self._check_budget(loss)
             gp.charge("waiting_for_global", t)
         return result
+
+    def _due(self, now: float) -> list[int]:
+        """The fragments to publish after the step that just ended (training/rounds.py)."""
+        if self.round_clock is None:
+            return fragments_due(self.step_count, self.H, self.P)
+        steps = [s["steps"] for s in self.since]
+        due, self._next_at = rounds.clock_due(
+            self.round_clock, now, self._next_at, steps, self.cfg.inner.H, self.H
+        )
+        return due
+
+    def _learn_round_clock(self) -> None:
+        """Clock rounds: read the shared round clock if the syncer has set it."""
+        if not rounds.clock_rounds(self.cfg):
+            return
+        got = self.store.round_clock()
+        if got is None:
+            return
+        self.round_clock = rounds.RoundClock(*got)
+        self._next_at = rounds.first_boundaries(
+            self.round_clock, self.cfg.inner.H, self.P, self.clock()
+        )
+        log.info(
+            "island %s: rounds on the shared clock (period %.2f s)",
+            self.name,
+            self.round_clock.period_s,
+        )
 
     def _check_budget(self, loss: float) -> None:
         """After a publish round: heartbeat, then finish if all islands together have trained
@@ -304,7 +340,7 @@ class Island:
             tokens=s["tokens"],
             loss=s["loss"] / max(s["steps"], 1),
             codec=self.cfg.codec,
-            step_time_s=s["seconds"] / max(s["steps"], 1),
+            step_time_s=s["seconds"] / s["timed"] if s["timed"] else 0.0,
             published_at=self.clock(),
             island_step=self.step_count,
             island_tokens=self.tokens,

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from training import claims, codecs, model
+from training import claims, codecs, model, rounds
 from training import merge_rules as rules
 from training.config import ExperimentConfig
 from training.faults import fault_point
@@ -139,6 +139,7 @@ class Merger:
         self._snapshot_at = 0.0
         self._manifests: dict[str, dict] = {}  # version dir -> manifest (immutable once committed)
         self._repaired: set[str] = set()  # version dirs whose ledger entries this merger wrote
+        self._round_clock_known = not rounds.clock_rounds(cfg)
 
     def _manifest(self, head: HeadPointer) -> dict:
         """The manifest of a committed version, read once per version (a poll re-reads only
@@ -192,6 +193,22 @@ class Merger:
             self._after_merge(result)
         return result
 
+    def _set_round_clock(self, candidates: Sequence[rules.Candidate]) -> None:
+        """Clock rounds (training/rounds.py): the first valid contribution to fragment 0 sets
+        the islands' shared round clock, once (create-only: a racing shard's clock stands)."""
+        if self.store.round_clock() is not None:
+            self._round_clock_known = True
+            return
+        first = min(candidates, key=lambda c: (c.published_at, c.island))
+        clock = rounds.clock_from_first(
+            self.cfg, first.island, first.published_at, first.step_time_s, self.clock()
+        )
+        if clock is None:
+            return  # no step time measured yet: the next contribution sets it
+        self._round_clock_known = True
+        if self.store.create_round_clock(*clock):
+            log.info("round clock set from %s: t0 %.3f, period %.2f s", first.id, *clock)
+
     def _merge_fragment(
         self,
         head: HeadPointer,
@@ -234,6 +251,8 @@ class Merger:
                 return
             for pg_id, reason in rejected.items():
                 self._quarantine(pg_id, reason, result)
+        if p == 0 and candidates and not self._round_clock_known:
+            self._set_round_clock(candidates)
         groups, wait = rules.select(self.cfg, candidates, active, self.clock(), ms["sync_s"])
         if wait is not None:
             result.waiting_until = min(result.waiting_until or wait, wait)

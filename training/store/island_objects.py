@@ -12,7 +12,7 @@ import numpy as np
 
 from training.names import validate_name
 from training.store import records, safejson
-from training.store.keys import checkpoint_dir
+from training.store.keys import ROUNDS, checkpoint_dir
 from training.store.layout import (
     _is_int,
     _now,
@@ -158,3 +158,24 @@ class IslandObjects:
         if self.store.exists(self._key(self.STOP)):
             return True
         return island is not None and self.store.exists(self._key(self._stop_key(island)))
+
+    # the round clock (training/rounds.py) -------------------------------------------------
+    def create_round_clock(self, t0: float, period_s: float) -> bool:
+        """Write control/rounds.json once (create-only); False if it already exists (the first
+        writer's clock stands)."""
+        records.parse_round_clock(dict(t0=t0, period_s=period_s))
+        return self._create_json(
+            ROUNDS, {"t0": float(t0), "period_s": float(period_s), "at": _now()}
+        )
+
+    def round_clock(self) -> tuple[float, float] | None:
+        """(t0, period_s) of control/rounds.json, or None while it does not exist. A broken
+        record is skipped and counted (islands then keep the step rule)."""
+        try:
+            data = self.store.read(self._key(ROUNDS), max_bytes=safejson.POINTER.max_bytes)
+            return records.parse_round_clock(data)
+        except ObjectNotFound:
+            return None
+        except CorruptObject as exc:
+            self._skip(ROUNDS, exc)
+            return None

@@ -41,6 +41,7 @@ CHECKPOINT_FILES = frozenset({"state.safetensors", "meta.json"})
 METRIC_FILE = re.compile(r"([0-9]{20})-([0-9a-f]{8})\.json", _A)
 SNAPSHOT = re.compile(r"snapshots/([0-9]{20})-([0-9a-f]{8})\.json", _A)
 BEST = "snapshots/BEST.json"
+ROUNDS = "control/rounds.json"
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,7 @@ KINDS = (
     "metric",
     "stop",
     "island-stop",
+    "rounds",
 )
 
 
@@ -168,6 +170,8 @@ def parse_key(key: Any) -> ObjectName:
         return ObjectName("config")
     if key == "control/STOP":
         return ObjectName("stop")
+    if key == ROUNDS:
+        return ObjectName("rounds")
     if top == "control" and n == 3 and parts[1] == "stop" and is_name(parts[2]):
         return ObjectName("island-stop", island=parts[2])
     if top == "fragments":

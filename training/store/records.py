@@ -72,6 +72,10 @@ class BadMetric(BadRecord):
     """A metric record is invalid."""
 
 
+class BadRoundClock(BadRecord):
+    """control/rounds.json is not a valid round clock."""
+
+
 class BadDoneMarker(BadRecord):
     """A done marker is invalid."""
 
@@ -573,3 +577,18 @@ def parse_done(data: Any, island: str) -> dict[str, Any]:
     for key in ("step", "tokens", "publishes", "bytes_sent"):
         f.int(key, optional=True)
     return m
+
+
+MAX_ROUND_S = 86400.0  # one day: a longer period is refused (islands also cap a round at 2 H_m)
+
+
+def parse_round_clock(data: Any) -> tuple[float, float]:
+    """control/rounds.json: t0 (unix seconds, finite, >= 0) and period_s in (0, 86400];
+    returns (t0, period_s). BadRoundClock."""
+    m = _obj(data, safejson.POINTER, BadRoundClock, "round clock")
+    f = Fields(m, BadRoundClock, "round clock")
+    t0 = float(f.real("t0", lo=0.0))
+    period = float(f.real("period_s", lo=0.0))
+    if not 0 < period <= MAX_ROUND_S:
+        f.fail(f"period_s {show(period)} is not in (0, {MAX_ROUND_S:g}]")
+    return t0, period
