@@ -79,6 +79,9 @@ class LocalAirflow:
         if not secret_file.exists():
             secret_file.write_text(secrets.token_urlsafe(32))
         plugins = str(self.root / "plugins")
+        from diloco_airflow.ui import install_shim
+
+        install_shim(self.home / "plugins")  # the DiLoCo page (Browse -> DiLoCo)
         pythonpath = [str(self.root), plugins, *os.environ.get("PYTHONPATH", "").split(os.pathsep)]
         env = {
             **os.environ,

@@ -123,19 +123,19 @@ class IslandObjects:
 
     def read_metrics(self, kind: str) -> list[dict[str, Any]]:
         """The records of `kind`, oldest first."""
+        return [r for _, r in self.read_metrics_after(kind, None)]
+
+    def read_metrics_after(self, kind: str, after: str | None) -> list[tuple[str, dict[str, Any]]]:
+        """(name, record) of the records of `kind` whose name sorts after `after` (a name this
+        returned earlier; None: all), oldest first: what a poller reads to get only new ones."""
         validate_name("metric kind", kind)
         relatives = [
             k
-            for k in self._list(f"metrics/{kind}/")
+            for k in self._list(f"metrics/{kind}/", after)
             if (n := self._parsed(k)) and n.kind == "metric" and n.metric == kind
         ]
         limit = safejson.METRIC.max_bytes
-        return [
-            r
-            for _, r in self._read_records(
-                relatives, limit, lambda d, _: records.parse_metric(d, kind)
-            )
-        ]
+        return self._read_records(relatives, limit, lambda d, _: records.parse_metric(d, kind))
 
     # control -------------------------------------------------------------------------------
     def _stop_key(self, island: str | None) -> str:
