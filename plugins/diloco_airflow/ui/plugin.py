@@ -42,4 +42,3 @@ class DilocoPagePlugin(AirflowPlugin):
             "url_route": "diloco-run",
         },
     ]
-
