@@ -320,6 +320,7 @@ def serve(port: int | None = None) -> int:
         af.wait_healthy()
         af.ensure_pools()
         print(f"Airflow UI: http://localhost:{port}  user {USER}  password {af.password()}")
+        print(f"DiLoCo page: http://localhost:{port}/plugin/diloco (Browse -> DiLoCo)")
         print(f"AIRFLOW_HOME={af.home}; logs in {af.home / 'logs'}. Ctrl-C stops it.", flush=True)
         while True:
             af.check_alive()
