@@ -11,6 +11,7 @@ markers checked, and the run then ends on its own. The screenshot goes to docs/i
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import time
@@ -72,6 +73,21 @@ def test_the_page_shows_the_store_and_stops_islands(tmp_path, gcs_bucket):  # no
             )
 
         _until(progressed, 240, "two evals, three merges and both islands' heartbeats", 2.0)
+        # while the islands run: their wait tasks are labelled with the island, the run's note
+        # names the experiment, and each wait task's log has progress lines
+        waits = [t for t in af.task_instances(DAG, run_id) if t["task_id"] == "islands_local.wait"]
+        assert sorted(t["rendered_map_index"] for t in waits) == [f"{i} (local)" for i in ISLANDS]
+        assert name in (af.dag_run(DAG, run_id).get("note") or "")
+        log_path = (
+            f"/api/v2/dags/{DAG}/dagRuns/{quote(run_id, safe='')}/taskInstances/"
+            f"islands_local.wait/logs/{waits[0]['try_number']}?map_index={waits[0]['map_index']}"
+        )
+        _until(
+            lambda: "tok/s, loss" in json.dumps(af.request("GET", log_path)),
+            60,
+            "a progress line in the wait task's log",
+            3.0,
+        )
 
         with sync_api.sync_playwright() as p:
             browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])

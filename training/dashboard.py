@@ -104,6 +104,23 @@ def staleness(heads: Sequence[int] | None, base: Any) -> int | None:
     return max(h - b for h, b in zip(heads, base, strict=True))
 
 
+def progress_line(island: str, beat: Mapping[str, Any]) -> str:
+    """One line of an island's progress from its heartbeat (what its Airflow task log shows
+    every few seconds): step, tokens, tokens/s, loss, the global version it trains from."""
+
+    def fmt(key: str, spec: str) -> str:
+        value = beat.get(key)
+        return format(value, spec) if _real(value) else "-"
+
+    base = beat.get("base_version")
+    version = ",".join(map(str, base)) if isinstance(base, list) else str(base)
+    return (
+        f"island {island}: step {fmt('step', ',')}, tokens {fmt('tokens', ',')}, "
+        f"{fmt('tokens_per_s', ',.0f')} tok/s, loss {fmt('loss', '.4f')}, "
+        f"adopted version {version if base is not None else '-'}"
+    )
+
+
 # ------------------------------------------------------------------ metric records
 class MetricCache:
     """merge / eval / chaos records of many experiments, each record read once (thread-safe).

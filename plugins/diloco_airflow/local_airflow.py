@@ -261,9 +261,10 @@ class LocalAirflow:
 
     def trigger(self, dag_id: str, conf: dict[str, Any]) -> str:
         self.unpause(dag_id)
-        run = self.request(
-            "POST", f"/api/v2/dags/{dag_id}/dagRuns", {"logical_date": None, "conf": conf}
-        )
+        body: dict[str, Any] = {"logical_date": None, "conf": conf}
+        if conf.get("experiment_name"):  # runs are told apart by their experiment, not a time
+            body["note"] = f"experiment {conf['experiment_name']} in {conf.get('store_url', '?')}"
+        run = self.request("POST", f"/api/v2/dags/{dag_id}/dagRuns", body)
         return run["dag_run_id"]
 
     def dag_run(self, dag_id: str, run_id: str) -> dict:

@@ -160,7 +160,7 @@ class AirflowSource(StaticSource):
                 for ti in tis:
                     backend = ti.task_id[len("islands_") : -len(".wait")]
                     names = [n for n, b in islands if b == backend]
-                    label = ti.rendered_map_index
+                    label = (ti.rendered_map_index or "").split(" (")[0]  # "name (backend)"
                     if label not in names:
                         label = names[ti.map_index] if 0 <= ti.map_index < len(names) else None
                     if label:
