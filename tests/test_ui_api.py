@@ -225,3 +225,16 @@ def test_the_page_is_self_contained(server):
     with urllib.request.urlopen(server["base"] + "/diloco/", timeout=10) as resp:
         html = resp.read().decode()
     assert "<script" in html and "src=" not in html and "://" not in html
+
+
+def test_the_page_link_opens_the_run_and_only_on_diloco_runs():
+    from airflow.models.taskinstancekey import TaskInstanceKey
+    from diloco_airflow.ui.links import DilocoPageLink
+
+    link = DilocoPageLink()
+    ours = TaskInstanceKey("diloco_experiment", "init", "manual__2026-01-01T00:00:00+00:00", 1)
+    other = TaskInstanceKey("diloco_maintenance", "gc", "r", 1)
+    assert link.get_link(None, ti_key=ours) == (
+        "/diloco/?run_id=manual__2026-01-01T00%3A00%3A00%2B00%3A00"
+    )
+    assert link.get_link(None, ti_key=other) == ""

@@ -82,6 +82,17 @@ def test_the_page_shows_the_store_and_stops_islands(tmp_path, gcs_bucket):  # no
             f"/api/v2/dags/{DAG}/dagRuns/{quote(run_id, safe='')}/taskInstances/"
             f"islands_local.wait/logs/{waits[0]['try_number']}?map_index={waits[0]['map_index']}"
         )
+        links_path = (
+            f"/api/v2/dags/{DAG}/dagRuns/{quote(run_id, safe='')}/taskInstances/"
+            f"islands_local.wait/links?map_index={waits[0]['map_index']}"
+        )
+        links = af.request("GET", links_path)["extra_links"]
+        island0 = waits[0]["rendered_map_index"].split(" (")[0]
+        assert links == {
+            "DiLoCo page": f"/diloco/?run_id={quote(run_id, safe='')}",
+            "Island in bucket": "https://console.cloud.google.com/storage/browser/"
+            f"{store_url[5:]}/{name}/pseudograds/{island0}",
+        }
         _until(
             lambda: "tok/s, loss" in json.dumps(af.request("GET", log_path)),
             60,

@@ -4,6 +4,7 @@
 - `/diloco/`: the page and its API (api.py), mounted in the api-server.
 - "DiLoCo" in the navigation bar (Browse menu) shows it inside the Airflow UI, and every
   `diloco_experiment` run gets a "DiLoCo" tab showing its experiment.
+- Extra links on its tasks: "DiLoCo page", and "Island in bucket" on island tasks (links.py).
 
 Airflow loads it from `$AIRFLOW_HOME/plugins/diloco_page.py` (`local_airflow` writes that
 one-line shim, `diloco_airflow.ui.install_shim`: the project's plugins/ is on PYTHONPATH, not
@@ -24,8 +25,15 @@ def _app():
     return create_app()
 
 
+def _links() -> list:
+    from diloco_airflow.ui.links import DilocoPageLink, IslandBucketLink
+
+    return [DilocoPageLink(), IslandBucketLink()]
+
+
 class DilocoPagePlugin(AirflowPlugin):
     name = "diloco"
+    global_operator_extra_links = _links()
     fastapi_apps = [{"app": _app(), "url_prefix": URL_PREFIX, "name": "DiLoCo page"}]
     external_views = [
         {
