@@ -87,3 +87,18 @@ def test_list_experiments_finds_configs_only(tmp_path):
 def test_list_experiments_on_a_flat_listing_store():
     estore = new_store(small_config("m-exp"))
     assert list_experiments(estore.store) == ["m-exp"]
+
+
+def test_quarantine_shows_the_newest_and_reads_each_reason_once():
+    estore = new_store(small_config("q"))
+    for seq in range(dashboard.QUARANTINE_SHOWN + 5):
+        estore.quarantine(f"a/{seq:08d}-f000", f"bad {seq}")
+    cache = dashboard.MetricCache()
+    count, rows = cache.quarantine(estore)
+    assert (count, len(rows), rows[-1]["reason"]) == (55, 50, "bad 54")
+    estore.quarantine("b/00000099-f000", "new")
+    reads = []
+    real = estore.store.read
+    estore.store.read = lambda key, max_bytes=None: reads.append(key) or real(key, max_bytes)
+    count, rows = cache.quarantine(estore)
+    assert (count, reads) == (56, ["q/quarantine/b/00000099-f000.json"])

@@ -24,6 +24,7 @@ from training.store.layout import iso
 
 MAX_POINTS = 1500  # per curve sent to the page (evenly thinned, the last point always kept)
 MERGES_SHOWN = 40  # newest merge records in the table
+QUARANTINE_SHOWN = 50  # newest quarantine entries (by seq) with their reasons
 STALL_BEATS = 3  # a heartbeat older than this many heartbeat periods: stalled
 MIN_STALL_S = 30.0
 ISLAND_STATES = ("not started", "running", "stalled", "stopping", "retrying", "dead", "done")
@@ -123,7 +124,8 @@ def progress_line(island: str, beat: Mapping[str, Any]) -> str:
 
 # ------------------------------------------------------------------ metric records
 class MetricCache:
-    """merge / eval / chaos records of many experiments, each record read once (thread-safe).
+    """merge / eval / chaos records and quarantine reasons of many experiments, each read once
+    (thread-safe).
 
     Keyed by the experiment's URL; `records(estore, kind)` lists only names after the last one
     seen (`ExperimentStore.read_metrics_after`) and appends what is new."""
@@ -133,6 +135,21 @@ class MetricCache:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._seen: dict[tuple[str, str], tuple[str | None, list[dict]]] = {}
+        self._reasons: dict[str, dict[str, str]] = {}  # experiment URL -> id -> reason
+
+    def quarantine(self, estore) -> tuple[int, list[dict[str, str]]]:
+        """(how many are quarantined, the newest QUARANTINE_SHOWN with reasons); each reason
+        is read once (an entry's reason may be overwritten later: the first one read stays)."""
+        ids = estore.quarantine_ids()
+        shown = sorted(ids, key=lambda i: (i.split("/", 1)[1], i))[-QUARANTINE_SHOWN:]
+        with self._lock:
+            known = self._reasons.setdefault(estore.url, {})
+            missing = [i for i in shown if i not in known]
+        got = {i: estore.quarantine_reason(i) or "" for i in missing}
+        with self._lock:
+            known.update(got)
+            known = dict(known)
+        return len(ids), quarantine_rows({i: known[i] for i in shown})
 
     def records(self, estore, kind: str) -> list[dict[str, Any]]:
         key = (estore.url, kind)
@@ -281,6 +298,7 @@ def experiment_view(
     merges = cache.records(estore, "merge")
     evals = cache.records(estore, "eval")
     tokens = snapshot.tokens_merged if snapshot else 0
+    quarantine_count, quarantine = cache.quarantine(estore)
     return dict(
         experiment=cfg.name,
         store=cfg.store_url,
@@ -314,7 +332,8 @@ def experiment_view(
         goodput=experiment_goodput(cfg, {n: hb.get("goodput_state") for n, hb in beats.items()}),
         merge_count=len(merges),
         merges=[merge_row(m) for m in merges[-MERGES_SHOWN:]][::-1],
-        quarantine=quarantine_rows(estore.quarantined()),
+        quarantine_count=quarantine_count,
+        quarantine=quarantine,
         chaos_events=[
             dict(e, at_iso=iso(e["at"])) if _real(e.get("at")) else dict(e)
             for e in cache.records(estore, "chaos")

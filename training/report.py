@@ -272,7 +272,7 @@ def write_report(view: Mapping[str, Any], out: str | Path) -> dict[str, Any]:
         ("tokens merged / budget", f"{tokens['merged']:,} / {tokens['budget']:,}"),
         ("best eval loss", best.get("loss")),
         ("merges", view["merge_count"]),
-        ("quarantined", len(view["quarantine"])),
+        ("quarantined", view["quarantine_count"]),
         ("goodput", (view.get("goodput") or {}).get("goodput")),
         ("written", view["now_iso"]),
     ]
