@@ -2,8 +2,8 @@
 `diloco_experiment` on fake-gcs-server; headless Chromium (Debian's, driven by Playwright with
 `executable_path`: no browser download) opens the page as the logged-in admin, what it shows is
 checked against the store, "stop island" and "Stop experiment" are clicked and their control
-markers checked, and the run then ends on its own. The screenshot goes to docs/img/dilocopage.png
-(README.md shows it).
+markers checked, and the run then ends on its own. The screenshot goes to runs/dilocopage.png
+(`DILOCO_SCREENSHOT=docs/img/dilocopage.png` for the one README.md shows).
 
     make browser   # Debian's chromium, when missing
     .venv/bin/python -m pytest -m slow tests/test_ui_browser.py
@@ -28,7 +28,8 @@ from tests.gcs_fixture import gcs_bucket  # noqa: F401
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(600)]
 
 ROOT = Path(__file__).resolve().parents[1]
-SCREENSHOT = ROOT / "docs" / "img" / "dilocopage.png"
+# runs/ is not tracked; `DILOCO_SCREENSHOT=docs/img/dilocopage.png` refreshes the README's image
+SCREENSHOT = Path(os.environ.get("DILOCO_SCREENSHOT") or ROOT / "runs" / "dilocopage.png")
 DAG = "diloco_experiment"
 ISLANDS = ["island-a", "island-b"]
 CHROMIUM = os.environ.get("CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
