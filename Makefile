@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv test test-slow test-all lint format demo airflow bench-quality bench-goodput-sim clean
+.PHONY: venv test test-slow test-all lint format demo airflow bench-quality bench-goodput-sim clean browser
 
 venv: $(STAMP)
 
@@ -28,7 +28,14 @@ format: $(STAMP)
 test: $(STAMP) lint
 	$(BIN)/python -m pytest -q
 
-test-slow: $(STAMP)
+# Debian's chromium for the browser test (tests/test_ui_browser.py; Playwright drives it with
+# executable_path, it never downloads a browser). Without it that test skips with the reason.
+browser:
+	@command -v chromium >/dev/null 2>&1 || { echo "installing Debian's chromium (apt-get)"; \
+	  $(if $(filter 0,$(shell id -u)),,sudo) apt-get install -y -q chromium >/dev/null \
+	  || echo "warning: could not install chromium: the browser test will skip"; }
+
+test-slow: $(STAMP) browser
 	$(BIN)/python -m pytest -q -m slow || [ $$? -eq 5 ]
 
 test-all: test test-slow

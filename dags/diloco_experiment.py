@@ -57,7 +57,19 @@ def diloco_experiment():
         return islands[backend]
 
     def island_group(backend: str):
-        label = "{{ island_label }}"
+        # Airflow renders map_index_template once before the task runs (then again after it):
+        # before, the label comes from the form's islands of this backend (init keeps their
+        # order), so a running island shows its name, not 0, 1, ...; after, from the task
+        others = [b for b in ops.BACKENDS if b != backend]
+        ours = (
+            f"params.islands | rejectattr('backend', 'in', {others!r})"
+            if backend == "local"
+            else f"params.islands | selectattr('backend', 'equalto', {backend!r})"
+        )
+        label = (
+            "{{ island_label if island_label is defined else "
+            f"(({ours}) | list)[ti.map_index].name ~ ' ({backend})' }}}}"
+        )
 
         @task_group(group_id=f"islands_{backend}")
         def run_island(island: dict):

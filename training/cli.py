@@ -6,6 +6,9 @@
     diloco eval    --store URL --experiment NAME [--version N] [--record]
     diloco status  --store URL --experiment NAME [--json]
     diloco stop    --store URL --experiment NAME [--island NAME]
+    diloco list    --store URL [--json]
+    diloco history --store URL --experiment NAME [--json]
+    diloco report  --store URL --experiment NAME --out DIR
     diloco bench   quality | goodput-sim | chaos | merge | wan | science  [...]
 
 Every error a user can cause (a bad config, name or URL, an unreachable store, a corrupt object)
@@ -141,6 +144,36 @@ def cmd_stop(args) -> int:
     return 0
 
 
+def cmd_list(args) -> int:
+    from training.report import format_list, list_rows
+    from training.store.objectstore import open_store
+
+    store = open_store(args.store)
+    store.check()
+    rows = list_rows(store)
+    print(json.dumps(rows, indent=1) if args.json else format_list(rows))
+    return 0
+
+
+def cmd_history(args) -> int:
+    from training.report import format_history, history
+
+    cfg, estore = _load(args)
+    h = history(cfg, estore)
+    print(json.dumps(h, indent=1) if args.json else format_history(h))
+    return 0
+
+
+def cmd_report(args) -> int:
+    from training.dashboard import experiment_view
+    from training.report import write_report
+
+    cfg, estore = _load(args)
+    written = write_report(experiment_view(cfg, estore), args.out)
+    print(f"wrote {', '.join(written['charts'])} and {written['html']}")
+    return 0
+
+
 def cmd_bench(args, rest: list[str]) -> int:
     if args.bench == "quality":
         from training.bench import quality
@@ -217,12 +250,32 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--island", default=None)
     sp.set_defaults(fn=cmd_stop)
 
-    sp = sub.add_parser(
-        "bench", help="benchmarks: quality, goodput-sim, chaos, merge, wan, science"
+    sp = with_store(sub.add_parser("list", help="the experiments in a store"), experiment=False)
+    sp.add_argument("--json", action="store_true")
+    sp.set_defaults(fn=cmd_list)
+
+    sp = with_store(
+        sub.add_parser("history", help="versions per fragment and snapshots, with times and evals")
     )
-    sp.add_argument("bench", choices=["quality", "goodput-sim", "chaos", "merge", "wan", "science"])
+    sp.add_argument("--json", action="store_true")
+    sp.set_defaults(fn=cmd_history)
+
+    sp = with_store(
+        sub.add_parser("report", help="charts (PNG, or SVG without matplotlib) and one HTML file")
+    )
+    sp.add_argument("--out", required=True, help="directory to write into (created)")
+    sp.set_defaults(fn=cmd_report)
+
+    # no help of its own: `diloco bench NAME --help` reaches the benchmark's parser
+    sp = sub.add_parser(
+        "bench", help="benchmarks: quality, goodput-sim, chaos, merge, wan, science", add_help=False
+    )
+    sp.add_argument("bench", nargs="?", choices=BENCHES)
     sp.set_defaults(fn=None)
     return p
+
+
+BENCHES = ["quality", "goodput-sim", "chaos", "merge", "wan", "science"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -239,6 +292,9 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         if args.command == "bench":
+            if args.bench is None:
+                print(f"usage: diloco bench {{{','.join(BENCHES)}}} [--help | options]")
+                return 0 if {"-h", "--help"} & set(rest) else 2
             return cmd_bench(args, rest)
         return args.fn(args)
     except (ConfigError, StoreError, ValueError, RuntimeError) as err:

@@ -217,6 +217,7 @@ def main() -> int:
         )
         run_id = af.trigger("diloco_experiment", demo_conf(name, store_url))
         print(f"[demo] triggered diloco_experiment {run_id}: experiment {name}", flush=True)
+        print(f"[demo] watch it: {af.base}/plugin/diloco (Browse -> DiLoCo)", flush=True)
         estore = hooks.open_experiment(store_url, name)
         merges, evals = MetricTail(estore, "merge"), MetricTail(estore, "eval")
         killed, last_line, last_print = False, "", 0.0

@@ -79,6 +79,9 @@ class LocalAirflow:
         if not secret_file.exists():
             secret_file.write_text(secrets.token_urlsafe(32))
         plugins = str(self.root / "plugins")
+        from diloco_airflow.ui import install_shim
+
+        install_shim(self.home / "plugins")  # the DiLoCo page (Browse -> DiLoCo)
         pythonpath = [str(self.root), plugins, *os.environ.get("PYTHONPATH", "").split(os.pathsep)]
         env = {
             **os.environ,
@@ -258,9 +261,10 @@ class LocalAirflow:
 
     def trigger(self, dag_id: str, conf: dict[str, Any]) -> str:
         self.unpause(dag_id)
-        run = self.request(
-            "POST", f"/api/v2/dags/{dag_id}/dagRuns", {"logical_date": None, "conf": conf}
-        )
+        body: dict[str, Any] = {"logical_date": None, "conf": conf}
+        if conf.get("experiment_name"):  # runs are told apart by their experiment, not a time
+            body["note"] = f"experiment {conf['experiment_name']} in {conf.get('store_url', '?')}"
+        run = self.request("POST", f"/api/v2/dags/{dag_id}/dagRuns", body)
         return run["dag_run_id"]
 
     def dag_run(self, dag_id: str, run_id: str) -> dict:
@@ -317,6 +321,7 @@ def serve(port: int | None = None) -> int:
         af.wait_healthy()
         af.ensure_pools()
         print(f"Airflow UI: http://localhost:{port}  user {USER}  password {af.password()}")
+        print(f"DiLoCo page: http://localhost:{port}/plugin/diloco (Browse -> DiLoCo)")
         print(f"AIRFLOW_HOME={af.home}; logs in {af.home / 'logs'}. Ctrl-C stops it.", flush=True)
         while True:
             af.check_alive()

@@ -16,6 +16,7 @@ from diloco_airflow import hooks
 
 # how many consecutive failed polls (store or backend unreachable) before giving up
 MAX_POLL_ERRORS = 10
+PROGRESS_EVERY_S = 10.0  # a progress line in the wait task's log this often (from the heartbeat)
 
 
 class IslandTrigger(BaseTrigger):
@@ -47,6 +48,7 @@ class IslandTrigger(BaseTrigger):
         self.heartbeat_timeout_s = float(heartbeat_timeout_s)
         self.startup_timeout_s = float(startup_timeout_s)
         self.poll_s = float(poll_s)
+        self._progress_at = 0.0  # when the last progress line was logged (not serialized)
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return (
@@ -81,6 +83,11 @@ class IslandTrigger(BaseTrigger):
         if st.state != IslandState.RUNNING:
             return None  # PENDING / PROVISIONING: the execution timeout bounds this
         beat = estore.heartbeats().get(island) or {}
+        if beat and now - self._progress_at >= PROGRESS_EVERY_S:
+            from training.dashboard import progress_line
+
+            self._progress_at = now
+            self.log.info("%s", progress_line(island, beat))
         beat_time = float(beat.get("time") or 0.0)
         if beat_time >= self.launched_at - 1.0:
             age = now - beat_time

@@ -529,6 +529,25 @@ class ExperimentStore(FragmentVersions, GarbageCollection, IslandObjects):
             f"quarantine/{pg_id}.json", {"reason": reason, "at": at, "at_iso": iso(at)}
         )
 
+    def quarantine_ids(self) -> list[str]:
+        """Ids of quarantined pseudo-gradients, sorted, from a listing only (no reads)."""
+        return sorted(n.id for n in self._named("quarantine/", "quarantine"))
+
+    def quarantine_reason(self, pg_id: str) -> str | None:
+        """The reason of one quarantine entry (None if absent; unreadable: said so)."""
+        parse_pseudograd_id(pg_id)
+        relative = f"quarantine/{pg_id}.json"
+        data = self._read_many([relative], safejson.QUARANTINE.max_bytes)[0]
+        if data is None:
+            return None
+        try:
+            if isinstance(data, CorruptObject):
+                raise data
+            return records.parse_quarantine_entry(data).reason
+        except CorruptObject as exc:
+            self._skip(relative, exc)
+            return f"(unreadable quarantine entry: {exc})"
+
     def quarantined(
         self, island: str | None = None, after_seq: int | None = None
     ) -> dict[str, str]:

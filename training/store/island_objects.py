@@ -18,9 +18,24 @@ from training.store.layout import (
     _now,
     _unique_time_ns,
     _uuid8,
+    iso,
 )
 from training.store.objectstore import CorruptObject, ObjectNotFound
 from training.store.tensors import encode_tensors, sha256
+
+
+def with_iso(record: Mapping[str, Any], key: str = "at") -> dict[str, Any]:
+    """`record` with `{key}_iso` (ISO-8601 UTC) next to its epoch `key`, unless it has one or
+    `key` is not a plausible unix time (benches run on virtual clocks)."""
+    out = dict(record)
+    value = out.get(key)
+    if f"{key}_iso" not in out and _is_real(value) and 1e9 <= value < 1e11:
+        out[f"{key}_iso"] = iso(value)
+    return out
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 class IslandObjects:
@@ -39,7 +54,8 @@ class IslandObjects:
         """Overwrite heartbeats/{island}.json with `info` plus island and "at" (unix seconds,
         unless `info` sets it)."""
         validate_name("island", island)
-        self._write_json(f"heartbeats/{island}.json", {"at": _now(), **info, "island": island})
+        record = with_iso({"at": _now(), **info, "island": island})
+        self._write_json(f"heartbeats/{island}.json", record)
 
     def heartbeats(self) -> dict[str, dict[str, Any]]:
         """island -> its last heartbeat."""
@@ -50,7 +66,7 @@ class IslandObjects:
     def mark_done(self, island: str, info: Mapping[str, Any]) -> None:
         """Write done/{island}.json: the island finished its work."""
         validate_name("island", island)
-        self._write_json(f"done/{island}.json", {"at": _now(), **info, "island": island})
+        self._write_json(f"done/{island}.json", with_iso({"at": _now(), **info, "island": island}))
 
     def done(self) -> dict[str, dict[str, Any]]:
         """island -> its done record."""
@@ -115,27 +131,28 @@ class IslandObjects:
     def append_metric(self, kind: str, record: Mapping[str, Any]) -> None:
         """Write one record as metrics/{kind}/{time_ns:020d}-{uuid8}.json (GCS has no append).
 
-        The time in the name orders records (strictly increasing within one process).
+        The time in the name orders records (strictly increasing within one process). A record
+        with an epoch "at" gets "at_iso" beside it.
         """
         validate_name("metric kind", kind)
         name = f"metrics/{kind}/{_unique_time_ns():020d}-{_uuid8()}.json"
-        self._write_json(name, dict(record))
+        self._write_json(name, with_iso(record))
 
     def read_metrics(self, kind: str) -> list[dict[str, Any]]:
         """The records of `kind`, oldest first."""
+        return [r for _, r in self.read_metrics_after(kind, None)]
+
+    def read_metrics_after(self, kind: str, after: str | None) -> list[tuple[str, dict[str, Any]]]:
+        """(name, record) of the records of `kind` whose name sorts after `after` (a name this
+        returned earlier; None: all), oldest first: what a poller reads to get only new ones."""
         validate_name("metric kind", kind)
         relatives = [
             k
-            for k in self._list(f"metrics/{kind}/")
+            for k in self._list(f"metrics/{kind}/", after)
             if (n := self._parsed(k)) and n.kind == "metric" and n.metric == kind
         ]
         limit = safejson.METRIC.max_bytes
-        return [
-            r
-            for _, r in self._read_records(
-                relatives, limit, lambda d, _: records.parse_metric(d, kind)
-            )
-        ]
+        return self._read_records(relatives, limit, lambda d, _: records.parse_metric(d, kind))
 
     # control -------------------------------------------------------------------------------
     def _stop_key(self, island: str | None) -> str:
@@ -143,7 +160,7 @@ class IslandObjects:
 
     def request_stop(self, island: str | None = None) -> None:
         """Ask every island (None) or one island to stop: control/STOP or control/stop/{island}."""
-        self._write_json(self._stop_key(island), {"at": _now()})
+        self._write_json(self._stop_key(island), with_iso({"at": _now()}))
 
     def clear_stop(self, island: str | None = None) -> None:
         """Remove a stop marker written by request_stop (missing is fine)."""

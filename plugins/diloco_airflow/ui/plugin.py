@@ -1,0 +1,52 @@
+"""The Airflow plugin that puts the DiLoCo page in the UI (Airflow 3.3 `fastapi_apps` and
+`external_views`).
+
+- `/diloco/`: the page and its API (api.py), mounted in the api-server.
+- "DiLoCo" in the navigation bar (Browse menu) shows it inside the Airflow UI, and every
+  `diloco_experiment` run gets a "DiLoCo" tab showing its experiment.
+- Extra links on its tasks: "DiLoCo page", and "Island in bucket" on island tasks (links.py).
+
+Airflow loads it from `$AIRFLOW_HOME/plugins/diloco_page.py` (`local_airflow` writes that
+one-line shim, `diloco_airflow.ui.install_shim`: the project's plugins/ is on PYTHONPATH, not
+Airflow's plugins folder). On Composer, where `plugins/` is copied into the environment's plugins
+folder, Airflow finds this file itself.
+"""
+
+from __future__ import annotations
+
+from airflow.plugins_manager import AirflowPlugin
+
+URL_PREFIX = "/diloco"
+
+
+def _app():
+    from diloco_airflow.ui.api import create_app
+
+    return create_app()
+
+
+def _links() -> list:
+    from diloco_airflow.ui.links import DilocoPageLink, IslandBucketLink
+
+    return [DilocoPageLink(), IslandBucketLink()]
+
+
+class DilocoPagePlugin(AirflowPlugin):
+    name = "diloco"
+    global_operator_extra_links = _links()
+    fastapi_apps = [{"app": _app(), "url_prefix": URL_PREFIX, "name": "DiLoCo page"}]
+    external_views = [
+        {
+            "name": "DiLoCo",
+            "href": f"{URL_PREFIX}/",
+            "destination": "nav",
+            "category": "browse",
+            "url_route": "diloco",
+        },
+        {
+            "name": "DiLoCo",
+            "href": f"{URL_PREFIX}/?dag_id={{DAG_ID}}&run_id={{RUN_ID}}",
+            "destination": "dag_run",
+            "url_route": "diloco-run",
+        },
+    ]
