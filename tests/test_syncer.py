@@ -218,7 +218,7 @@ def test_two_shards_at_once_on_gcs_apply_each_contribution_once(gcs_bucket):  # 
             for p in (0, 1):
                 delta = fragment_delta(store, cfg, p, 1e-3 * (seq + 1))
                 committed.add(publish_delta(store, cfg, island, seq, delta, fragment=p).id)
-    from diloco_airflow.hooks import pending_pseudograds
+    from diloco_airflow.store import pending_pseudograds
 
     outs = {}
 

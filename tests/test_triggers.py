@@ -35,7 +35,7 @@ def first_event(trigger, timeout=30.0):
 
 @pytest.fixture
 def estore(tmp_path):
-    from diloco_airflow.hooks import open_experiment
+    from diloco_airflow.store import open_experiment
 
     s = open_experiment(f"file://{tmp_path / 'store'}", "exp")
     return s

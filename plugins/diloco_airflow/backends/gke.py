@@ -19,12 +19,16 @@ has no model for: its outer part is checked by hand and its job template against
 
 from __future__ import annotations
 
-import math
 import re
 import time
 from typing import Any
 
+from training.hardware import GKE_TPU_ACCELERATORS, gke_tpu_slice
+
 from .base import BackendError, BackendStatus, IslandBackend, IslandSpec, IslandState, resource_id
+from .common import RETRYABLE_HTTP_STATUS, island_env, says_retryable, wait_gone
+
+__all__ = ["GKE_TPU_ACCELERATORS", "GkeBackend", "build_manifest", "tpu_slice"]
 
 JOBSET_GROUP = "jobset.x-k8s.io"
 JOBSET_VERSION = "v1alpha2"
@@ -39,79 +43,11 @@ TPU_RESOURCE = "google.com/tpu"
 NAME_MAX_LEN = 40  # JobSet pods are named <jobset>-<job>-<i>-<j>-<rand>: leave room
 DEFAULT_NAMESPACE = "default"
 
-# GKE TPU accelerators: topology dimensions and the chips one TPU VM node can have.
-GKE_TPU_ACCELERATORS: dict[str, dict[str, Any]] = {
-    "tpu-v4-podslice": {"dims": 3, "chips_per_host": (4,)},
-    "tpu-v5p-slice": {"dims": 3, "chips_per_host": (4,)},
-    "tpu-v5-lite-podslice": {"dims": 2, "chips_per_host": (1, 4, 8)},
-    "tpu-v5-lite-device": {"dims": 2, "chips_per_host": (1, 4, 8), "single_host_only": True},
-    "tpu-v6e-slice": {"dims": 2, "chips_per_host": (1, 4, 8)},
-}
-
 _DNS_LABEL_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 
 
 # ---------------------------------------------------------------------- slice shape
-def tpu_slice(hardware: dict) -> dict[str, Any]:
-    """Validate a GKE TPU request; return ``{accelerator, topology, chips, chips_per_host, hosts}``.
-
-    Raises ValueError, saying what is wrong and what would be valid, for an unknown accelerator,
-    a topology of the wrong shape, or chips_per_host / hosts that do not fit the topology.
-    """
-    accelerator = hardware.get("accelerator")
-    if accelerator not in GKE_TPU_ACCELERATORS:
-        raise ValueError(
-            f"unknown GKE TPU accelerator {accelerator!r}; expected one of "
-            f"{sorted(GKE_TPU_ACCELERATORS)}"
-        )
-    info = GKE_TPU_ACCELERATORS[accelerator]
-    topology = str(hardware.get("topology") or "")
-    dims = info["dims"]
-    if not re.match(r"^[1-9]\d*(x[1-9]\d*)+$", topology) or len(topology.split("x")) != dims:
-        example = "2x2x1" if dims == 3 else "2x4"
-        raise ValueError(
-            f"topology {topology!r} does not fit {accelerator}: it needs {dims} dimensions "
-            f"like {example!r}"
-        )
-    chips = math.prod(int(d) for d in topology.split("x"))
-    allowed = info["chips_per_host"]
-    chips_per_host = hardware.get("chips_per_host")
-    if chips_per_host is None:
-        chips_per_host = chips if chips in allowed else max(c for c in allowed if c <= 4)
-    chips_per_host = int(chips_per_host)
-    if chips_per_host not in allowed:
-        raise ValueError(
-            f"chips_per_host={chips_per_host} is not possible on {accelerator}; "
-            f"its nodes have {list(allowed)} chips"
-        )
-    if chips < chips_per_host or chips % chips_per_host:
-        raise ValueError(
-            f"topology {topology} ({chips} chips) of {accelerator} cannot be split into hosts "
-            f"of {chips_per_host} chips"
-        )
-    hosts = chips // chips_per_host
-    if hosts > 1 and chips_per_host != 4:
-        raise ValueError(
-            f"topology {topology} ({chips} chips) of {accelerator} is multi-host, and multi-host "
-            f"slices have 4 chips per host, not {chips_per_host}"
-        )
-    if hosts > 1 and info.get("single_host_only"):
-        raise ValueError(
-            f"{accelerator} is single-host only; topology {topology} needs {hosts} hosts"
-        )
-    given = hardware.get("hosts")
-    if given is not None and int(given) != hosts:
-        raise ValueError(
-            f"topology {topology} of {accelerator} with {chips_per_host} chips per host is "
-            f"{hosts} host(s), not hosts={given}"
-        )
-    return {
-        "accelerator": accelerator,
-        "topology": topology,
-        "chips": chips,
-        "chips_per_host": chips_per_host,
-        "hosts": hosts,
-    }
+tpu_slice = gke_tpu_slice  # the catalogue's rule (training.hardware), under its old name here
 
 
 def k8s_name(spec: IslandSpec) -> str:
@@ -140,13 +76,7 @@ def _pod_spec(spec: IslandSpec, shape: dict[str, Any]) -> dict[str, Any]:
     image = hw.get("image")
     if not image or not isinstance(image, str):
         raise ValueError("gke hardware needs an 'image' (a container image with the project)")
-    env = {
-        **spec.env,
-        "DILOCO_EXPERIMENT": spec.experiment,
-        "DILOCO_ISLAND": spec.island,
-        "DILOCO_STORE_URL": spec.store_url,
-        "DILOCO_NUM_PROCESSES": str(shape["hosts"]),
-    }
+    env = island_env(spec, shape["hosts"])
     chips = str(shape["chips_per_host"])
     node_selector = {
         ACCELERATOR_LABEL: shape["accelerator"],
@@ -429,11 +359,8 @@ def _k8s_error(exc: BaseException, what: str) -> BackendError:
     reason = getattr(exc, "reason", "") or ""
     body = getattr(exc, "body", "") or ""
     message = f"{what}: {status} {reason} {body}".strip() if status else f"{what}: {exc}"
-    text = f"{reason} {body}".lower()
     retryable = (
-        status is None
-        or status in (408, 409, 429, 500, 502, 503, 504)
-        or any(w in text for w in ("quota", "exceeded", "insufficient"))
+        status is None or status in RETRYABLE_HTTP_STATUS or says_retryable(f"{reason} {body}")
     )
     return BackendError(message, retryable=retryable)
 
@@ -558,11 +485,12 @@ class GkeBackend(IslandBackend):
             if _api_status(exc) != 404:
                 raise _k8s_error(exc, f"delete {h['kind']} {h['namespace']}/{h['name']}") from exc
         if wait:
-            deadline = time.monotonic() + self.delete_timeout_s
-            while self._read(h) is not None:
-                if time.monotonic() > deadline:
-                    raise BackendError(f"{h['kind']} {h['name']} is still being deleted")
-                time.sleep(self.poll_s)
+            wait_gone(
+                lambda: self._read(h) is not None,
+                f"{h['kind']} {h['name']}",
+                timeout_s=self.delete_timeout_s,
+                poll_s=self.poll_s,
+            )
 
     def _create(self, h: dict, manifest: dict) -> Any:
         if h["kind"] == "Pod":

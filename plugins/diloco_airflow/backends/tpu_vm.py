@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import os
 import re
 import shlex
 import time
@@ -41,6 +40,9 @@ from typing import Any
 from google.api_core import exceptions as gexc
 from google.cloud import tpu_v2
 from google.protobuf import duration_pb2
+
+from diloco_airflow import knobs
+from training.hardware import tpu_hosts
 
 from .base import (
     LABEL_EXPERIMENT,
@@ -52,6 +54,9 @@ from .base import (
     IslandSpec,
     IslandState,
 )
+from .common import island_env, says_retryable, wait_gone
+
+__all__ = ["TpuVmBackend", "build_queued_resource", "map_error", "startup_script", "tpu_hosts"]
 
 LOG_PATH = "/var/log/diloco-island.log"
 GUEST_NAMESPACE = "diloco"
@@ -83,31 +88,14 @@ _RETRYABLE_ERRORS: tuple[type[BaseException], ...] = (
     TimeoutError,
     ConnectionError,
 )
-_RETRYABLE_WORDS = ("quota", "stockout", "capacity", "resource_exhausted", "exhausted", "try again")
 
 
 def map_error(exc: BaseException, what: str) -> BackendError:
     """A cloud exception as a :class:`BackendError` carrying the cloud's own message."""
     message = getattr(exc, "message", None) or str(exc) or type(exc).__name__
     text = f"{what}: {type(exc).__name__}: {message}"
-    retryable = isinstance(exc, _RETRYABLE_ERRORS) or any(
-        w in str(message).lower() for w in _RETRYABLE_WORDS
-    )
+    retryable = isinstance(exc, _RETRYABLE_ERRORS) or says_retryable(message)
     return BackendError(text, retryable=retryable)
-
-
-def tpu_hosts(accelerator_type: str) -> int:
-    """Number of TPU VM hosts of an accelerator type (``v4-32`` -> 4, ``v5litepod-16`` -> 4)."""
-    m = re.match(r"^(v\d+[a-z]*|v5litepod)-(\d+)$", accelerator_type or "")
-    if not m:
-        raise ValueError(
-            f"cannot tell the host count of accelerator type {accelerator_type!r}; "
-            "expected e.g. v4-8, v5p-64, v5litepod-16, v6e-8, or give hardware['hosts']"
-        )
-    family, size = m.group(1), int(m.group(2))
-    if family in ("v5litepod", "v5e", "v6e"):
-        return 1 if size <= 8 else size // 4  # size counts chips; 4 chips per host past 8
-    return max(1, size // 8)  # v2, v3, v4, v5p: size counts TensorCores, 8 per host
 
 
 def _export(key: str, value: str) -> str:
@@ -128,14 +116,8 @@ def startup_script(spec: IslandSpec, hosts: int | None = None) -> str:
             ' --coordinator "$DILOCO_COORDINATOR" --num-processes "$DILOCO_NUM_PROCESSES"'
             ' --process-id "$DILOCO_PROCESS_ID"'
         )
-    exports = [_export(k, v) for k, v in sorted(spec.env.items())]
-    exports += [
-        _export("DILOCO_EXPERIMENT", spec.experiment),
-        _export("DILOCO_ISLAND", spec.island),
-        _export("DILOCO_STORE_URL", spec.store_url),
-        _export("DILOCO_NUM_PROCESSES", str(hosts)),
-        _export("DILOCO_INSTALL", install),
-    ]
+    env = {**island_env(spec, hosts), "DILOCO_INSTALL": install}
+    exports = [_export(k, v) for k, v in env.items()]
     workdir = hw.get("workdir")
     cd = f"cd {shlex.quote(workdir)} || exit 1" if workdir else ""
     runner = f"""#!/bin/bash
@@ -271,9 +253,7 @@ def _labels_of(qr: tpu_v2.QueuedResource) -> dict[str, str]:
     return labels
 
 
-API_ENDPOINT_ENV = "DILOCO_TPU_API_ENDPOINT"
-"""Set to ``http://127.0.0.1:PORT`` to send every TPU API call to a local fake (plain HTTP,
-anonymous credentials), as STORAGE_EMULATOR_HOST does for GCS; unset in production."""
+API_ENDPOINT_ENV = knobs.TPU_API_ENDPOINT.name
 
 
 class TpuVmBackend(IslandBackend):
@@ -310,7 +290,7 @@ class TpuVmBackend(IslandBackend):
         poll_s: float = 10.0,
         replace_stale: bool = True,
     ) -> None:
-        endpoint = os.environ.get(API_ENDPOINT_ENV)
+        endpoint = knobs.TPU_API_ENDPOINT.get()
         if endpoint and not api_endpoint and client is None:  # a local fake of the TPU API
             api_endpoint, transport = endpoint, transport or "rest"
             if credentials is None:
@@ -408,11 +388,12 @@ class TpuVmBackend(IslandBackend):
             raise map_error(exc, f"get queued resource {name}") from exc
 
     def _wait_gone(self, name: str) -> None:
-        deadline = time.monotonic() + self.operation_timeout_s
-        while self._get_qr(name) is not None:
-            if time.monotonic() > deadline:
-                raise BackendError(f"queued resource {name} is still being deleted", retryable=True)
-            time.sleep(self.poll_s)
+        wait_gone(
+            lambda: self._get_qr(name) is not None,
+            f"queued resource {name}",
+            timeout_s=self.operation_timeout_s,
+            poll_s=self.poll_s,
+        )
 
     def _create(self, spec: IslandSpec, h: dict, request_id: str) -> bool:
         """Create the queued resource; False if it already existed (409)."""
