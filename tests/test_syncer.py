@@ -78,7 +78,7 @@ def syncer_with(store, results, clock, owner="run-1", **kw):
 
 
 def fragment_delta(store, cfg, p, value=1e-3):
-    from training.island import fragment_names
+    from training.runtime import fragment_names
 
     params = store.load_params()
     return {n: np.full(params[n].shape, value, np.float32) for n in fragment_names(cfg)[p]}

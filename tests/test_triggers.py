@@ -139,7 +139,7 @@ def sharded(tmp_path):
 
 
 def _publish(store, cfg, fragment, seq=0):
-    from training.island import fragment_names
+    from training.runtime import fragment_names
 
     params = store.load_params()
     names = fragment_names(cfg)[fragment]
