@@ -20,16 +20,16 @@ import logging
 import sys
 import time
 
-from training.config import ConfigError, ExperimentConfig, load_config, parse_config, with_overrides
+from training.config import (
+    ConfigError,
+    ExperimentConfig,
+    load_config,
+    parse_config,
+    parse_sets,
+    with_overrides,
+)
 
 log = logging.getLogger("diloco")
-
-
-def _parse_value(text: str):
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        return text
 
 
 def _open(store_url: str, experiment: str):
@@ -54,13 +54,7 @@ def cmd_init(args) -> int:
     base["name"] = args.name
     base["store_url"] = args.store
     cfg = parse_config(base)
-    overrides = {}
-    for item in args.set or []:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ConfigError(f"--set expects key=value, got {item!r}")
-        overrides[key] = _parse_value(value)
-    cfg = with_overrides(cfg, overrides)
+    cfg = with_overrides(cfg, parse_sets(args.set or []))
     estore = _open(cfg.store_url, cfg.name)
     estore.write_config(json.loads(cfg.to_json()))
     created = initial_version(cfg, estore)

@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from training.names import validate_name
 
-OuterMethod = Literal["dp", "sync", "nesterov", "delayed_nesterov", "decoupled"]
+OuterMethod = Literal["sync", "nesterov", "delayed_nesterov", "decoupled"]
+"""The merger's methods (`training.merge_rules`). Data-parallel is no merge method: the benchmarks'
+``dp`` is `training.baseline`, which uses no merger."""
 Codec = Literal["fp32", "bf16", "int8", "int4", "int2"]
 Backend = Literal["local", "tpu_vm", "gke"]
 
@@ -105,6 +107,18 @@ class InnerConfig(_Frozen):
 
 class OuterConfig(_Frozen):
     method: OuterMethod = "decoupled"
+
+    @field_validator("method", mode="before")
+    @classmethod
+    def _no_data_parallel(cls, value: Any) -> Any:
+        if value == "dp":
+            raise ValueError(
+                "'dp' (data-parallel) is not a merge method: the merger implements "
+                f"{list(get_args(OuterMethod))}; data-parallel is the benchmarks' baseline "
+                "(training.baseline, `diloco bench quality`)"
+            )
+        return value
+
     lr: float = Field(0.7, gt=0)
     momentum: float = Field(0.9, ge=0, lt=1)
     nesterov: bool = True
@@ -341,6 +355,40 @@ def with_overrides(cfg: ExperimentConfig, overrides: dict[str, Any]) -> Experime
             node = node[key]
         node[leaf] = value
     return parse_config(data)
+
+
+def parse_sets(items: list[str]) -> dict[str, Any]:
+    """``--set KEY=VALUE`` items as dotted overrides (for `with_overrides`): each value is JSON
+    when it parses as JSON (``0.5``, ``true``, ``[1, 2]``), else the plain string. Raises
+    ConfigError for an item without ``=``."""
+    overrides: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(f"--set expects key=value, got {item!r}")
+        try:
+            overrides[key] = json.loads(value)
+        except json.JSONDecodeError:
+            overrides[key] = value
+    return overrides
+
+
+# -- joining a running experiment: the one rule (docs/STORE.md, "Joining and leaving") ---------
+# 1. every setting but the island list must equal the stored config's (`check_same_settings`);
+# 2. the islands are joined by `join_islands` (ExperimentStore.add_islands applies it by CAS).
+
+
+def check_same_settings(existing: dict[str, Any], new: dict[str, Any]) -> None:
+    """Raise ConfigError naming the first field (in sorted order) other than ``islands`` whose
+    value differs between two config dicts; a joiner must ask for the same experiment."""
+    for key in sorted(set(existing) | set(new)):
+        if key == "islands":
+            continue
+        if existing.get(key) != new.get(key):
+            raise ConfigError(
+                f"experiment {existing.get('name')!r} exists with a different {key!r}: "
+                f"{json.dumps(existing.get(key))[:120]} != {json.dumps(new.get(key))[:120]}"
+            )
 
 
 def join_islands(existing: dict[str, Any], islands: list[dict[str, Any]]) -> dict[str, Any]:

@@ -17,39 +17,18 @@ from diloco_airflow.island_entry import island_entry
 log = logging.getLogger(__name__)
 
 
-def merge_configs(existing: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
-    """Join: `new` must equal `existing` except for the island list; islands are united.
-
-    Raises ConfigError naming the first field that differs. Existing islands keep their entry.
-    """
-    from training.config import ConfigError
-
-    for key in sorted(set(existing) | set(new)):
-        if key == "islands":
-            continue
-        if existing.get(key) != new.get(key):
-            raise ConfigError(
-                f"experiment {existing.get('name')!r} exists with a different {key!r}: "
-                f"{json.dumps(existing.get(key))[:120]} != {json.dumps(new.get(key))[:120]}"
-            )
-    islands = list(existing.get("islands", []))
-    known = {i["name"] for i in islands}
-    islands += [i for i in new.get("islands", []) if i["name"] not in known]
-    return {**existing, "islands": islands}
-
-
 def init_experiment(params: dict[str, Any]) -> dict[str, list]:
     """Validate the form, create the experiment or join it, return the islands by backend
     (``{"local": [...], "tpu_vm": [...], "gke": [...]}``, `IslandEntry.to_dict` each) and the
     syncer's shards (``"shards": [0, ..., S-1]``, one mapped merge task each).
 
     Joining (the experiment exists): every setting but the island list must equal the stored
-    config (`merge_configs`); islands not in it yet are added by compare-and-swap on
+    config (`training.config.check_same_settings`); islands not in it yet are added by compare-and-swap on
     config.json (`ExperimentStore.add_islands`: each needs a free data shard, see
     docs/STORE.md); islands already in it must be asked for with the same settings.
     """
     from diloco_airflow.params import config_from_params
-    from training.config import parse_config
+    from training.config import check_same_settings, parse_config
     from training.store.experiment import ExperimentExists
     from training.store.objectstore import ObjectNotFound
 
@@ -69,7 +48,7 @@ def init_experiment(params: dict[str, Any]) -> dict[str, list]:
         except ExperimentExists:  # created by a concurrent trigger in between: join it
             existing = estore.read_config()
     if existing is not None:
-        merge_configs(existing, wanted)  # same experiment settings, or a one-line ConfigError
+        check_same_settings(existing, wanted)  # the same experiment, or a one-line ConfigError
         known = {i["name"] for i in existing.get("islands", [])}
         joined = estore.add_islands([i.model_dump(mode="json") for i in cfg.islands])
         cfg_all = parse_config(joined)

@@ -35,9 +35,11 @@ import json
 import logging
 import time
 from pathlib import Path
+from typing import get_args
 
 import numpy as np
 
+from training import config
 from training.baseline import run_data_parallel
 from training.bench import stats
 from training.bench.sim import VirtualClock, eval_set, run_islands
@@ -47,7 +49,7 @@ __all__ = ["VirtualClock", "base_config", "method_config", "run", "eval_set"]
 
 log = logging.getLogger("diloco.bench")
 
-METHODS = ("dp", "sync", "nesterov", "delayed_nesterov", "decoupled")
+METHODS = ("dp", *get_args(config.OuterMethod))  # dp: training.baseline, not a merge method
 LABELS = {
     "dp": "data-parallel",
     "sync": "synchronous DiLoCo",
@@ -293,16 +295,11 @@ def plot(summary: dict, path: str) -> None:
 
 
 def parse_sets(items: list[str], parser: argparse.ArgumentParser) -> dict:
-    overrides = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep:
-            parser.error(f"--set expects key=value, got {item!r}")
-        try:
-            overrides[key] = json.loads(value)
-        except json.JSONDecodeError:
-            overrides[key] = value
-    return overrides
+    """`training.config.parse_sets`, a malformed item reported by `parser`."""
+    try:
+        return config.parse_sets(items)
+    except config.ConfigError as err:
+        parser.error(str(err))
 
 
 def main(argv: list[str]) -> int:

@@ -15,8 +15,9 @@ import math
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, NoReturn
+from typing import Any, NoReturn, get_args
 
+from training.config import Codec
 from training.store import safejson
 from training.store.keys import (
     CHECKPOINT_DIR,
@@ -79,7 +80,7 @@ class BadDoneMarker(BadRecord):
 MAX_COUNT = 2**53  # steps, tokens, bytes: exact as floats, far above anything real
 MAX_REASON = 2000  # characters of a quarantine reason
 MAX_APPLIED = 2**20
-CODECS = ("fp32", "bf16", "int8", "int4")  # training.codecs.CODECS (kept import-free here)
+CODECS: tuple[str, ...] = get_args(Codec)  # the config's type (int2 was missing here)
 SHA256 = re.compile(r"[0-9a-f]{64}", re.ASCII)
 
 
