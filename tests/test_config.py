@@ -103,3 +103,13 @@ def test_parse_sets_reads_json_values_else_strings_and_refuses_an_item_without_e
     }
     with pytest.raises(ConfigError, match="key=value"):
         parse_sets(["outer.lr"])
+
+
+def test_every_config_field_has_a_description():
+    """The descriptions feed the trigger form and `diloco init --help`: write one for a new
+    field (training/config.py, `Field(..., description=...)`)."""
+    from training.config import field_docs
+
+    docs = field_docs()
+    assert "outer.lr" in docs and "islands[].backend" in docs and "syncer.shards" in docs
+    assert [name for name, doc in docs.items() if not doc.strip()] == []

@@ -46,6 +46,15 @@ def _load(args) -> tuple[ExperimentConfig, object]:
     return parse_config(estore.read_config()), estore
 
 
+def _config_fields_help() -> str:
+    """The config's fields with their descriptions, for `diloco init --help`."""
+    from training.config import field_docs
+
+    lines = ["config fields (--set FIELD=VALUE; JSON values, else strings):"]
+    lines += [f"  {name:32s} {doc}" for name, doc in field_docs().items()]
+    return "\n".join(lines)
+
+
 def cmd_init(args) -> int:
     from training.merge import initial_version
 
@@ -176,7 +185,15 @@ def build_parser() -> argparse.ArgumentParser:
             sp.add_argument("--experiment", required=True)
         return sp
 
-    sp = with_store(sub.add_parser("init", help="create an experiment"), experiment=False)
+    sp = with_store(
+        sub.add_parser(
+            "init",
+            help="create an experiment",
+            epilog=_config_fields_help(),
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        ),
+        experiment=False,
+    )
     sp.add_argument("--name", required=True)
     sp.add_argument(
         "--config", help="JSON config file (fields of training.config.ExperimentConfig)"
