@@ -3,6 +3,9 @@
 Every process (island, merge, eval, the Airflow DAG's Params form) builds an `ExperimentConfig`
 from the same fields; `diloco init` writes it as `config.json` next to the run. Models are frozen
 and reject unknown keys, so a typo in a config file or a DAG trigger is an error, not a default.
+
+Length: one schema read in one sitting with the rules that need all of it (overrides, `--set`,
+the join); past 500 lines because every field carries its description.
 """
 
 from __future__ import annotations
