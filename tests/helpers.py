@@ -43,6 +43,14 @@ def new_store(cfg, url: str | None = None) -> ExperimentStore:
 def publish_delta(store, cfg, island, seq, delta, base_version=0, fragment=0, steps=4, tokens=512):
     """Publish `delta` (a full or fragment-sized dict of float32 arrays) as a pseudo-gradient."""
     payload, _ = codecs.encode(delta, cfg.codec)
+    return publish_payload(store, cfg, island, seq, payload, base_version, fragment, steps, tokens)
+
+
+def publish_payload(
+    store, cfg, island, seq, payload, base_version=0, fragment=0, steps=4, tokens=512
+):
+    """Publish an already encoded `payload` (of codec `cfg.codec`) as a pseudo-gradient: its
+    checksum is right whatever it holds (what a buggy or hostile island could commit)."""
     manifest = dict(
         base_version=base_version,
         steps=steps,
