@@ -4,10 +4,9 @@ task, a stalled island's wait task stopping it, and SIGTERM not marking an islan
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
-import threading
-import time
 
 import numpy as np
 import pytest
@@ -136,10 +135,12 @@ def test_chaos_monkey_is_a_noop_without_kill_mtbi_and_stops_when_islands_are_don
     cfg2 = small_config("chaos-done", store_url=url, chaos={"kill_mtbi_s": 600.0})
     store = new_store(cfg2, url)
     entries = [_island_entry(tmp_path, cfg2, n, ["true"]) for n in ("a", "b")]
-    threading.Timer(0.5, lambda: [store.mark_done(n, {}) for n in ("a", "b")]).start()
-    t0 = time.monotonic()
-    out = ops.run_chaos_monkey({"local": entries}, url, cfg2.name, poll_s=0.1)
-    assert out["kills"] == [] and time.monotonic() - t0 < 10
+    for n in ("a", "b"):
+        store.mark_done(n, {})
+    # only "every island is done" can stop it at its first poll (the first kill is due in
+    # minutes, the idle stop after an hour): a broken done check hangs until the test's timeout
+    out = ops.run_chaos_monkey({"local": entries}, url, cfg2.name, poll_s=0.1, idle_s=3600)
+    assert out["kills"] == []
 
 
 def test_stalled_island_is_stopped_by_its_wait_task_so_the_retry_relaunches_it(tmp_path):
@@ -170,8 +171,17 @@ def test_sigterm_checkpoints_but_does_not_mark_the_island_done():
     cfg = small_config("chaos-term")
     store = new_store(cfg)
     isl = Island(cfg, "a", store)
-    threading.Timer(1.0, lambda: setattr(isl, "_stop", True)).start()  # the SIGTERM handler
+    step = isl.step
+
+    def step_then_sigterm():  # a real SIGTERM to this process after the second step
+        out = step()
+        if isl.step_count == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return out
+
+    isl.step = step_then_sigterm
     isl.run()
+    assert isl._stop  # the island's handler caught it
     assert "a" not in store.done()
     assert store.load_checkpoint("a") is not None
     store.request_stop("a")
