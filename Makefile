@@ -41,10 +41,10 @@ test-slow: $(STAMP) browser
 test-all: test test-slow
 
 demo: $(STAMP)
-	PYTHONPATH=plugins $(BIN)/python -m diloco_airflow.demo
+	PYTHONPATH=.:plugins $(BIN)/python -m devtools.demo
 
 airflow: $(STAMP)
-	PYTHONPATH=plugins $(BIN)/python -m diloco_airflow.local_airflow serve
+	PYTHONPATH=.:plugins $(BIN)/python -m devtools.local_airflow serve
 
 bench-quality: $(STAMP)
 	$(BIN)/diloco bench quality --quick --json runs/bench_quality.json

@@ -10,19 +10,22 @@ Nothing else needs unpausing. Structure only: the work is in plugins/diloco_airf
 
 from __future__ import annotations
 
-import os
 from datetime import datetime, timedelta
 
-from airflow.sdk import dag, task, task_group
-from diloco_airflow import operators as ops
+from airflow.sdk import dag, task
+from diloco_airflow import knobs
+from diloco_airflow.backends.registry import BACKENDS
+from diloco_airflow.chaos_monkey import run_chaos_monkey
+from diloco_airflow.experiment_end import finalize_experiment, islands_ended
+from diloco_airflow.experiment_setup import init_experiment
+from diloco_airflow.island_group import island_group
 from diloco_airflow.params import experiment_params
+from diloco_airflow.pools import CONTROL_POOL
 from diloco_airflow.syncer import EvaluatorOperator, SyncerShardOperator
 
-RETRY_DELAY = timedelta(seconds=float(os.environ.get("DILOCO_RETRY_DELAY_S", "30")))
-ISLAND_TIMEOUT = timedelta(hours=float(os.environ.get("DILOCO_ISLAND_TIMEOUT_H", "72")))
-ISLAND_RETRIES = int(os.environ.get("DILOCO_ISLAND_RETRIES", "5"))
-# stalled island = heartbeat older than this while its process runs (default: from heartbeat_s)
-HEARTBEAT_TIMEOUT_S = float(os.environ.get("DILOCO_HEARTBEAT_TIMEOUT_S") or 0) or None
+RETRY_DELAY = timedelta(seconds=knobs.RETRY_DELAY_S.get())
+ISLAND_TIMEOUT = timedelta(hours=knobs.ISLAND_TIMEOUT_H.get())
+ISLAND_RETRIES = knobs.ISLAND_RETRIES.get()
 
 default_args = {
     "retries": 2,
@@ -30,13 +33,13 @@ default_args = {
     "retry_exponential_backoff": True,
     "max_retry_delay": timedelta(minutes=30),
     "execution_timeout": timedelta(minutes=30),
-    "pool": ops.CONTROL_POOL,
+    "pool": CONTROL_POOL,
 }
 
 
 @dag(
     dag_id="diloco_experiment",
-    schedule=os.environ.get("DILOCO_EXPERIMENT_SCHEDULE") or None,
+    schedule=knobs.EXPERIMENT_SCHEDULE.get(),
     start_date=datetime(2025, 1, 1),
     catchup=False,
     params=experiment_params(),
@@ -48,80 +51,29 @@ default_args = {
 def diloco_experiment():
     @task
     def init(params=None) -> dict:
-        return ops.init_experiment(dict(params))
+        return init_experiment(dict(params))
 
     islands = init()
 
     @task
-    def select(islands: dict, backend: str) -> list:
-        return islands[backend]
+    def select(islands: dict, key: str) -> list:
+        return islands[key]
 
-    def island_group(backend: str):
-        # Airflow renders map_index_template once before the task runs (then again after it):
-        # before, the label comes from the form's islands of this backend (init keeps their
-        # order), so a running island shows its name, not 0, 1, ...; after, from the task
-        others = [b for b in ops.BACKENDS if b != backend]
-        ours = (
-            f"params.islands | rejectattr('backend', 'in', {others!r})"
-            if backend == "local"
-            else f"params.islands | selectattr('backend', 'equalto', {backend!r})"
+    groups = [
+        island_group(
+            b,
+            select.override(task_id=f"select_{b}")(islands, b),
+            retries=ISLAND_RETRIES,
+            timeout=ISLAND_TIMEOUT,
+            heartbeat_timeout_s=knobs.HEARTBEAT_TIMEOUT_S.get(),
         )
-        label = (
-            "{{ island_label if island_label is defined else "
-            f"(({ours}) | list)[ti.map_index].name ~ ' ({backend})' }}}}"
-        )
-
-        @task_group(group_id=f"islands_{backend}")
-        def run_island(island: dict):
-            @task(pool=ops.pool_for(backend), map_index_template=label)
-            def provision(island: dict) -> dict:
-                from airflow.sdk import get_current_context
-
-                get_current_context()["island_label"] = island["label"]
-                return ops.provision_island(island)
-
-            @task(
-                pool=ops.pool_for(backend),
-                map_index_template=label,
-                retries=ISLAND_RETRIES,
-            )
-            def launch(island: dict, handle: dict) -> dict:
-                from airflow.sdk import get_current_context
-
-                get_current_context()["island_label"] = island["label"]
-                return ops.launch_island(island, handle)
-
-            @task(pool=ops.pool_for(backend), map_index_template=label)
-            def teardown(island: dict) -> None:
-                from airflow.sdk import get_current_context
-
-                get_current_context()["island_label"] = island["label"]
-                ops.teardown_island(island)
-
-            prov = provision(island)
-            launched = launch(island, prov)
-            wait = ops.IslandWaitOperator(
-                task_id="wait",
-                island=island,
-                pool=ops.pool_for(backend),
-                map_index_template=label,
-                retries=ISLAND_RETRIES,
-                execution_timeout=ISLAND_TIMEOUT,
-                heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S,
-            )
-            down = teardown(island).as_teardown(setups=prov)
-            launched >> wait >> down
-
-        return run_island.expand(
-            island=select.override(task_id=f"select_{backend}")(islands, backend)
-        )
-
-    groups = [island_group(b) for b in ops.BACKENDS]
+        for b in BACKENDS
+    ]
 
     @task(execution_timeout=ISLAND_TIMEOUT, retries=ISLAND_RETRIES)
     def chaos_monkey(islands: dict, params=None) -> dict:
         """Chaos mode (chaos.kill_mtbi_s): SIGKILL running islands until all are done."""
-        return ops.run_chaos_monkey(islands, params["store_url"], params["experiment_name"])
+        return run_chaos_monkey(islands, params["store_url"], params["experiment_name"])
 
     monkey = chaos_monkey(islands)
 
@@ -142,17 +94,17 @@ def diloco_experiment():
         execution_timeout=ISLAND_TIMEOUT,
     )
 
-    @task(trigger_rule="all_done")
-    def islands_ended(params=None, run_id=None) -> dict:
+    @task(task_id="islands_ended", trigger_rule="all_done")
+    def end_islands(params=None, run_id=None) -> dict:
         """The island tasks of this run are over: the syncer and evaluator may end."""
         names = [i["name"] for i in params["islands"]]
-        return ops.islands_ended(params["store_url"], params["experiment_name"], run_id, names)
+        return islands_ended(params["store_url"], params["experiment_name"], run_id, names)
 
     @task(trigger_rule="all_done")
     def finalize(params=None) -> dict:
-        return ops.finalize_experiment(params["store_url"], params["experiment_name"])
+        return finalize_experiment(params["store_url"], params["experiment_name"])
 
-    ended = islands_ended()
+    ended = end_islands()
     [*groups, monkey] >> ended
     islands >> evaluate
     [ended, syncer, evaluate] >> finalize()

@@ -7,7 +7,7 @@ import socket
 from contextlib import contextmanager
 from pathlib import Path
 
-from diloco_airflow.local_airflow import LocalAirflow, group_alive, stop_islands
+from devtools.local_airflow import LocalAirflow, group_alive, stop_islands
 
 
 def free_port() -> int:

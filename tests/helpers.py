@@ -46,6 +46,14 @@ def new_store(cfg, url: str | None = None) -> ExperimentStore:
 def publish_delta(store, cfg, island, seq, delta, base_version=0, fragment=0, steps=4, tokens=512):
     """Publish `delta` (a full or fragment-sized dict of float32 arrays) as a pseudo-gradient."""
     payload, _ = codecs.encode(delta, cfg.codec)
+    return publish_payload(store, cfg, island, seq, payload, base_version, fragment, steps, tokens)
+
+
+def publish_payload(
+    store, cfg, island, seq, payload, base_version=0, fragment=0, steps=4, tokens=512
+):
+    """Publish an already encoded `payload` (of codec `cfg.codec`) as a pseudo-gradient: its
+    checksum is right whatever it holds (what a buggy or hostile island could commit)."""
     manifest = dict(
         base_version=base_version,
         steps=steps,
@@ -61,3 +69,25 @@ def publish_delta(store, cfg, island, seq, delta, base_version=0, fragment=0, st
 def random_delta(params, seed, scale=1e-2):
     rng = np.random.default_rng(seed)
     return {k: (rng.normal(size=v.shape) * scale).astype(np.float32) for k, v in params.items()}
+
+
+class FakeClock:
+    """A clock the test moves: ``clock()`` reads it, ``clock.t = ...`` sets it, and
+    ``clock.sleep(s)`` (pass it where code sleeps) advances it, records the nap in ``naps``, then
+    runs each ``(time, fn)`` of ``at`` whose time has come, once (to make things happen "while"
+    code sleeps, without threads)."""
+
+    def __init__(self, t: float = 0.0):
+        self.t = t
+        self.naps: list[float] = []
+        self.at: list = []
+
+    def __call__(self) -> float:
+        return self.t
+
+    def sleep(self, s: float) -> None:
+        self.naps.append(s)
+        self.t += s
+        for item in [h for h in self.at if h[0] <= self.t]:
+            self.at.remove(item)
+            item[1]()

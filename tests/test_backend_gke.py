@@ -230,7 +230,7 @@ def test_backend_jobset_lifecycle_with_fake_api():
     assert info.value.retryable is False
 
 
-def test_status_mapping():
+def test_jobset_status_mapping():
     def cond(kind, **kw):
         return {"status": {"conditions": [{"type": kind, "status": "True", **kw}]}}
 
@@ -238,32 +238,83 @@ def test_status_mapping():
     st = jobset_status(cond("Failed", reason="FailedJobs", message="job island-0 failed"))
     assert st.state == IslandState.FAILED and "island-0" in st.message
     assert jobset_status({}).state == IslandState.PROVISIONING
-    assert pod_status({"status": {"phase": "Running"}}).state == IslandState.RUNNING
-    assert pod_status({"status": {"phase": "Succeeded"}}).state == IslandState.SUCCEEDED
-    preempted = {
-        "status": {
-            "phase": "Failed",
-            "conditions": [
-                {"type": "DisruptionTarget", "status": "True", "message": "spot VM reclaimed"}
-            ],
-        }
+
+
+def _v1pod(status: dict):
+    """A `V1Pod`, as `CoreV1Api.read_namespaced_pod` returns it, from its JSON form."""
+    from kubernetes.client import ApiClient
+
+    return ApiClient()._ApiClient__deserialize(
+        {"metadata": {"name": "p"}, "status": status}, "V1Pod"
+    )
+
+
+def _terminated(code: int, message: str) -> dict:
+    return {
+        "name": "island",
+        "image": "img",
+        "imageID": "",
+        "ready": False,
+        "restartCount": 0,
+        "state": {"terminated": {"exitCode": code, "message": message}},
     }
+
+
+def test_pod_status_mapping_of_real_v1pod_objects():
+    assert pod_status(_v1pod({"phase": "Running"})).state == IslandState.RUNNING
+    assert pod_status(_v1pod({"phase": "Succeeded"})).state == IslandState.SUCCEEDED
+    disrupted = {"type": "DisruptionTarget", "status": "True", "message": "spot VM reclaimed"}
+    preempted = _v1pod({"phase": "Failed", "conditions": [disrupted]})
     assert pod_status(preempted).state == IslandState.PREEMPTED
-    failed = {
-        "status": {
-            "phase": "Failed",
-            "containerStatuses": [
-                {"state": {"terminated": {"exitCode": 3, "message": "loss went NaN"}}}
-            ],
-        }
-    }
+    failed = _v1pod({"phase": "Failed", "containerStatuses": [_terminated(3, "loss went NaN")]})
     st = pod_status(failed)
     assert st.state == IslandState.FAILED and "exit code 3" in st.message
     assert "loss went NaN" in st.message
-    pending = {
-        "status": {
-            "phase": "Pending",
-            "conditions": [{"type": "PodScheduled", "reason": "Unschedulable", "message": "0/3"}],
-        }
-    }
-    assert pod_status(pending).state == IslandState.PROVISIONING
+    unschedulable = {"type": "PodScheduled", "status": "False", "reason": "Unschedulable"}
+    pending = _v1pod({"phase": "Pending", "conditions": [{**unschedulable, "message": "0/3"}]})
+    st = pod_status(pending)
+    assert st.state == IslandState.PROVISIONING and st.message == "0/3"
+
+
+class _FakeCoreApi:
+    """Just enough of CoreV1Api for the Pod lifecycle; it hands back `V1Pod` objects."""
+
+    def __init__(self):
+        self.pods: dict[tuple[str, str], dict] = {}
+        self.calls: list[str] = []
+
+    def create_namespaced_pod(self, namespace, body):
+        self.calls.append("create")
+        key = (namespace, body["metadata"]["name"])
+        if key in self.pods:
+            raise _ApiException(409, "AlreadyExists")
+        self.pods[key] = {**copy.deepcopy(body), "status": {"phase": "Pending"}}
+        return _v1pod(self.pods[key]["status"])
+
+    def read_namespaced_pod(self, name, namespace):
+        if (namespace, name) not in self.pods:
+            raise _ApiException(404, "NotFound")
+        return _v1pod(self.pods[(namespace, name)]["status"])
+
+    def delete_namespaced_pod(self, name, namespace, **kw):
+        self.calls.append("delete")
+        if self.pods.pop((namespace, name), None) is None:
+            raise _ApiException(404, "NotFound")
+
+
+def test_backend_pod_lifecycle_with_fake_api():
+    api = _FakeCoreApi()
+    backend = get_backend("gke", core_api=api, poll_s=0)
+    spec = _spec("g1")
+    h = backend.provision(spec)
+    assert h["kind"] == "Pod"
+    assert backend.status(spec, h).state == IslandState.GONE
+    h = backend.launch(spec, h)
+    assert backend.status(spec, h).state == IslandState.PROVISIONING
+    api.pods[("training", h["name"])]["status"] = {"phase": "Running"}
+    assert backend.status(spec, {}).state == IslandState.RUNNING
+    backend.launch(spec, {})  # a retried launch replaces the earlier copy
+    assert api.calls == ["create", "create", "delete", "create"] and len(api.pods) == 1
+    backend.teardown(spec, h)
+    backend.teardown(spec, h)  # idempotent
+    assert not api.pods

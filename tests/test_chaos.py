@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from tests.helpers import new_store, small_config
+from tests.helpers import FakeClock, new_store, small_config
 from training.chaos import (
     ChaosStore,
     IslandChaos,
@@ -138,16 +138,14 @@ def test_stalled_island_stops_stepping_and_heartbeating_until_stopped():
     isl = Island(cfg, "a", store)
     seen_during_stall = []
 
-    def stop_later():
-        time.sleep(1.0)
+    def nap(seconds: float) -> None:  # the stall's wait: look at the store, then "SIGTERM"
         seen_during_stall.append(dict(store.heartbeats()))
-        isl._stop = True  # what the SIGTERM handler does
+        if len(seen_during_stall) == 3:
+            isl._stop = True  # what the SIGTERM handler does
 
-    t = threading.Thread(target=stop_later)
-    t.start()
+    isl.chaos.sleep = nap
     isl.run()
-    t.join()
-    assert seen_during_stall == [{}]  # silent while stalled
+    assert seen_during_stall == [{}, {}, {}]  # silent while stalled, until stopped
     assert isl.step_count == 0
     events = store.read_metrics("chaos")
     assert [(e["event"], e["island"]) for e in events] == [("stall", "a")]
@@ -158,10 +156,24 @@ def test_stalled_island_stops_stepping_and_heartbeating_until_stopped():
 # -- kills ------------------------------------------------------------------------------------
 
 
-def test_monkey_kills_at_the_seeded_rate():
+class _VirtualStop(threading.Event):
+    """A stop event whose wait advances a fake clock instead of sleeping."""
+
+    def __init__(self, clock):
+        super().__init__()
+        self.clock = clock
+
+    def wait(self, timeout=None):
+        self.clock.t += timeout or 0.0
+        return self.is_set()
+
+
+def test_monkey_kills_at_the_seeded_times_the_seeded_victims():
     chaos = ChaosConfig(kill_mtbi_s=0.25, max_kills=4, seed=11)
+    clock = FakeClock(0.0)
     procs: dict[str, subprocess.Popen] = {}
     killed: list[subprocess.Popen] = []
+    kill_at: list[float] = []
 
     def pids():
         for name in ("x", "y", "z"):  # a runner: keep three processes alive
@@ -174,24 +186,28 @@ def test_monkey_kills_at_the_seeded_rate():
                 )
         return {n: p.pid for n, p in procs.items()}
 
+    def kill(pid: int, sig: int) -> None:  # a real SIGKILL, at a virtual time
+        kill_at.append(clock.t)
+        os.kill(pid, sig)
+        next(p for p in procs.values() if p.pid == pid).wait()
+
     pids()
     events = []
-    start = time.monotonic()
     try:
-        kills = run_monkey(pids, chaos, events.append)
-        elapsed = time.monotonic() - start
+        kills = run_monkey(
+            pids, chaos, events.append, stop=_VirtualStop(clock), clock=clock, kill=kill
+        )
+        pids()  # the runner notices the last victim
     finally:
         for p in procs.values():
             p.kill()
             p.wait()
     due = kill_times(0.25, 11)
-    schedule = [next(due) for _ in range(4)]
+    assert kill_at == pytest.approx([next(due) for _ in range(4)])
     assert len(kills) == 4 and events == kills
-    assert schedule[-1] <= elapsed < schedule[-1] + 2.0  # on schedule (bounded lag)
     choose = victim_chooser(11)
     assert [k["island"] for k in kills] == [choose(["x", "y", "z"]) for _ in range(4)]
-    for p in killed:
-        assert p.returncode == -9
+    assert len(killed) == 4 and all(p.returncode == -9 for p in killed)
     assert all(k["event"] == "kill" and "at" in k for k in kills)
 
 

@@ -4,10 +4,9 @@ task, a stalled island's wait task stopping it, and SIGTERM not marking an islan
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
-import threading
-import time
 
 import numpy as np
 import pytest
@@ -18,8 +17,8 @@ from training.store.experiment import ExperimentStore
 
 _MERGE_TASK = """
 import sys
-from diloco_airflow import operators as ops
-print(ops.merge_experiments([{"store_url": sys.argv[1], "experiment": "chaos-op"}]))
+from diloco_airflow.experiment_end import merge_experiments
+print(merge_experiments([{"store_url": sys.argv[1], "experiment": "chaos-op"}]))
 """
 
 
@@ -35,7 +34,7 @@ def _delta(store) -> dict[str, np.ndarray]:
 
 @pytest.mark.integration
 def test_merge_task_is_killed_mid_write_once_and_its_retry_repairs_the_ledger(tmp_path):
-    from diloco_airflow import operators as ops
+    from diloco_airflow.experiment_end import merge_experiments
 
     cfg = small_config("chaos-op", chaos={"kill_merge_at": "global.after-cas"})
     url, store = _file_store(tmp_path, cfg)
@@ -50,7 +49,7 @@ def test_merge_task_is_killed_mid_write_once_and_its_retry_repairs_the_ledger(tm
     # the retry (here: in this process) is not armed again, repairs the ledger and merges on
     publish_delta(store, cfg, "b", 0, _delta(store))
     os.environ.pop("DILOCO_FAULTS", None)
-    [out] = ops.merge_experiments([{"store_url": url, "experiment": cfg.name}])
+    [out] = merge_experiments([{"store_url": url, "experiment": cfg.name}])
     assert out["versions"] == [2] and out["applied"] == 1
     assert store.applied() == {"a/00000000-f000": 1, "b/00000000-f000": 2}
     assert [e["event"] for e in store.read_metrics("chaos")] == ["merge_kill"]
@@ -58,31 +57,39 @@ def test_merge_task_is_killed_mid_write_once_and_its_retry_repairs_the_ledger(tm
 
 
 def _island_entry(tmp_path, cfg, name: str, command: list[str]) -> dict:
+    """The entry dict of a local island running `command` (as XCom hands it to the tasks)."""
     from diloco_airflow.backends import IslandSpec
+    from diloco_airflow.island_entry import IslandEntry
 
-    spec = IslandSpec(
-        experiment=cfg.name, island=name, store_url=cfg.store_url, command=command
+    spec = IslandSpec(experiment=cfg.name, island=name, store_url=cfg.store_url, command=command)
+    return IslandEntry(
+        name=name,
+        experiment=cfg.name,
+        store_url=cfg.store_url,
+        backend="local",
+        backend_kwargs={"runs_root": str(tmp_path / "runs")},
+        label=f"{name} (local)",
+        heartbeat_s=cfg.heartbeat_s,
+        spec=spec,
     ).to_dict()
-    return {
-        "name": name,
-        "experiment": cfg.name,
-        "store_url": cfg.store_url,
-        "backend": "local",
-        "backend_kwargs": {"runs_root": str(tmp_path / "runs")},
-        "label": f"{name} (local)",
-        "heartbeat_s": cfg.heartbeat_s,
-        "spec": spec,
-    }
+
+
+def _backend_and_spec(entry: dict):
+    from diloco_airflow.island_entry import IslandEntry
+
+    e = IslandEntry.of(entry)
+    return e.make_backend(), e.spec
 
 
 def _launch(entry: dict) -> None:
-    from diloco_airflow import operators as ops
+    from diloco_airflow import island_tasks
 
-    ops.launch_island(entry, ops.provision_island(entry))
+    island_tasks.launch_island(entry, island_tasks.provision_island(entry))
 
 
 def test_chaos_monkey_task_kills_running_islands_and_records_each_kill(tmp_path):
-    from diloco_airflow import operators as ops
+    from diloco_airflow import chaos_monkey as ops
+    from diloco_airflow.island_tasks import teardown_island
 
     url = f"file://{tmp_path}/store"
     cfg = small_config(
@@ -103,7 +110,10 @@ def test_chaos_monkey_task_kills_running_islands_and_records_each_kill(tmp_path)
         assert sorted(e["n"] for e in events) == [1, 2]
         from diloco_airflow.backends import IslandState
 
-        states = {e["name"]: ops._backend(e).status(ops._spec(e), {}) for e in entries}
+        states = {}
+        for e in entries:
+            backend, spec = _backend_and_spec(e)
+            states[e["name"]] = backend.status(spec, {})
         killed = {e["island"] for e in events}
         for name in killed:
             assert states[name].state == IslandState.FAILED, states[name]
@@ -111,11 +121,11 @@ def test_chaos_monkey_task_kills_running_islands_and_records_each_kill(tmp_path)
         assert ops.run_chaos_monkey({"local": entries}, url, cfg.name)["kills"] == []
     finally:
         for e in entries:
-            ops.teardown_island(e)
+            teardown_island(e)
 
 
 def test_chaos_monkey_is_a_noop_without_kill_mtbi_and_stops_when_islands_are_done(tmp_path):
-    from diloco_airflow import operators as ops
+    from diloco_airflow import chaos_monkey as ops
 
     url = f"file://{tmp_path}/store"
     cfg = small_config("chaos-idle", store_url=url)
@@ -125,23 +135,25 @@ def test_chaos_monkey_is_a_noop_without_kill_mtbi_and_stops_when_islands_are_don
     cfg2 = small_config("chaos-done", store_url=url, chaos={"kill_mtbi_s": 600.0})
     store = new_store(cfg2, url)
     entries = [_island_entry(tmp_path, cfg2, n, ["true"]) for n in ("a", "b")]
-    threading.Timer(0.5, lambda: [store.mark_done(n, {}) for n in ("a", "b")]).start()
-    t0 = time.monotonic()
-    out = ops.run_chaos_monkey({"local": entries}, url, cfg2.name, poll_s=0.1)
-    assert out["kills"] == [] and time.monotonic() - t0 < 10
+    for n in ("a", "b"):
+        store.mark_done(n, {})
+    # only "every island is done" can stop it at its first poll (the first kill is due in
+    # minutes, the idle stop after an hour): a broken done check hangs until the test's timeout
+    out = ops.run_chaos_monkey({"local": entries}, url, cfg2.name, poll_s=0.1, idle_s=3600)
+    assert out["kills"] == []
 
 
 def test_stalled_island_is_stopped_by_its_wait_task_so_the_retry_relaunches_it(tmp_path):
-    from diloco_airflow import operators as ops
     from diloco_airflow.backends import IslandState
+    from diloco_airflow.island_tasks import IslandWaitOperator
 
     url = f"file://{tmp_path}/store"
     cfg = small_config("chaos-wait", store_url=url)
     new_store(cfg, url)
     entry = _island_entry(tmp_path, cfg, "a", [sys.executable, "-c", "import time; time.sleep(60)"])
     _launch(entry)
-    op = ops.IslandWaitOperator(task_id="wait", island=entry)
-    backend, spec = ops._backend(entry), ops._spec(entry)
+    op = IslandWaitOperator(task_id="wait", island=entry)
+    backend, spec = _backend_and_spec(entry)
     assert backend.status(spec, {}).state == IslandState.RUNNING
     event = {
         "status": "failed",
@@ -159,8 +171,17 @@ def test_sigterm_checkpoints_but_does_not_mark_the_island_done():
     cfg = small_config("chaos-term")
     store = new_store(cfg)
     isl = Island(cfg, "a", store)
-    threading.Timer(1.0, lambda: setattr(isl, "_stop", True)).start()  # the SIGTERM handler
+    step = isl.step
+
+    def step_then_sigterm():  # a real SIGTERM to this process after the second step
+        out = step()
+        if isl.step_count == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return out
+
+    isl.step = step_then_sigterm
     isl.run()
+    assert isl._stop  # the island's handler caught it
     assert "a" not in store.done()
     assert store.load_checkpoint("a") is not None
     store.request_stop("a")

@@ -74,3 +74,42 @@ def test_shards_default_to_island_order():
 def test_config_json_is_stable():
     cfg = ExperimentConfig(name="exp")
     assert json.loads(cfg.to_json())["outer"]["lr"] == 0.7
+
+
+def test_dp_is_refused_as_a_merge_method_with_the_reason():
+    from training.config import ConfigError, parse_config
+
+    with pytest.raises(ConfigError, match="'dp' .* is not a merge method"):
+        parse_config({"name": "x", "outer": {"method": "dp"}})
+
+
+def test_the_codec_lists_are_the_configs_codec_type():
+    from typing import get_args
+
+    from training import codecs
+    from training.config import Codec
+    from training.store import records
+
+    assert codecs.CODECS == records.CODECS == get_args(Codec)
+
+
+def test_parse_sets_reads_json_values_else_strings_and_refuses_an_item_without_equals():
+    from training.config import ConfigError, parse_sets
+
+    assert parse_sets(["outer.lr=0.5", "name=exp-1", "islands=[]"]) == {
+        "outer.lr": 0.5,
+        "name": "exp-1",
+        "islands": [],
+    }
+    with pytest.raises(ConfigError, match="key=value"):
+        parse_sets(["outer.lr"])
+
+
+def test_every_config_field_has_a_description():
+    """The descriptions feed the trigger form and `diloco init --help`: write one for a new
+    field (training/config.py, `Field(..., description=...)`)."""
+    from training.config import field_docs
+
+    docs = field_docs()
+    assert "outer.lr" in docs and "islands[].backend" in docs and "syncer.shards" in docs
+    assert [name for name, doc in docs.items() if not doc.strip()] == []

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from diloco_airflow.demo import percentile, summarize
+from devtools.demo import percentile, summarize
 
 
 def _merge(at, tokens, *contribs):

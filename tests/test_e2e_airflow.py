@@ -10,7 +10,7 @@ eval no worse than the best one.
 `test_experiment_on_gcs_survives_a_killed_island`: one island is killed.
 
 Starts scheduler, triggerer, dag-processor and api-server (LocalExecutor on SQLite, a tmp
-AIRFLOW_HOME) through `diloco_airflow.local_airflow`, triggers `diloco_experiment` through REST
+AIRFLOW_HOME) through `devtools.local_airflow`, triggers `diloco_experiment` through REST
 API v2 with three local islands on a gs:// store, SIGKILLs one island's process group mid-run,
 waits for the run to finish, then checks the bucket with google-cloud-storage alone (no project
 code): every version's manifest names what it merged, nothing is merged twice, the killed
@@ -30,8 +30,8 @@ import uuid
 from pathlib import Path
 
 import pytest
-from diloco_airflow.demo import ISLANDS, demo_conf, summarize
 
+from devtools.demo import ISLANDS, demo_conf, summarize
 from tests.airflow_fixture import running_airflow
 from tests.gcs_fixture import BUCKET, gcs_bucket  # noqa: F401
 
@@ -132,7 +132,7 @@ FIRST_MERGE_S = 10.0  # first merge after the first publish, at most
 
 
 def test_a_run_triggered_like_the_form_merges_from_its_first_publish(airflow, gcs_bucket):  # noqa: F811
-    from diloco_airflow.hooks import open_experiment
+    from diloco_airflow.store import open_experiment
 
     name = f"form-{uuid.uuid4().hex[:8]}"
     store_url = f"{gcs_bucket}/form-{uuid.uuid4().hex[:8]}"

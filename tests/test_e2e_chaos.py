@@ -27,8 +27,8 @@ import uuid
 from pathlib import Path
 
 import pytest
-from diloco_airflow.demo import demo_conf
 
+from devtools.demo import demo_conf
 from tests.airflow_fixture import running_airflow
 from tests.gcs_fixture import gcs_bucket  # noqa: F401
 from tests.test_e2e_airflow import DAG, ISLANDS, Bucket

@@ -2,19 +2,11 @@
 
 import pytest
 
-from tests.helpers import new_store, small_config
+from tests.helpers import FakeClock, new_store, small_config
 from training.config import IslandConfig
 from training.goodput import CATEGORIES, GoodputAccountant, chips_of, experiment_goodput
 from training.island import Island
 from training.status import collect_status, format_status
-
-
-class FakeClock:
-    def __init__(self, t: float = 0.0):
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def test_categories_add_up_by_hand():

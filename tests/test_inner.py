@@ -31,12 +31,22 @@ def test_train_step_compiles_once_and_loss_falls():
     assert losses[-1] < losses[0]
 
 
-def test_optimizer_state_round_trips_without_recompiling():
+def test_optimizer_state_round_trips_exactly_and_trains_on_without_recompiling():
     loop, params, x = _setup()
     opt = loop.init_opt_state(params)
     params, opt, _ = loop.step(params, opt, x, x)
-    restored = loop.opt_state_from_host(loop.opt_state_to_host(opt))
-    params, _, _ = loop.step(params, restored, x, x)
+    named = loop.opt_state_to_host(opt)
+    restored = loop.opt_state_from_host(named)
+    again = loop.opt_state_to_host(restored)
+    assert sorted(again) == sorted(named)
+    for k in named:
+        np.testing.assert_array_equal(np.asarray(again[k]), np.asarray(named[k]), err_msg=k)
+    # a step from the restored state is the step from the original one (steps donate inputs)
+    host = inner.to_host(params)
+    p_orig, _, _ = loop.step(loop.put_params(host), opt, x, x)
+    p_rest, _, _ = loop.step(loop.put_params(host), restored, x, x)
+    for k, v in inner.to_host(p_orig).items():
+        np.testing.assert_array_equal(inner.to_host(p_rest)[k], v, err_msg=k)
     assert loop.compile_count() == 1
 
 

@@ -183,13 +183,15 @@ def test_a_joined_island_trains_and_its_pseudograds_are_merged():
 # ------------------------------------------------------------------ the DAG's init task
 @pytest.fixture
 def init(monkeypatch):
-    from diloco_airflow import operators as ops
+    from diloco_airflow import experiment_setup
 
     registered = []
     monkeypatch.setattr(
-        ops, "register_experiment", lambda url, name, entries: registered.append(entries)
+        experiment_setup,
+        "register_experiment",
+        lambda url, name, entries: registered.append(entries),
     )
-    return ops.init_experiment, registered
+    return experiment_setup.init_experiment, registered
 
 
 def _params(store_url, islands, **overrides):
@@ -223,7 +225,7 @@ def test_init_task_creates_then_joins(tmp_path, init):
     # trigger again with the same name and a new island: only that island runs in this run
     second = init_experiment(_params(url, ["c"]))
     assert [e["name"] for e in second["local"]] == ["c"]
-    from diloco_airflow.hooks import open_experiment
+    from diloco_airflow.store import open_experiment
 
     cfg = parse_config(open_experiment(url, "dagjoin").read_config())
     assert [i.name for i in cfg.islands] == ["a", "b", "c"] and cfg.shard_of("c") == 2

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 from diloco_airflow.backends import IslandSpec, get_backend
 from diloco_airflow.backends.base import IslandState
+from diloco_airflow.island_entry import IslandEntry
 from google.auth.credentials import AnonymousCredentials
 
 from tests.fake_tpu_api import FakeTpuApi
@@ -45,13 +46,16 @@ print("RESULT " + json.dumps({"state": str(run.state), "tasks": states}))
 
 
 def _island(name: str, backend: str, spec: IslandSpec, **kwargs) -> dict:
-    return {
-        "name": name,
-        "backend": backend,
-        "backend_kwargs": kwargs,
-        "heartbeat_s": 2.0,
-        "spec": spec.to_dict(),
-    }
+    """A registry entry of one island (`IslandEntry.to_dict`, as `init` registers it)."""
+    return IslandEntry(
+        name=name,
+        experiment=spec.experiment,
+        store_url=spec.store_url,
+        backend=backend,
+        backend_kwargs=kwargs,
+        heartbeat_s=2.0,
+        spec=spec,
+    ).to_dict()
 
 
 def test_maintenance_dag_relaunch_ttl_and_gc(tmp_path):

@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 
-from tests.helpers import new_store, publish_delta, random_delta, small_config
+from tests.helpers import new_store, publish_delta, publish_payload, random_delta, small_config
+from training import codecs
 from training.merge import Merger
 from training.pseudograd import pseudo_gradient
 
@@ -146,7 +147,11 @@ def _hostile(store, cfg, theta, kind):
         bad = dict(good)
         bad.pop("blocks/0/mlp_up/kernel")
         return publish_delta(store, cfg, "a", 0, bad)
-    if kind == "nan":
+    if kind == "nan":  # committed with its checksum: only the merger's own check can catch it
+        payload, _ = codecs.encode(good, cfg.codec)
+        payload["blocks/0/mlp_up/kernel"][0, 0] = np.nan
+        return publish_payload(store, cfg, "a", 0, payload)
+    if kind == "corrupt":  # the payload changed after its commit: the checksum catches it
         ref = publish_delta(store, cfg, "a", 0, good)
         payload = {k: v.copy() for k, v in good.items()}
         payload["blocks/0/mlp_up/kernel"][0, 0] = np.nan
@@ -159,7 +164,12 @@ def _hostile(store, cfg, theta, kind):
 
 @pytest.mark.parametrize(
     "kind, reason",
-    [("shape", "wrong shape"), ("tree", "wrong tree"), ("nan", "unreadable payload")],
+    [
+        ("shape", "wrong shape"),
+        ("tree", "wrong tree"),
+        ("nan", "non-finite values"),
+        ("corrupt", "unreadable payload"),
+    ],
 )
 def test_hostile_pseudo_gradients_are_quarantined_and_merging_goes_on(kind, reason):
     cfg = small_config(outer={"method": "nesterov"})
@@ -172,7 +182,7 @@ def test_hostile_pseudo_gradients_are_quarantined_and_merging_goes_on(kind, reas
     assert reason in store.quarantined()[bad.id]
 
 
-def test_replayed_and_stale_contributions_are_quarantined():
+def test_a_contribution_staler_than_max_staleness_is_quarantined():
     cfg = small_config(outer={"method": "nesterov", "max_staleness": 1})
     store = new_store(cfg)
     theta = store.load_params()

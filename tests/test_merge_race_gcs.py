@@ -62,10 +62,9 @@ def test_two_merge_processes_racing_on_gcs_apply_each_once(gcs_bucket, tmp_path)
                 base = store.head(0).version
                 delta = random_delta(theta, 10 * seq + n)
                 committed.add(publish_delta(store, cfg, island, seq, delta, base_version=base).id)
-            if seq == 0:  # the mergers are up (start-up takes seconds) once round 0 is merged
-                _wait_applied(store, committed, mergers, logs)
-            time.sleep(0.3)  # both mergers see the round and race for it
-        _wait_applied(store, committed, mergers, logs)
+            # the next round comes once this one is merged: both mergers, polling every 50 ms
+            # and idle, see it at once and race for it (round 0 also waits for their start-up)
+            _wait_applied(store, committed, mergers, logs)
         for island in ISLANDS:
             store.mark_done(island, {})
         store.request_stop()  # --follow exits once stop is requested and every island is done

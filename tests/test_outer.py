@@ -108,10 +108,15 @@ def test_clip_to_scales_down_only_large_deltas():
     assert clipped and outer.global_norm(small) == pytest.approx(1.0)
 
 
-def test_outer_optimizer_per_method():
-    assert isinstance(
-        outer.outer_optimizer(OuterConfig(method="delayed_nesterov"), 4).init({}), tuple
-    )
+def test_delayed_nesterov_period_defaults_to_the_number_of_islands():
+    tx = outer.outer_optimizer(OuterConfig(method="delayed_nesterov", momentum=0.9), 4)
+    state = tx.init({"w": np.zeros(2, np.float32)})
+    for i in range(4):  # momentum moves once per 4 updates (delay_period unset: M = 4)
+        _, state = tx.update({"w": np.ones(2, np.float32)}, state)
+        np.testing.assert_allclose(state.momentum["w"], 1.0 if i == 3 else 0.0)
+
+
+def test_decoupled_without_momentum_is_sgd_at_the_outer_lr():
     cfg = OuterConfig(method="decoupled", momentum=0.0)
     tx = outer.outer_optimizer(cfg, 4)
     p = {"w": np.ones(2, np.float32)}

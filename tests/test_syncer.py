@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from tests.gcs_fixture import gcs_bucket  # noqa: F401
-from tests.helpers import new_store, publish_delta, small_config
+from tests.helpers import FakeClock, new_store, publish_delta, small_config
 from training.merge import MergeResult
 from training.syncer import (
     Evaluator,
@@ -25,23 +25,6 @@ from training.syncer import (
     owned,
     shard_fragments,
 )
-
-
-class Clock:
-    def __init__(self, t: float = 1000.0):
-        self.t = t
-        self.naps: list[float] = []
-        self.hooks: list = []  # (time, fn): run fn once the clock passes time
-
-    def __call__(self) -> float:
-        return self.t
-
-    def sleep(self, s: float) -> None:
-        self.naps.append(s)
-        self.t += s
-        for item in [h for h in self.hooks if h[0] <= self.t]:
-            self.hooks.remove(item)
-            item[1]()
 
 
 def two_fragment_config(name="syn", **syncer):
@@ -78,7 +61,7 @@ def syncer_with(store, results, clock, owner="run-1", **kw):
 
 
 def fragment_delta(store, cfg, p, value=1e-3):
-    from training.island import fragment_names
+    from training.runtime import fragment_names
 
     params = store.load_params()
     return {n: np.full(params[n].shape, value, np.float32) for n in fragment_names(cfg)[p]}
@@ -112,7 +95,7 @@ def test_a_lease_that_is_not_json_counts_as_free():
 
 # -- the lease in the store ------------------------------------------------------------------
 def test_a_live_lease_keeps_a_second_owner_out_until_it_expires():
-    store, clock = new_store(small_config()), Clock()
+    store, clock = new_store(small_config()), FakeClock(1000.0)
     first, second = ShardLease(store, 0, "r1", 30, clock), ShardLease(store, 0, "r2", 30, clock)
     assert first.acquire() and not second.acquire()
     clock.sleep(29)
@@ -122,7 +105,7 @@ def test_a_live_lease_keeps_a_second_owner_out_until_it_expires():
 
 
 def test_a_released_lease_is_taken_at_once_and_release_spares_anothers():
-    store, clock = new_store(small_config()), Clock()
+    store, clock = new_store(small_config()), FakeClock(1000.0)
     first, second = ShardLease(store, 1, "r1", 30, clock), ShardLease(store, 1, "r2", 30, clock)
     assert first.acquire()
     second.release()  # not its lease: nothing changes
@@ -132,7 +115,7 @@ def test_a_released_lease_is_taken_at_once_and_release_spares_anothers():
 
 
 def test_each_shard_has_its_own_lease():
-    store, clock = new_store(small_config()), Clock()
+    store, clock = new_store(small_config()), FakeClock(1000.0)
     assert ShardLease(store, 0, "r1", 30, clock).acquire()
     assert ShardLease(store, 1, "r2", 30, clock).acquire()
 
@@ -140,7 +123,7 @@ def test_each_shard_has_its_own_lease():
 # -- the draining loop -----------------------------------------------------------------------
 def test_drain_merges_back_to_back_while_work_arrives_then_returns_idle():
     cfg = two_fragment_config()
-    store, clock = new_store(cfg), Clock()
+    store, clock = new_store(cfg), FakeClock(1000.0)
     progress = [MergeResult(versions={0: v}, applied=[f"a/{v:08d}-f000"]) for v in (1, 2, 3)]
     syncer, merger = syncer_with(store, progress, clock)
     out = syncer.drain()
@@ -152,7 +135,7 @@ def test_drain_merges_back_to_back_while_work_arrives_then_returns_idle():
 
 def test_drain_retries_at_the_end_of_a_grace_window():
     cfg = two_fragment_config()
-    store, clock = new_store(cfg), Clock()
+    store, clock = new_store(cfg), FakeClock(1000.0)
     results = [
         MergeResult(waiting_until=1000.2),
         MergeResult(versions={0: 1}, applied=["a/00000000-f000"]),
@@ -164,7 +147,7 @@ def test_drain_retries_at_the_end_of_a_grace_window():
 
 def test_drain_stands_by_while_another_runs_lease_lives():
     cfg = two_fragment_config()
-    store, clock = new_store(cfg), Clock()
+    store, clock = new_store(cfg), FakeClock(1000.0)
     assert ShardLease(store, 0, "run-0", cfg.syncer.lease_s, clock).acquire()
     syncer, merger = syncer_with(store, [MergeResult(applied=["x"])], clock)
     assert syncer.drain().reason == "standby" and merger.calls == 0
@@ -172,7 +155,7 @@ def test_drain_stands_by_while_another_runs_lease_lives():
 
 def test_a_shard_merges_only_its_own_fragments():
     cfg = two_fragment_config()
-    store, clock = new_store(cfg), Clock()
+    store, clock = new_store(cfg), FakeClock(1000.0)
     ids = {
         p: publish_delta(store, cfg, "a", 0, fragment_delta(store, cfg, p), fragment=p).id
         for p in (0, 1)
@@ -187,7 +170,7 @@ def test_a_shard_merges_only_its_own_fragments():
 
 def test_a_finished_experiment_gets_a_last_drain_and_its_lease_released():
     cfg = two_fragment_config()
-    store, clock = new_store(cfg), Clock()
+    store, clock = new_store(cfg), FakeClock(1000.0)
     pg = publish_delta(store, cfg, "a", 0, fragment_delta(store, cfg, 0)).id
     for island in ("a", "b"):
         store.mark_done(island, {})
@@ -199,11 +182,11 @@ def test_a_finished_experiment_gets_a_last_drain_and_its_lease_released():
 
 def test_the_end_of_its_runs_islands_finishes_a_shard():
     cfg = two_fragment_config()
-    store, clock = new_store(cfg), Clock()
+    store, clock = new_store(cfg), FakeClock(1000.0)
     mark_run_ended(store, "manual__2026-01-01T00:00:00+00:00", {"islands": ["a", "b"]})
     syncer, _ = syncer_with(store, [], clock, run_id="manual__2026-01-01T00:00:00+00:00")
     assert syncer.drain().reason == "finished" and clock.t == 1000.0
-    other, _ = syncer_with(store, [], Clock(), run_id="manual__other")
+    other, _ = syncer_with(store, [], FakeClock(1000.0), run_id="manual__other")
     assert other.drain().reason == "idle"
 
 
@@ -218,7 +201,7 @@ def test_two_shards_at_once_on_gcs_apply_each_contribution_once(gcs_bucket):  # 
             for p in (0, 1):
                 delta = fragment_delta(store, cfg, p, 1e-3 * (seq + 1))
                 committed.add(publish_delta(store, cfg, island, seq, delta, fragment=p).id)
-    from diloco_airflow.hooks import pending_pseudograds
+    from diloco_airflow.store import pending_pseudograds
 
     outs = {}
 
@@ -246,10 +229,10 @@ def test_two_shards_at_once_on_gcs_apply_each_contribution_once(gcs_bucket):  # 
 # -- evaluation cadence ----------------------------------------------------------------------
 def test_evaluator_evaluates_new_merges_at_most_every_eval_every_s_then_goes_idle():
     cfg = small_config("ev", syncer={"eval_every_s": 10, "idle_s": 30, "poll_s": 1})
-    store, clock = new_store(cfg), Clock(100.0)
+    store, clock = new_store(cfg), FakeClock(100.0)
     merge = lambda: store.append_metric("merge", {"at": clock.t})  # noqa: E731
     merge()
-    clock.hooks = [(103, merge), (105, merge), (125, merge)]
+    clock.at = [(103, merge), (105, merge), (125, merge)]
     at = []
     ev = Evaluator(
         store, clock=clock, sleep=clock.sleep, evaluate=lambda c: at.append(clock.t) or {}
@@ -261,7 +244,7 @@ def test_evaluator_evaluates_new_merges_at_most_every_eval_every_s_then_goes_idl
 
 def test_evaluator_returns_once_the_experiment_is_finished():
     cfg = small_config("ev2")
-    store, clock = new_store(cfg), Clock()
+    store, clock = new_store(cfg), FakeClock(1000.0)
     for island in ("a", "b"):
         store.mark_done(island, {})
     ev = Evaluator(store, clock=clock, sleep=clock.sleep, evaluate=lambda c: {})

@@ -22,7 +22,7 @@ def exp(tmp_path):
 
 
 def _publish(store, cfg, fragment):
-    from training.island import fragment_names
+    from training.runtime import fragment_names
 
     params = store.load_params()
     delta = {n: np.full(params[n].shape, 1e-3, np.float32) for n in fragment_names(cfg)[fragment]}

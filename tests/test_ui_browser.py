@@ -20,8 +20,8 @@ from pathlib import Path
 from urllib.parse import quote
 
 import pytest
-from diloco_airflow.demo import demo_conf
 
+from devtools.demo import demo_conf
 from tests.airflow_fixture import running_airflow
 from tests.gcs_fixture import gcs_bucket  # noqa: F401
 
@@ -49,7 +49,7 @@ def test_the_page_shows_the_store_and_stops_islands(tmp_path, gcs_bucket):  # no
     sync_api = pytest.importorskip("playwright.sync_api")
     if not Path(CHROMIUM).exists():
         pytest.skip(f"no chromium at {CHROMIUM}: run `make browser`")
-    from diloco_airflow.hooks import open_experiment
+    from diloco_airflow.store import open_experiment
 
     name = f"page-{uuid.uuid4().hex[:6]}"
     store_url = f"{gcs_bucket}/page-{uuid.uuid4().hex[:6]}"

@@ -39,6 +39,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
 from training.config import MERGE_FAULT_POINTS, ChaosConfig, ExperimentConfig
+from training.faults import FAULTS_ENV
 from training.store.experiment import ExperimentStore
 from training.store.objectstore import (
     Generation,
@@ -333,7 +334,11 @@ def run_monkey(
 
 
 def start_monkey(
-    pids_provider: Callable[[], Mapping[str, int]], chaos: ChaosConfig, record: Record
+    pids_provider: Callable[[], Mapping[str, int]],
+    chaos: ChaosConfig,
+    record: Record,
+    *,
+    kill: Callable[[int, int], None] = os.kill,
 ) -> tuple[threading.Thread, threading.Event, list[dict[str, Any]]]:
     """`run_monkey` on a daemon thread: (thread, stop event, the kill events as they happen)."""
     stop = threading.Event()
@@ -344,7 +349,7 @@ def start_monkey(
         kills.append(event)
 
     def target() -> None:
-        run_monkey(pids_provider, chaos, record_too, stop=stop)
+        run_monkey(pids_provider, chaos, record_too, stop=stop, kill=kill)
 
     thread = threading.Thread(target=target, name="chaos-monkey", daemon=True)
     thread.start()
@@ -374,12 +379,12 @@ def arm_merge_kill(
     if any(e.get("event") == "merge_kill" for e in store.read_metrics("chaos")):
         return False
     environ = os.environ if environ is None else environ
-    plan = [p for p in environ.get("DILOCO_FAULTS", "").split(",") if p.strip()]
+    plan = [p for p in environ.get(FAULTS_ENV, "").split(",") if p.strip()]
     plan = [p for p in plan if parse_fault(p.strip())[0] != point] + [f"{point}@{nth}"]
     recorder(store)(
         dict(event="merge_kill", point=point, nth=nth, pid=os.getpid(), armed=True, at=time.time())
     )
-    environ["DILOCO_FAULTS"] = ",".join(plan)
+    environ[FAULTS_ENV] = ",".join(plan)
     return True
 
 

@@ -23,16 +23,16 @@ import logging
 import sys
 import time
 
-from training.config import ConfigError, ExperimentConfig, load_config, parse_config, with_overrides
+from training.config import (
+    ConfigError,
+    ExperimentConfig,
+    load_config,
+    parse_config,
+    parse_sets,
+    with_overrides,
+)
 
 log = logging.getLogger("diloco")
-
-
-def _parse_value(text: str):
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        return text
 
 
 def _open(store_url: str, experiment: str):
@@ -49,6 +49,15 @@ def _load(args) -> tuple[ExperimentConfig, object]:
     return parse_config(estore.read_config()), estore
 
 
+def _config_fields_help() -> str:
+    """The config's fields with their descriptions, for `diloco init --help`."""
+    from training.config import field_docs
+
+    lines = ["config fields (--set FIELD=VALUE; JSON values, else strings):"]
+    lines += [f"  {name:32s} {doc}" for name, doc in field_docs().items()]
+    return "\n".join(lines)
+
+
 def cmd_init(args) -> int:
     from training.merge import initial_version
 
@@ -57,13 +66,7 @@ def cmd_init(args) -> int:
     base["name"] = args.name
     base["store_url"] = args.store
     cfg = parse_config(base)
-    overrides = {}
-    for item in args.set or []:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ConfigError(f"--set expects key=value, got {item!r}")
-        overrides[key] = _parse_value(value)
-    cfg = with_overrides(cfg, overrides)
+    cfg = with_overrides(cfg, parse_sets(args.set or []))
     estore = _open(cfg.store_url, cfg.name)
     estore.write_config(json.loads(cfg.to_json()))
     created = initial_version(cfg, estore)
@@ -215,7 +218,15 @@ def build_parser() -> argparse.ArgumentParser:
             sp.add_argument("--experiment", required=True)
         return sp
 
-    sp = with_store(sub.add_parser("init", help="create an experiment"), experiment=False)
+    sp = with_store(
+        sub.add_parser(
+            "init",
+            help="create an experiment",
+            epilog=_config_fields_help(),
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        ),
+        experiment=False,
+    )
     sp.add_argument("--name", required=True)
     sp.add_argument(
         "--config", help="JSON config file (fields of training.config.ExperimentConfig)"

@@ -20,13 +20,15 @@ next residual, so the quantization error is sent later instead of lost.
 from __future__ import annotations
 
 import math
+from typing import get_args
 
 import ml_dtypes
 import numpy as np
 
 from training import codec2bit
+from training.config import Codec
 
-CODECS = ("fp32", "bf16", "int8", "int4", "int2")
+CODECS: tuple[str, ...] = get_args(Codec)  # the config's type is the one list
 DEFAULT_BLOCK = 256
 SCALE_SUFFIX = ".__scale"
 SHAPE_SUFFIX = ".__shape"

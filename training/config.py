@@ -3,19 +3,24 @@
 Every process (island, merge, eval, the Airflow DAG's Params form) builds an `ExperimentConfig`
 from the same fields; `diloco init` writes it as `config.json` next to the run. Models are frozen
 and reject unknown keys, so a typo in a config file or a DAG trigger is an error, not a default.
+
+Length: one schema read in one sitting with the rules that need all of it (overrides, `--set`,
+the join); past 500 lines because every field carries its description.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from training.names import validate_name
 
-OuterMethod = Literal["dp", "sync", "nesterov", "delayed_nesterov", "decoupled"]
+OuterMethod = Literal["sync", "nesterov", "delayed_nesterov", "decoupled"]
+"""The merger's methods (`training.merge_rules`). Data-parallel is no merge method: the benchmarks'
+``dp`` is `training.baseline`, which uses no merger."""
 Codec = Literal["fp32", "bf16", "int8", "int4", "int2"]
 Backend = Literal["local", "tpu_vm", "gke"]
 
@@ -41,13 +46,23 @@ PRESETS: dict[str, tuple[int, int, int, int, int, int]] = {
 class ModelConfig(_Frozen):
     """A decoder-only transformer; `preset` sets every size, explicit fields override it."""
 
-    preset: Literal["tiny", "small", "125m", "1b", "12b"] = "tiny"
-    d_model: int | None = Field(None, gt=0)
-    n_layers: int | None = Field(None, gt=0)
-    n_heads: int | None = Field(None, gt=0)
-    d_ff: int | None = Field(None, gt=0)
-    vocab_size: int | None = Field(None, gt=1)
-    max_seq_len: int | None = Field(None, gt=0)
+    preset: Literal["tiny", "small", "125m", "1b", "12b"] = Field(
+        "tiny", description="model size preset (PRESETS); the fields below override it"
+    )
+    d_model: int | None = Field(None, gt=0, description="width; default: the preset's")
+    n_layers: int | None = Field(
+        None, gt=0, description="transformer blocks; default: the preset's"
+    )
+    n_heads: int | None = Field(
+        None, gt=0, description="attention heads (divide d_model); default: the preset's"
+    )
+    d_ff: int | None = Field(None, gt=0, description="MLP hidden width; default: the preset's")
+    vocab_size: int | None = Field(
+        None, gt=1, description="vocabulary (tokenizer) size; default: the preset's"
+    )
+    max_seq_len: int | None = Field(
+        None, gt=0, description="longest sequence (position embeddings); default: the preset's"
+    )
 
     def dims(self) -> dict[str, int]:
         d, n_layers, heads, ff, vocab, seq = PRESETS[self.preset]
@@ -74,25 +89,38 @@ class ModelConfig(_Frozen):
 
 
 class DataConfig(_Frozen):
-    source: str = "builtin:pydoc"
-    seq_len: int = Field(64, gt=0)
-    batch_size: int = Field(16, gt=0)
-    eval_fraction: float = Field(0.05, gt=0, lt=0.5)
-    eval_batches: int = Field(8, gt=0)
-    num_shards: int | None = Field(None, gt=0, description="default: number of islands")
+    source: str = Field(
+        "builtin:pydoc",
+        description="training text: builtin:pydoc, text files or uint16/uint32 token shards "
+        "on any fsspec URL",
+    )
+    seq_len: int = Field(64, gt=0, description="tokens per training sequence")
+    batch_size: int = Field(16, gt=0, description="sequences per inner step on one island")
+    eval_fraction: float = Field(
+        0.05, gt=0, lt=0.5, description="fraction of the corpus held out for evaluation"
+    )
+    eval_batches: int = Field(8, gt=0, description="held-out batches of one evaluation")
+    num_shards: int | None = Field(
+        None,
+        gt=0,
+        description="shards of the training data (an island trains on one); default: number of "
+        "islands; set it above that for experiments islands may join",
+    )
 
 
 class InnerConfig(_Frozen):
     """AdamW on each island; H inner steps between publishes of a fragment."""
 
-    lr: float = Field(3e-3, gt=0)
-    warmup_steps: int = Field(20, ge=0)
-    weight_decay: float = Field(0.1, ge=0)
-    b1: float = Field(0.9, gt=0, lt=1)
-    b2: float = Field(0.95, gt=0, lt=1)
-    grad_clip: float = Field(1.0, gt=0)
-    H: int = Field(32, gt=0)
-    dylu: bool = True
+    lr: float = Field(3e-3, gt=0, description="AdamW peak learning rate")
+    warmup_steps: int = Field(20, ge=0, description="linear learning-rate warm-up steps")
+    weight_decay: float = Field(0.1, ge=0, description="AdamW decoupled weight decay")
+    b1: float = Field(0.9, gt=0, lt=1, description="AdamW first-moment decay")
+    b2: float = Field(0.95, gt=0, lt=1, description="AdamW second-moment decay")
+    grad_clip: float = Field(1.0, gt=0, description="clip the gradient's global norm to this")
+    H: int = Field(32, gt=0, description="inner steps between publishes (the fastest island's)")
+    dylu: bool = Field(
+        True, description="DyLU: an island's H scales with its speed relative to the fastest"
+    )
     tau: int = Field(1, ge=0, description="overlap steps between publish and adopting the merge")
     alpha: float = Field(0.0, ge=0, lt=1, description="blend: theta <- a*theta + (1-a)*global")
     shard_params: bool = Field(
@@ -104,17 +132,42 @@ class InnerConfig(_Frozen):
 
 
 class OuterConfig(_Frozen):
-    method: OuterMethod = "decoupled"
-    lr: float = Field(0.7, gt=0)
-    momentum: float = Field(0.9, ge=0, lt=1)
-    nesterov: bool = True
+    method: OuterMethod = Field(
+        "decoupled",
+        description="merge rule: sync (DiLoCo rounds), nesterov, delayed_nesterov, decoupled",
+    )
+
+    @field_validator("method", mode="before")
+    @classmethod
+    def _no_data_parallel(cls, value: Any) -> Any:
+        if value == "dp":
+            raise ValueError(
+                "'dp' (data-parallel) is not a merge method: the merger implements "
+                f"{list(get_args(OuterMethod))}; data-parallel is the benchmarks' baseline "
+                "(training.baseline, `diloco bench quality`)"
+            )
+        return value
+
+    lr: float = Field(0.7, gt=0, description="outer learning rate")
+    momentum: float = Field(0.9, ge=0, lt=1, description="outer momentum (0: plain SGD)")
+    nesterov: bool = Field(True, description="Nesterov momentum in the outer step")
     delay_period: int | None = Field(None, gt=0, description="Delayed Nesterov N; default M")
     quorum: int = Field(1, gt=0, description="K: minimum islands per fragment merge")
-    grace_gamma: float = Field(0.5, ge=0, lt=1)
-    max_grace_s: float = Field(30.0, ge=0)
+    grace_gamma: float = Field(
+        0.5,
+        ge=0,
+        lt=1,
+        description="adaptive grace window: wait gamma x (tau x step time - time to quorum - "
+        "sync time) for more islands after the quorum",
+    )
+    max_grace_s: float = Field(30.0, ge=0, description="the grace window's cap, seconds")
     max_staleness: int = Field(16, gt=0, description="drop contributions older than this")
-    rda: bool = True
-    token_weighting: bool = True
+    rda: bool = Field(
+        True, description="radial-directional averaging of non-embedding tensors (not sync)"
+    )
+    token_weighting: bool = Field(
+        True, description="weight each island's contribution by tokens^2 / steps (else equal)"
+    )
     staleness_decay: bool = Field(True, description="decoupled: weight / (1 + staleness in rounds)")
     partial_scaling: bool = Field(
         True,
@@ -138,7 +191,7 @@ class OuterConfig(_Frozen):
 
 
 class FragmentConfig(_Frozen):
-    count: int = Field(1, gt=0)
+    count: int = Field(1, gt=0, description="P: fragments, each published and merged apart")
     strategy: Literal["strided", "balanced", "tensors"] = Field(
         "strided", description="strided layers, balanced layer groups, or balanced single tensors"
     )
@@ -182,12 +235,19 @@ class SyncerConfig(_Frozen):
 
 
 class IslandConfig(_Frozen):
-    name: str
+    name: str = Field(description="the island's name (lowercase letters, digits, '-')")
     speed: float = Field(1.0, gt=0, description="relative speed (DyLU; virtual clock in benches)")
-    backend: Backend = "local"
-    hardware: dict[str, Any] = Field(default_factory=dict)
-    shard: int | None = Field(None, ge=0)
-    max_tokens: int | None = Field(None, gt=0)
+    backend: Backend = Field("local", description="where it runs: local, tpu_vm or gke")
+    hardware: dict[str, Any] = Field(
+        default_factory=dict,
+        description="backend-specific settings (diloco_airflow.backends.IslandSpec.hardware)",
+    )
+    shard: int | None = Field(
+        None, ge=0, description="its data shard; default: its position in the island list"
+    )
+    max_tokens: int | None = Field(
+        None, gt=0, description="the island leaves (marks itself done) after this many tokens"
+    )
 
     _name = field_validator("name")(lambda cls, v: validate_name("island", v))
 
@@ -208,14 +268,20 @@ class ChaosConfig(_Frozen):
 
     kill_mtbi_s: float | None = Field(None, gt=0, description="SIGKILL islands, mean seconds")
     max_kills: int = Field(0, ge=0, description="kills at most (0: no limit)")
-    stall_island: str | None = None
-    stall_after_s: float = Field(30.0, ge=0)
-    slow_island: str | None = None
-    slow_factor: float = Field(1.0, ge=1)
-    storage_error_rate: float = Field(0.0, ge=0, lt=1)
-    storage_latency_s: float = Field(0.0, ge=0)
+    stall_island: str | None = Field(
+        None, description="this island stops stepping and heart-beating (once) ..."
+    )
+    stall_after_s: float = Field(
+        30.0, ge=0, description="... this many seconds after its process starts"
+    )
+    slow_island: str | None = Field(None, description="this island runs slow_factor x slower")
+    slow_factor: float = Field(1.0, ge=1, description="the slow island's step-time factor")
+    storage_error_rate: float = Field(
+        0.0, ge=0, lt=1, description="probability of an injected transient store error per call"
+    )
+    storage_latency_s: float = Field(0.0, ge=0, description="latency added to each store call")
     kill_merge_at: str | None = Field(None, description="merge fault point, 'point' or 'point@n'")
-    seed: int = 0
+    seed: int = Field(0, description="seed of the kill times, victims and storage faults")
 
     @field_validator("kill_merge_at")
     @classmethod
@@ -232,25 +298,34 @@ class ChaosConfig(_Frozen):
 
 
 class ExperimentConfig(_Frozen):
-    name: str
-    store_url: str = "file://./runs/store"
-    seed: int = 0
-    model: ModelConfig = ModelConfig()
-    data: DataConfig = DataConfig()
-    inner: InnerConfig = InnerConfig()
-    outer: OuterConfig = OuterConfig()
-    fragments: FragmentConfig = FragmentConfig()
-    codec: Codec = "int8"
-    error_feedback: bool = True
-    islands: tuple[IslandConfig, ...] = (
-        IslandConfig(name="island-0"),
-        IslandConfig(name="island-1"),
+    name: str = Field(description="the experiment's name (lowercase letters, digits, '-')")
+    store_url: str = Field(
+        "file://./runs/store", description="the bucket: file:///abs/path, gs://bucket/prefix"
+    )
+    seed: int = Field(0, description="seed of initialization and data order")
+    model: ModelConfig = Field(ModelConfig(), description="the model")
+    data: DataConfig = Field(DataConfig(), description="the training data and its shards")
+    inner: InnerConfig = Field(InnerConfig(), description="each island's inner optimizer")
+    outer: OuterConfig = Field(OuterConfig(), description="the merge and the outer optimizer")
+    fragments: FragmentConfig = Field(FragmentConfig(), description="parameter fragments")
+    codec: Codec = Field("int8", description="pseudo-gradient codec on the wire")
+    error_feedback: bool = Field(
+        True, description="islands carry the codec's rounding error into the next publish"
+    )
+    islands: tuple[IslandConfig, ...] = Field(
+        (IslandConfig(name="island-0"), IslandConfig(name="island-1")),
+        description="the islands (joiners are appended by a join)",
     )
     token_budget: int = Field(2_000_000, gt=0, description="total tokens merged, all islands")
-    eval_every_versions: int = Field(5, gt=0)
-    heartbeat_s: float = Field(5.0, gt=0)
-    syncer: SyncerConfig = SyncerConfig()
-    chaos: ChaosConfig = ChaosConfig()
+    eval_every_versions: int = Field(
+        5,
+        gt=0,
+        description="unused: the syncer evaluates on a time cadence (syncer.eval_every_s); "
+        "kept so that stored configs still parse",
+    )
+    heartbeat_s: float = Field(5.0, gt=0, description="seconds between an island's heartbeats")
+    syncer: SyncerConfig = Field(SyncerConfig(), description="the syncer on Airflow")
+    chaos: ChaosConfig = Field(ChaosConfig(), description="fault injection (off by default)")
 
     _name = field_validator("name")(lambda cls, v: validate_name("experiment", v))
 
@@ -312,6 +387,21 @@ class ExperimentConfig(_Frozen):
         return json.dumps(self.model_dump(mode="json"), indent=2, sort_keys=True)
 
 
+def field_docs(model: type[BaseModel] = None, prefix: str = "") -> dict[str, str]:
+    """Every config field by dotted name (``outer.lr``; island fields as ``islands[].name``)
+    with its description: what the trigger form and `diloco init --help` show."""
+    model = ExperimentConfig if model is None else model
+    out: dict[str, str] = {}
+    for name, info in model.model_fields.items():
+        out[prefix + name] = info.description or ""
+        sub = info.annotation
+        if name == "islands":
+            out.update(field_docs(IslandConfig, f"{prefix}islands[]."))
+        elif isinstance(sub, type) and issubclass(sub, BaseModel):
+            out.update(field_docs(sub, f"{prefix}{name}."))
+    return out
+
+
 def _one_line(err: ValidationError) -> str:
     first = err.errors()[0]
     loc = ".".join(str(p) for p in first["loc"]) or "config"
@@ -354,6 +444,40 @@ def with_overrides(cfg: ExperimentConfig, overrides: dict[str, Any]) -> Experime
             node = node[key]
         node[leaf] = value
     return parse_config(data)
+
+
+def parse_sets(items: list[str]) -> dict[str, Any]:
+    """``--set KEY=VALUE`` items as dotted overrides (for `with_overrides`): each value is JSON
+    when it parses as JSON (``0.5``, ``true``, ``[1, 2]``), else the plain string. Raises
+    ConfigError for an item without ``=``."""
+    overrides: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(f"--set expects key=value, got {item!r}")
+        try:
+            overrides[key] = json.loads(value)
+        except json.JSONDecodeError:
+            overrides[key] = value
+    return overrides
+
+
+# -- joining a running experiment: the one rule (docs/STORE.md, "Joining and leaving") ---------
+# 1. every setting but the island list must equal the stored config's (`check_same_settings`);
+# 2. the islands are joined by `join_islands` (ExperimentStore.add_islands applies it by CAS).
+
+
+def check_same_settings(existing: dict[str, Any], new: dict[str, Any]) -> None:
+    """Raise ConfigError naming the first field (in sorted order) other than ``islands`` whose
+    value differs between two config dicts; a joiner must ask for the same experiment."""
+    for key in sorted(set(existing) | set(new)):
+        if key == "islands":
+            continue
+        if existing.get(key) != new.get(key):
+            raise ConfigError(
+                f"experiment {existing.get('name')!r} exists with a different {key!r}: "
+                f"{json.dumps(existing.get(key))[:120]} != {json.dumps(new.get(key))[:120]}"
+            )
 
 
 def join_islands(existing: dict[str, Any], islands: list[dict[str, Any]]) -> dict[str, Any]:

@@ -10,14 +10,16 @@ from training.runtime import corpus_for, loop_for
 from training.store.layout import Snapshot, iso
 
 
-def eval_loss(cfg: ExperimentConfig, params) -> float:
-    """Mean next-token loss of `params` on the held-out split (fixed, deterministic batches)."""
+def held_out_batches(cfg: ExperimentConfig):
+    """The held-out split's fixed, deterministic eval batches of `cfg`."""
     corpus = corpus_for(cfg)
-    batches = eval_batches(
-        corpus.eval, cfg.data.batch_size, cfg.data.seq_len, cfg.data.eval_batches
-    )
+    return eval_batches(corpus.eval, cfg.data.batch_size, cfg.data.seq_len, cfg.data.eval_batches)
+
+
+def eval_loss(cfg: ExperimentConfig, params) -> float:
+    """Mean next-token loss of `params` on the held-out split (`held_out_batches`)."""
     loop = loop_for(cfg)
-    return loop.eval_loss(loop.put_params(params), batches)
+    return loop.eval_loss(loop.put_params(params), held_out_batches(cfg))
 
 
 def evaluate_snapshot(
@@ -71,14 +73,3 @@ def end_of_run_report(store) -> dict:
             f"final eval loss {final['loss']:.4f} is worse than version 0 ({first['loss']:.4f})"
         )
     return {"final": final, "best": best, "warning": warning}
-
-
-def single_process_baseline(cfg: ExperimentConfig, tokens: int) -> float:
-    """Held-out loss of one process training the same model on the same shards and token count
-    (all islands' batches in each step), for comparison with what the islands produced."""
-    from training.bench.quality import run_dp
-    from training.config import with_overrides
-
-    same = with_overrides(cfg, {"token_budget": max(tokens, 1)})
-    result = run_dp(same, eval_dt=float("inf"), progress=lambda *_: None)
-    return result["curve"].losses[-1]

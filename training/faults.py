@@ -17,12 +17,15 @@ from __future__ import annotations
 import os
 import signal
 
+FAULTS_ENV = "DILOCO_FAULTS"
+"""The environment variable naming this process's fault points (read here only)."""
+
 _counts: dict[str, int] = {}
 
 
 def _plan() -> dict[str, int]:
     plan = {}
-    for item in filter(None, os.environ.get("DILOCO_FAULTS", "").split(",")):
+    for item in filter(None, os.environ.get(FAULTS_ENV, "").split(",")):
         point, _, nth = item.strip().partition("@")
         plan[point] = int(nth or 1)
     return plan

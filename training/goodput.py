@@ -30,14 +30,13 @@ Overhead: one clock read and a dict update per timed section; a few per inner st
 
 from __future__ import annotations
 
-import math
 import os
-import re
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from training.config import ExperimentConfig, IslandConfig
+from training.hardware import chips_of_hardware
 
 PRODUCTIVE = "productive"
 BADPUT = (
@@ -230,27 +229,10 @@ def _valid_state(s: Any) -> bool:
 
 # -- experiment -------------------------------------------------------------------------------
 
-_TPU_CHIP_SIZED = ("v5litepod", "v5e", "v6e")  # accelerator_type size counts chips
-_GKE_TOPOLOGY = re.compile(r"^[1-9]\d*(x[1-9]\d*)+$")
-
 
 def chips_of(island: IslandConfig) -> int:
-    """Chips of an island from its hardware config; 1 when it does not say.
-
-    `hardware["chips"]` if given; a GKE `topology` ("2x4" -> 8); a TPU VM `accelerator_type`
-    (v5litepod/v5e/v6e-N: N chips; v2/v3/v4/v5p-N: N TensorCores, 2 per chip).
-    """
-    hw = island.hardware or {}
-    if isinstance(hw.get("chips"), int) and hw["chips"] > 0:
-        return hw["chips"]
-    topology = str(hw.get("topology") or "")
-    if _GKE_TOPOLOGY.match(topology):
-        return math.prod(int(d) for d in topology.split("x"))
-    m = re.match(r"^(v\d+[a-z]*|v5litepod)-(\d+)$", str(hw.get("accelerator_type") or ""))
-    if m:
-        size = int(m.group(2))
-        return size if m.group(1) in _TPU_CHIP_SIZED else max(1, size // 2)
-    return 1
+    """Chips of an island from its hardware config (`training.hardware.chips_of_hardware`)."""
+    return chips_of_hardware(island.hardware)
 
 
 def experiment_goodput(

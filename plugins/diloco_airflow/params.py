@@ -18,7 +18,7 @@ from typing import Any, get_args
 from airflow.sdk import Param
 from annotated_types import Gt
 
-from training.config import Backend, Codec, ModelConfig, OuterMethod, SyncerConfig
+from training.config import Backend, Codec, ModelConfig, OuterMethod, SyncerConfig, field_docs
 from training.names import NAME_PATTERN as _NAME_RE
 
 # the form's enums are the config's types: they cannot drift
@@ -88,7 +88,19 @@ FIELD_MAP.update({f"syncer_{name}": f"syncer.{name}" for name in SyncerConfig.mo
 
 
 def experiment_params() -> dict[str, Param]:
-    """The trigger form. Defaults form a valid config, so the DAG also runs on a schedule."""
+    """The trigger form. Defaults form a valid config, so the DAG also runs on a schedule.
+
+    A Param without a description of its own shows its config field's
+    (`training.config.field_docs`)."""
+    docs = field_docs()
+    params = _form()
+    for name, param in params.items():
+        if not param.description and docs.get(FIELD_MAP.get(name, "")):
+            params[name] = Param(param.value, description=docs[FIELD_MAP[name]], **param.schema)
+    return params
+
+
+def _form() -> dict[str, Param]:
     return {
         "experiment_name": Param(
             "diloco-demo",

@@ -23,7 +23,7 @@ from typing import Any
 from airflow.sdk import BaseOperator
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
-from diloco_airflow import hooks
+from diloco_airflow import store
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ DEFER_SETTLE_S = 15.0
 
 
 def _open(store_url: str, experiment: str, chaos: bool = False, arm_kill: bool = False):
-    estore = hooks.open_experiment(store_url, experiment)
+    estore = store.open_experiment(store_url, experiment)
     if not chaos:
         return estore
     from training.chaos import arm_merge_kill, chaos_store
@@ -97,7 +97,7 @@ class SyncerShardOperator(BaseOperator):
             estore,
             self.shard,
             owner,
-            lambda: hooks.pending_pseudograds(estore),
+            lambda: store.pending_pseudograds(estore),
             run_id=self.run_id,
             on_merge=on_merge,
         )
@@ -262,7 +262,7 @@ class ShardTrigger(_PollingTrigger):
         from training.syncer import ShardView, lease_action
 
         if self._view is None:
-            estore = hooks.open_experiment(self.store_url, self.experiment)
+            estore = store.open_experiment(self.store_url, self.experiment)
             self._view = ShardView(estore, self.shard, self.run_id)
         view = self._view
         cfg = view.config()
@@ -270,7 +270,7 @@ class ShardTrigger(_PollingTrigger):
             return {"status": "finished"}
         if lease_action(view.lease(), self.owner, time.time()) == "wait":
             return None
-        new = set(view.pending(cfg, lambda: hooks.pending_pseudograds(view.estore)))
+        new = set(view.pending(cfg, lambda: store.pending_pseudograds(view.estore)))
         new -= set(self.seen)
         return {"status": "pending", "new": len(new)} if new else None
 
@@ -320,7 +320,7 @@ class EvalTrigger(_PollingTrigger):
         from training.syncer import ShardView, latest_merge
 
         if self._view is None:
-            estore = hooks.open_experiment(self.store_url, self.experiment)
+            estore = store.open_experiment(self.store_url, self.experiment)
             self._view = ShardView(estore, 0, self.run_id)
         view = self._view
         if view.finished(view.config()):

@@ -12,7 +12,7 @@ from typing import Any
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
-from diloco_airflow import hooks
+from diloco_airflow import stall, store
 
 # how many consecutive failed polls (store or backend unreachable) before giving up
 MAX_POLL_ERRORS = 10
@@ -90,9 +90,8 @@ class IslandTrigger(BaseTrigger):
             self.log.info("%s", progress_line(island, beat))
         beat_time = float(beat.get("time") or 0.0)
         if beat_time >= self.launched_at - 1.0:
-            age = now - beat_time
-            if age > self.heartbeat_timeout_s:
-                message = f"heartbeat stopped {age:.0f}s ago (process alive)"
+            if stall.beat_too_old(beat_time, now, self.heartbeat_timeout_s):
+                message = f"heartbeat stopped {now - beat_time:.0f}s ago (process alive)"
                 return {**_failed(island, message, True), "stalled": True}
         elif now - self.launched_at > self.startup_timeout_s:
             message = f"no heartbeat {now - self.launched_at:.0f}s after launch"
@@ -109,7 +108,7 @@ class IslandTrigger(BaseTrigger):
             try:
                 if estore is None:
                     estore = await asyncio.to_thread(
-                        hooks.open_experiment, spec.store_url, spec.experiment
+                        store.open_experiment, spec.store_url, spec.experiment
                     )
                     backend = get_backend(self.backend, **self.backend_kwargs)
                 event = await asyncio.to_thread(self.check, estore, backend, spec, time.time())

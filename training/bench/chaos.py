@@ -43,8 +43,9 @@ from training.bench.trace import MergeTracer, format_trace, merges
 from training.chaos import kill_times, victim_chooser
 from training.config import ExperimentConfig, with_overrides
 from training.goodput import BADPUT, experiment_goodput
-from training.island import Island, loop_for
+from training.island import Island
 from training.merge import Merger, initial_version
+from training.runtime import loop_for
 from training.store.experiment import ExperimentStore
 from training.store.objectstore import open_store
 

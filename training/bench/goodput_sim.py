@@ -33,6 +33,9 @@ Methods (see docs/GOODPUT_SIM.md for the full list of assumptions):
     quorum; the overlap slack of tau steps is ignored).
 
 Run ``python -m training.bench.goodput_sim --help`` (or ``diloco bench goodput-sim``).
+
+Length: the simulator, its calibration and its report in one benchmark module (past 500 lines;
+nothing outside the benchmark imports it).
 """
 
 from __future__ import annotations

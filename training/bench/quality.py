@@ -35,21 +35,21 @@ import json
 import logging
 import time
 from pathlib import Path
+from typing import get_args
 
 import numpy as np
 
-from training import inner, model
+from training import config
+from training.baseline import run_data_parallel
 from training.bench import stats
-from training.bench.sim import Curve, VirtualClock, eval_set, run_islands
+from training.bench.sim import VirtualClock, eval_set, run_islands
 from training.config import ExperimentConfig, IslandConfig, with_overrides
-from training.data import BatchLoader, shard_tokens
-from training.island import corpus_for, loop_for
 
 __all__ = ["VirtualClock", "base_config", "method_config", "run", "eval_set"]
 
 log = logging.getLogger("diloco.bench")
 
-METHODS = ("dp", "sync", "nesterov", "delayed_nesterov", "decoupled")
+METHODS = ("dp", *get_args(config.OuterMethod))  # dp: training.baseline, not a merge method
 LABELS = {
     "dp": "data-parallel",
     "sync": "synchronous DiLoCo",
@@ -102,55 +102,6 @@ def method_config(cfg: ExperimentConfig, method: str) -> ExperimentConfig:
     return with_overrides(cfg, overrides)
 
 
-def run_dp(cfg: ExperimentConfig, eval_dt: float, progress=None) -> dict:
-    """Data-parallel: one AdamW step on all islands' batches, at the slowest island's pace."""
-    loop = loop_for(cfg)
-    corpus = corpus_for(cfg)
-    loaders = [
-        BatchLoader(
-            shard_tokens(corpus.train, cfg.shard_of(i.name), cfg.num_shards),
-            cfg.data.batch_size,
-            cfg.data.seq_len,
-            seed=cfg.seed * 1000 + cfg.shard_of(i.name),
-        )
-        for i in cfg.islands
-    ]
-    params = loop.put_params(inner.to_host(model.init_params(cfg.model, cfg.seed)))
-    opt_state = loop.init_opt_state(params)
-    evals = eval_set(cfg)
-    step_time = max(1.0 / i.speed for i in cfg.islands)
-    curve, tokens, t = Curve(), 0, 0.0
-    curve.add(0.0, 0, loop.eval_loss(params, evals))
-    next_eval = eval_dt
-    n_params = sum(int(np.prod(v.shape)) for v in params.values())
-    m = len(cfg.islands)
-    steps = 0
-    while tokens < cfg.token_budget:
-        batches = [ld.next_batch() for ld in loaders]
-        x = np.concatenate([b[0] for b in batches])
-        y = np.concatenate([b[1] for b in batches])
-        params, opt_state, _ = loop.step(params, opt_state, x, y)
-        tokens += x.size
-        steps += 1
-        t += step_time
-        if t >= next_eval:
-            curve.add(t, tokens, loop.eval_loss(params, evals))
-            next_eval += eval_dt
-            if progress:
-                progress(t, tokens, curve.losses[-1])
-    if curve.tokens[-1] != tokens:
-        curve.add(t, tokens, loop.eval_loss(params, evals))
-    per_island = steps * 2 * (m - 1) / m * 4 * n_params  # ring all-reduce: as much in as out
-    return dict(
-        curve=curve,
-        tokens=tokens,
-        bytes_sent=per_island,
-        bytes_received=per_island,
-        merges=steps,
-        quarantined=0,
-    )
-
-
 def start_offsets(cfg: ExperimentConfig, spread: float) -> dict[str, float]:
     """Island start delays, U(0, spread) virtual seconds each, drawn from the config's seed."""
     rng = np.random.default_rng([cfg.seed, 7])
@@ -163,7 +114,7 @@ def run_one(
     """One method at one seed (cfg.seed)."""
     mcfg = method_config(cfg, method)
     if method == "dp":
-        return run_dp(mcfg, eval_dt, progress)
+        return run_data_parallel(mcfg, eval_dt, progress)
     return run_islands(mcfg, eval_dt, progress, offsets=start_offsets(mcfg, start_spread))
 
 
@@ -344,16 +295,11 @@ def plot(summary: dict, path: str) -> None:
 
 
 def parse_sets(items: list[str], parser: argparse.ArgumentParser) -> dict:
-    overrides = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep:
-            parser.error(f"--set expects key=value, got {item!r}")
-        try:
-            overrides[key] = json.loads(value)
-        except json.JSONDecodeError:
-            overrides[key] = value
-    return overrides
+    """`training.config.parse_sets`, a malformed item reported by `parser`."""
+    try:
+        return config.parse_sets(items)
+    except config.ConfigError as err:
+        parser.error(str(err))
 
 
 def main(argv: list[str]) -> int:

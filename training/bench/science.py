@@ -26,6 +26,7 @@ import argparse
 import json
 import time
 from pathlib import Path
+from typing import get_args
 
 import numpy as np
 
@@ -33,7 +34,7 @@ from training.bench import stats
 from training.bench.quality import SIZES, base_config, parse_sets
 from training.bench.sim import run_islands
 from training.bench.trace import merges
-from training.config import with_overrides
+from training.config import Codec, with_overrides
 
 FINDINGS = ("mixed", "rda", "compression")
 SLOW = 1 / 1.18
@@ -69,7 +70,7 @@ def rows_for(finding: str) -> list[dict]:
         return [
             dict(label=f"{codec}{'' if ef else ', no error feedback'}", jitter=0.0, codec=codec,
                  ef=ef, overrides={**decoupled, "codec": codec, "error_feedback": ef})
-            for codec in ("fp32", "bf16", "int8", "int4", "int2")
+            for codec in get_args(Codec)
             for ef in (True, False)
         ]  # fmt: skip
     raise ValueError(f"unknown finding {finding!r}; known: {', '.join(FINDINGS)}")

@@ -20,42 +20,18 @@ from __future__ import annotations
 import json
 import math
 import uuid
-from dataclasses import dataclass, field
 
 import numpy as np
 
+from training.baseline import Curve
 from training.bench.trace import MergeTracer
 from training.config import ExperimentConfig
-from training.data import eval_batches
-from training.island import Island, corpus_for, loop_for
+from training.evaluate import held_out_batches
+from training.island import Island
 from training.merge import Merger, initial_version
+from training.runtime import loop_for
 from training.store.experiment import ExperimentStore
 from training.store.objectstore import open_store
-
-
-@dataclass
-class Curve:
-    times: list[float] = field(default_factory=list)
-    tokens: list[int] = field(default_factory=list)
-    losses: list[float] = field(default_factory=list)
-
-    def add(self, t: float, tokens: int, loss: float) -> None:
-        self.times.append(t)
-        self.tokens.append(tokens)
-        self.losses.append(float(loss))
-
-    def time_to(self, target: float) -> float | None:
-        """First virtual time the eval loss reaches `target` (linear between evaluations)."""
-        for i, loss in enumerate(self.losses):
-            if loss <= target:
-                if i == 0:
-                    return self.times[0]
-                t0, t1, l0 = self.times[i - 1], self.times[i], self.losses[i - 1]
-                return t0 + (t1 - t0) * (l0 - target) / (l0 - loss)
-        return None
-
-    def to_dict(self) -> dict:
-        return dict(times=self.times, tokens=self.tokens, losses=self.losses)
 
 
 class VirtualClock:
@@ -66,9 +42,7 @@ class VirtualClock:
         return self.t
 
 
-def eval_set(cfg: ExperimentConfig):
-    corpus = corpus_for(cfg)
-    return eval_batches(corpus.eval, cfg.data.batch_size, cfg.data.seq_len, cfg.data.eval_batches)
+eval_set = held_out_batches
 
 
 def fresh_store(cfg: ExperimentConfig) -> ExperimentStore:

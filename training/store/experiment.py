@@ -9,6 +9,9 @@ and-swap, and the ledger of applied pseudo-gradients is create-only. The named f
 This module holds the I/O helpers, config, pseudo-gradients, ledger and quarantine; heartbeats,
 checkpoints, metrics and control are in training/store/island_objects.py, the per-fragment
 version chains and snapshots in versions.py, garbage collection in gc.py, names in keys.py.
+
+Length: the experiment's whole protocol in one class (docs/STORE.md follows it section by
+section); past 500 lines on purpose.
 """
 
 from __future__ import annotations

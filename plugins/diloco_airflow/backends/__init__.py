@@ -13,11 +13,12 @@ from .base import (
     IslandBackend,
     IslandSpec,
     IslandState,
-    get_backend,
     resource_id,
 )
+from .registry import BACKENDS, get_backend
 
 __all__ = [
+    "BACKENDS",
     "LABEL_EXPERIMENT",
     "LABEL_ISLAND",
     "LABEL_TTL",

@@ -16,7 +16,8 @@ Rules every backend follows:
   retry can help (quota, stockout: yes; a bad accelerator type: no).
 
 This module imports nothing heavy (no jax, no cloud clients): it runs in Airflow workers and at
-DAG parse time.
+DAG parse time. The registry of backends by name is `registry.py`; the helpers the cloud backends
+share are in `common.py`.
 """
 
 from __future__ import annotations
@@ -29,8 +30,10 @@ from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import Any
 
-NAME_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
-"""Experiment and island names (docs/DESIGN.md conventions)."""
+from training.names import NAME_PATTERN
+
+NAME_RE = NAME_PATTERN
+"""Experiment and island names: `training.names`'s one rule."""
 
 LABEL_EXPERIMENT = "diloco-experiment"
 LABEL_ISLAND = "diloco-island"
@@ -223,20 +226,3 @@ def resource_id(experiment: str, island: str, attempt_key: str = "", *, max_len:
     room = max_len - len(digest) - 1
     readable = readable[:room].rstrip("-")
     return f"{readable}-{digest}"
-
-
-def get_backend(name: str, **kwargs: Any) -> IslandBackend:
-    """Build a backend by name: ``local``, ``tpu_vm`` or ``gke`` (imports the module lazily)."""
-    if name == "local":
-        from .local import LocalBackend
-
-        return LocalBackend(**kwargs)
-    if name == "tpu_vm":
-        from .tpu_vm import TpuVmBackend
-
-        return TpuVmBackend(**kwargs)
-    if name == "gke":
-        from .gke import GkeBackend
-
-        return GkeBackend(**kwargs)
-    raise ValueError(f"unknown island backend {name!r}; choose one of: local, tpu_vm, gke")

@@ -30,6 +30,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from diloco_airflow import knobs
+
 from .base import BackendError, BackendStatus, IslandBackend, IslandSpec, IslandState
 
 _WRAPPER = r"""
@@ -150,7 +152,7 @@ class LocalBackend(IslandBackend):
         grace_s: float = 10.0,
         cwd: str | os.PathLike | None = None,
     ) -> None:
-        root = runs_root or os.environ.get("DILOCO_RUNS_ROOT") or "runs"
+        root = runs_root or knobs.RUNS_ROOT.get() or "runs"
         self.runs_root = Path(root).expanduser().resolve()
         self.grace_s = float(grace_s)
         self.cwd = str(cwd) if cwd is not None else None

@@ -31,9 +31,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import os
-import re
-import shlex
 import time
 import uuid
 from typing import Any
@@ -41,6 +38,9 @@ from typing import Any
 from google.api_core import exceptions as gexc
 from google.cloud import tpu_v2
 from google.protobuf import duration_pb2
+
+from diloco_airflow import knobs
+from training.hardware import tpu_hosts
 
 from .base import (
     LABEL_EXPERIMENT,
@@ -52,10 +52,11 @@ from .base import (
     IslandSpec,
     IslandState,
 )
+from .common import says_retryable, wait_gone
+from .tpu_startup import GUEST_NAMESPACE, startup_script
 
-LOG_PATH = "/var/log/diloco-island.log"
-GUEST_NAMESPACE = "diloco"
-COORDINATOR_PORT = 8476
+__all__ = ["TpuVmBackend", "build_queued_resource", "map_error", "startup_script", "tpu_hosts"]
+
 _REQUEST_NS = uuid.UUID("6f1c2b0e-3c55-4d0b-9a53-5f0f3c7f6a11")
 
 _QR = tpu_v2.QueuedResourceState.State
@@ -83,120 +84,14 @@ _RETRYABLE_ERRORS: tuple[type[BaseException], ...] = (
     TimeoutError,
     ConnectionError,
 )
-_RETRYABLE_WORDS = ("quota", "stockout", "capacity", "resource_exhausted", "exhausted", "try again")
 
 
 def map_error(exc: BaseException, what: str) -> BackendError:
     """A cloud exception as a :class:`BackendError` carrying the cloud's own message."""
     message = getattr(exc, "message", None) or str(exc) or type(exc).__name__
     text = f"{what}: {type(exc).__name__}: {message}"
-    retryable = isinstance(exc, _RETRYABLE_ERRORS) or any(
-        w in str(message).lower() for w in _RETRYABLE_WORDS
-    )
+    retryable = isinstance(exc, _RETRYABLE_ERRORS) or says_retryable(message)
     return BackendError(text, retryable=retryable)
-
-
-def tpu_hosts(accelerator_type: str) -> int:
-    """Number of TPU VM hosts of an accelerator type (``v4-32`` -> 4, ``v5litepod-16`` -> 4)."""
-    m = re.match(r"^(v\d+[a-z]*|v5litepod)-(\d+)$", accelerator_type or "")
-    if not m:
-        raise ValueError(
-            f"cannot tell the host count of accelerator type {accelerator_type!r}; "
-            "expected e.g. v4-8, v5p-64, v5litepod-16, v6e-8, or give hardware['hosts']"
-        )
-    family, size = m.group(1), int(m.group(2))
-    if family in ("v5litepod", "v5e", "v6e"):
-        return 1 if size <= 8 else size // 4  # size counts chips; 4 chips per host past 8
-    return max(1, size // 8)  # v2, v3, v4, v5p: size counts TensorCores, 8 per host
-
-
-def _export(key: str, value: str) -> str:
-    if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", key):
-        raise ValueError(f"environment variable name {key!r} is not valid in a shell")
-    return f"export {key}={shlex.quote(value)}"
-
-
-def startup_script(spec: IslandSpec, hosts: int | None = None) -> str:
-    """The node's ``startup-script``: start the island on every host of the slice."""
-    hw = spec.hardware
-    if hosts is None:
-        hosts = int(hw.get("hosts") or tpu_hosts(hw.get("accelerator_type", "")))
-    install = hw.get("install") or spec.env.get("DILOCO_INSTALL", "")
-    command = " ".join(shlex.quote(a) for a in spec.command)
-    if hosts > 1 and hw.get("coordinator_flags"):
-        command += (
-            ' --coordinator "$DILOCO_COORDINATOR" --num-processes "$DILOCO_NUM_PROCESSES"'
-            ' --process-id "$DILOCO_PROCESS_ID"'
-        )
-    exports = [_export(k, v) for k, v in sorted(spec.env.items())]
-    exports += [
-        _export("DILOCO_EXPERIMENT", spec.experiment),
-        _export("DILOCO_ISLAND", spec.island),
-        _export("DILOCO_STORE_URL", spec.store_url),
-        _export("DILOCO_NUM_PROCESSES", str(hosts)),
-        _export("DILOCO_INSTALL", install),
-    ]
-    workdir = hw.get("workdir")
-    cd = f"cd {shlex.quote(workdir)} || exit 1" if workdir else ""
-    runner = f"""#!/bin/bash
-# diloco island runner for {spec.experiment}/{spec.island} (generated; see startup-script)
-set -u
-{chr(10).join(exports)}
-MD=http://metadata.google.internal/computeMetadata/v1/instance
-ga_put() {{ curl -sf -X PUT --data-binary "$2" -H 'Metadata-Flavor: Google' \\
-  "$MD/guest-attributes/{GUEST_NAMESPACE}/$1" >/dev/null || true; }}
-md() {{ curl -sf -H 'Metadata-Flavor: Google' "$MD/attributes/$1"; }}
-# Multi-host hints. jax.distributed.initialize() needs none of them on Cloud TPU: it reads the
-# same worker number and endpoints from the TPU metadata by itself.
-DILOCO_PROCESS_ID="$(md agent-worker-number || echo 0)"
-export DILOCO_PROCESS_ID
-ENDPOINTS="$(md worker-network-endpoints || true)"
-if [ -n "$ENDPOINTS" ]; then
-  DILOCO_COORDINATOR="$(printf '%s' "$ENDPOINTS" | cut -d, -f1 | awk -F: '{{print $NF}}')"
-  export DILOCO_COORDINATOR="$DILOCO_COORDINATOR:{COORDINATOR_PORT}"
-else
-  export DILOCO_COORDINATOR=""
-fi
-{cd}
-echo "=== diloco island $DILOCO_EXPERIMENT/$DILOCO_ISLAND host $DILOCO_PROCESS_ID/$DILOCO_NUM_PROCESSES start $(date -u +%FT%TZ)"
-rc=0
-if [ -n "$DILOCO_INSTALL" ]; then
-  # word splitting intended: DILOCO_INSTALL is a pip requirement spec
-  python3 -m pip install $DILOCO_INSTALL || rc=$?
-fi
-if [ "$rc" -eq 0 ]; then
-  {command}
-  rc=$?
-fi
-echo "=== diloco island exit code $rc at $(date -u +%FT%TZ)"
-ga_put tail "$(tail -n 20 {LOG_PATH} | tail -c 2000)"
-ga_put exitcode "$rc"
-if [ "$rc" -eq 0 ]; then touch /var/lib/diloco-island.done; fi
-exit "$rc"
-"""
-    if "\nDILOCO_RUNNER_EOF" in runner:
-        raise ValueError("the island command or env contains the line DILOCO_RUNNER_EOF")
-    return f"""#!/bin/bash
-# diloco island startup script for {spec.experiment}/{spec.island} (generated by
-# diloco_airflow.backends.tpu_vm). Cloud TPU runs it on every host of the slice at boot, and again
-# after a reboot: a finished island is not run again, a running one is not started twice.
-set -u
-MD=http://metadata.google.internal/computeMetadata/v1/instance
-ga_put() {{ curl -sf -X PUT --data-binary "$2" -H 'Metadata-Flavor: Google' \\
-  "$MD/guest-attributes/{GUEST_NAMESPACE}/$1" >/dev/null || true; }}
-ga_del() {{ curl -sf -X DELETE -H 'Metadata-Flavor: Google' \\
-  "$MD/guest-attributes/{GUEST_NAMESPACE}/$1" >/dev/null || true; }}
-if [ -e /var/lib/diloco-island.done ]; then ga_put exitcode 0; exit 0; fi
-ga_del exitcode
-ga_del tail
-ga_put started "$(date +%s)"
-RUNNER=/usr/local/bin/diloco-island-run
-cat > "$RUNNER" <<'DILOCO_RUNNER_EOF'
-{runner}DILOCO_RUNNER_EOF
-chmod 0755 "$RUNNER"
-setsid nohup flock -n /var/lock/diloco-island.lock "$RUNNER" >> {LOG_PATH} 2>&1 < /dev/null &
-exit 0
-"""
 
 
 def build_queued_resource(spec: IslandSpec, *, project: str, zone: str) -> tpu_v2.QueuedResource:
@@ -271,9 +166,7 @@ def _labels_of(qr: tpu_v2.QueuedResource) -> dict[str, str]:
     return labels
 
 
-API_ENDPOINT_ENV = "DILOCO_TPU_API_ENDPOINT"
-"""Set to ``http://127.0.0.1:PORT`` to send every TPU API call to a local fake (plain HTTP,
-anonymous credentials), as STORAGE_EMULATOR_HOST does for GCS; unset in production."""
+API_ENDPOINT_ENV = knobs.TPU_API_ENDPOINT.name
 
 
 class TpuVmBackend(IslandBackend):
@@ -310,7 +203,7 @@ class TpuVmBackend(IslandBackend):
         poll_s: float = 10.0,
         replace_stale: bool = True,
     ) -> None:
-        endpoint = os.environ.get(API_ENDPOINT_ENV)
+        endpoint = knobs.TPU_API_ENDPOINT.get()
         if endpoint and not api_endpoint and client is None:  # a local fake of the TPU API
             api_endpoint, transport = endpoint, transport or "rest"
             if credentials is None:
@@ -408,11 +301,12 @@ class TpuVmBackend(IslandBackend):
             raise map_error(exc, f"get queued resource {name}") from exc
 
     def _wait_gone(self, name: str) -> None:
-        deadline = time.monotonic() + self.operation_timeout_s
-        while self._get_qr(name) is not None:
-            if time.monotonic() > deadline:
-                raise BackendError(f"queued resource {name} is still being deleted", retryable=True)
-            time.sleep(self.poll_s)
+        wait_gone(
+            lambda: self._get_qr(name) is not None,
+            f"queued resource {name}",
+            timeout_s=self.operation_timeout_s,
+            poll_s=self.poll_s,
+        )
 
     def _create(self, spec: IslandSpec, h: dict, request_id: str) -> bool:
         """Create the queued resource; False if it already existed (409)."""

@@ -65,7 +65,7 @@ def create_app(source: StaticSource | None = None) -> FastAPI:
 
     def open_known(store: str, experiment: str):
         """(cfg, estore) of a known store's experiment; 404 otherwise, 502 if unreadable."""
-        from diloco_airflow.hooks import open_experiment
+        from diloco_airflow.store import open_experiment
         from training.config import ConfigError, parse_config
         from training.store.objectstore import ObjectNotFound, StoreError
 
@@ -92,7 +92,7 @@ def create_app(source: StaticSource | None = None) -> FastAPI:
 
     @app.get("/api/experiments")
     def experiments(user: Reader, run_id: str | None = Query(None, max_length=250)) -> dict:
-        from diloco_airflow.hooks import open_experiment
+        from diloco_airflow.store import open_experiment
         from training.catalog import list_experiments
         from training.config import parse_config
         from training.store.objectstore import open_store

@@ -10,19 +10,20 @@ client sends.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Mapping
 from typing import Any
+
+from diloco_airflow import knobs
 
 log = logging.getLogger(__name__)
 
 DAG_ID = "diloco_experiment"
-STORES_ENV = "DILOCO_PAGE_STORES"  # comma-separated store URLs the page always shows
+STORES_ENV = knobs.PAGE_STORES.name  # comma-separated store URLs the page always shows
 RUNS_SCANNED = 200  # newest DAG runs looked at
 
 
 def env_stores() -> list[str]:
-    return [s.strip() for s in os.environ.get(STORES_ENV, "").split(",") if s.strip()]
+    return [s.strip() for s in knobs.PAGE_STORES.get().split(",") if s.strip()]
 
 
 class StaticSource:
@@ -107,7 +108,7 @@ class AirflowSource(StaticSource):
         try:
             from airflow.models import Variable
 
-            from diloco_airflow.hooks import REGISTRY_VARIABLE
+            from diloco_airflow.experiment_registry import REGISTRY_VARIABLE
 
             registry = Variable.get(REGISTRY_VARIABLE, default_var={}, deserialize_json=True)
             if isinstance(registry, Mapping):

@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from training.runtime import corpus_for
     except ImportError:
-        from training.island import corpus_for
+        from training.runtime import corpus_for
 
     cfg = load_config(args.config)
     mesh = Mesh(np.array(jax.devices()), ("data",))

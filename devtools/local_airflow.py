@@ -1,6 +1,6 @@
 """A real Airflow on this machine: start, wait until healthy, REST API v2 helpers, stop.
 
-    python -m diloco_airflow.local_airflow serve      # leaves the UI on localhost:8080
+    python -m devtools.local_airflow serve      # leaves the UI on localhost:8080
 
 The port is `DILOCO_AIRFLOW_PORT` (default 8080) unless given; `start()` refuses a port in use.
 
@@ -28,15 +28,23 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
+for _p in (ROOT, ROOT / "plugins"):  # `python -m devtools.local_airflow` from the checkout
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
+
+from diloco_airflow import knobs  # noqa: E402
+from diloco_airflow.backends.registry import BACKENDS  # noqa: E402
+from diloco_airflow.pools import CONTROL_POOL, pool_for  # noqa: E402
+
 COMPONENTS = ("scheduler", "triggerer", "dag-processor", "api-server")
 USER, PASSWORD = "admin", "admin"
 # control: init, the syncer's shards and evaluator (deferred ones count), finalize, per run
-POOLS = {"diloco_control": 16, "diloco_local": 4, "diloco_tpu_vm": 16, "diloco_gke": 16}
+POOLS = {CONTROL_POOL: 16, **{pool_for(b): 4 if b == "local" else 16 for b in BACKENDS}}
 
 
 def default_port() -> int:
-    return int(os.environ.get("DILOCO_AIRFLOW_PORT") or 8080)
+    return knobs.AIRFLOW_PORT.get()
 
 
 def port_in_use(port: int) -> bool:
@@ -314,7 +322,7 @@ def stop_islands(runs_root: str | Path) -> list[int]:
 
 
 def serve(port: int | None = None) -> int:
-    af = LocalAirflow(port=port, env={"DILOCO_RUNS_ROOT": str(ROOT / "runs")})
+    af = LocalAirflow(port=port, env={knobs.RUNS_ROOT.name: str(ROOT / "runs")})
     port = af.port
     af.start()
     try:
@@ -336,7 +344,7 @@ def serve(port: int | None = None) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] != "serve":
-        print("usage: python -m diloco_airflow.local_airflow serve [--port N]", file=sys.stderr)
+        print("usage: python -m devtools.local_airflow serve [--port N]", file=sys.stderr)
         return 2
     port = int(argv[argv.index("--port") + 1]) if "--port" in argv else None
     return serve(port)

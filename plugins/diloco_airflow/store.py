@@ -1,6 +1,7 @@
-"""Store access for Airflow tasks, sensors and triggers.
+"""Store access for Airflow tasks and triggers: `open_experiment` (what every task uses),
+`pending_pseudograds`, and `DilocoStoreHook`.
 
-`DilocoStoreHook` opens an experiment store from an explicit URL (``file:///...``,
+`DilocoStoreHook` (optional: no DAG of this project needs a connection) opens an experiment store from an explicit URL (``file:///...``,
 ``gs://bucket/prefix``) or from an Airflow connection (conn type ``diloco_store``: the URL in the
 connection's ``host`` or in its extra as ``store_url``). It is stateless: every call opens what it
 needs, so it is safe in triggers (which may run twice, in another process) and in retried tasks.
@@ -17,9 +18,6 @@ try:  # the hook base is only needed inside Airflow; keep the module importable 
     from airflow.sdk.bases.hook import BaseHook
 except ImportError:  # pragma: no cover
     BaseHook = object  # type: ignore[assignment,misc]
-
-REGISTRY_VARIABLE = "diloco_experiments"
-"""Airflow Variable (JSON) naming the running experiments: the merge and maintenance DAGs read it."""
 
 
 def _gcsfs_emulator_guard() -> None:

@@ -19,18 +19,19 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 for p in (ROOT, ROOT / "plugins"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
-from diloco_airflow import hooks  # noqa: E402
-from diloco_airflow.local_airflow import LocalAirflow, stop_islands  # noqa: E402
+from diloco_airflow import knobs, store  # noqa: E402
+
+from devtools.local_airflow import LocalAirflow, stop_islands  # noqa: E402
 
 ISLANDS = ["island-a", "island-b", "island-c"]
 KILL = "island-b"
-TOKEN_BUDGET = int(os.environ.get("DILOCO_DEMO_TOKENS", "600000"))
-TIMEOUT_S = float(os.environ.get("DILOCO_DEMO_TIMEOUT_S", "480"))
+TOKEN_BUDGET = knobs.DEMO_TOKENS.get()
+TIMEOUT_S = knobs.DEMO_TIMEOUT_S.get()
 
 
 def demo_conf(name: str, store_url: str, budget: int = TOKEN_BUDGET) -> dict:
@@ -62,8 +63,8 @@ def demo_conf(name: str, store_url: str, budget: int = TOKEN_BUDGET) -> dict:
 
 def airflow_env(runs: Path) -> dict[str, str]:
     return {
-        "DILOCO_RUNS_ROOT": str(runs / "islands"),
-        "DILOCO_RETRY_DELAY_S": "3",
+        knobs.RUNS_ROOT.name: str(runs / "islands"),
+        knobs.RETRY_DELAY_S.name: "3",
         # islands share two cores with Airflow: one compute thread each
         "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1",
         "OMP_NUM_THREADS": "1",
@@ -191,8 +192,8 @@ def islands_info(estore) -> dict[str, dict]:
 
 
 def single_process_loss(estore, tokens: int) -> float:
+    from training.baseline import single_process_baseline
     from training.config import parse_config
-    from training.evaluate import single_process_baseline
 
     return round(single_process_baseline(parse_config(estore.read_config()), tokens), 4)
 
@@ -218,7 +219,7 @@ def main() -> int:
         run_id = af.trigger("diloco_experiment", demo_conf(name, store_url))
         print(f"[demo] triggered diloco_experiment {run_id}: experiment {name}", flush=True)
         print(f"[demo] watch it: {af.base}/plugin/diloco (Browse -> DiLoCo)", flush=True)
-        estore = hooks.open_experiment(store_url, name)
+        estore = store.open_experiment(store_url, name)
         merges, evals = MetricTail(estore, "merge"), MetricTail(estore, "eval")
         killed, last_line, last_print = False, "", 0.0
         deadline = time.monotonic() + TIMEOUT_S

@@ -1,0 +1,32 @@
+"""The backends' registry: a backend by name, its module imported only when asked for.
+
+``BACKENDS`` is `training.config.Backend`'s list (the config's type is the one source: the
+trigger form's enum and the DAG's task groups derive from it). This module imports the backend
+modules lazily, and they import only `base` and `common`: no cycle.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, get_args
+
+from training.config import Backend
+
+from .base import IslandBackend
+
+BACKENDS: tuple[str, ...] = tuple(get_args(Backend))
+"""Backend names, in the config's order: ``local``, ``tpu_vm``, ``gke``."""
+
+_CLASSES = {
+    "local": (".local", "LocalBackend"),
+    "tpu_vm": (".tpu_vm", "TpuVmBackend"),
+    "gke": (".gke", "GkeBackend"),
+}
+
+
+def get_backend(name: str, **kwargs: Any) -> IslandBackend:
+    """Build a backend by name: ``local``, ``tpu_vm`` or ``gke`` (imports the module lazily)."""
+    if name not in _CLASSES:
+        raise ValueError(f"unknown island backend {name!r}; choose one of: {', '.join(BACKENDS)}")
+    module, cls = _CLASSES[name]
+    return getattr(importlib.import_module(module, __package__), cls)(**kwargs)

@@ -1,0 +1,93 @@
+"""The end of a `diloco_experiment` run: mark its islands over (`islands_ended`: the syncer and
+evaluator then stop), then `finalize` (a last merge, a final eval, the registry).
+
+`merge_experiments` is also the merge of tests and of a finalize after a failed shard.
+Heavy imports happen inside the functions, at task run time.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from diloco_airflow import store
+from diloco_airflow.experiment_registry import unregister_experiment
+
+log = logging.getLogger(__name__)
+
+
+def merge_experiments(experiments: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`Merger.merge_all()` of each experiment, in this (task) process.
+
+    Chaos mode applies: the store goes through `training.chaos.for_process(..., "merge")`, so
+    storage faults are injected, and `chaos.kill_merge_at` SIGKILLs this process at that fault
+    point the first time any merge of the experiment runs (the task's retry is not armed again:
+    the event is in the store's metrics; it repairs the ledger and merges on).
+    """
+    from training.chaos import for_process
+    from training.config import parse_config
+    from training.faults import FAULTS_ENV
+    from training.merge import Merger
+
+    out = []
+    for e in experiments:
+        estore = store.open_experiment(e["store_url"], e["experiment"])
+        cfg = parse_config(estore.read_config())
+        faults_before = os.environ.get(FAULTS_ENV)
+        try:
+            estore = for_process(cfg, estore, "merge")
+            versions, applied, quarantined = [], 0, 0
+            for r in Merger(cfg, estore).merge_all():
+                if r.version is not None:
+                    versions.append(r.version)
+                applied += len(r.applied)
+                quarantined += len(r.quarantined)
+        finally:  # an armed kill belongs to this experiment's merge only
+            if faults_before is None:
+                os.environ.pop(FAULTS_ENV, None)
+            else:
+                os.environ[FAULTS_ENV] = faults_before
+        log.info(
+            "%s: versions %s, applied %d, quarantined %d", cfg.name, versions, applied, quarantined
+        )
+        out.append({**e, "versions": versions, "applied": applied, "quarantined": quarantined})
+    return out
+
+
+def islands_ended(store_url: str, experiment: str, run_id: str, islands: list[str]) -> dict:
+    """Mark the island tasks of this DAG run as over (successful or not): its syncer shards and
+    evaluator then end (after a last drain), so that `finalize` runs after them."""
+    from training.syncer import mark_run_ended
+
+    names = sorted(islands)
+    estore = store.open_experiment(store_url, experiment)
+    mark_run_ended(estore, run_id, {"islands": names})
+    return {"run_id": run_id, "islands": names}
+
+
+def finalize_experiment(store_url: str, experiment: str) -> dict[str, Any]:
+    """After the islands and the syncer: a last merge of anything a failed shard left (a no-op
+    normally), a final eval of the current model, and drop the experiment from the registry
+    once every island of its config is done."""
+    from training.config import parse_config
+    from training.evaluate import end_of_run_report, evaluate_current
+
+    merged = merge_experiments([{"store_url": store_url, "experiment": experiment}])
+    estore = store.open_experiment(store_url, experiment)
+    cfg = parse_config(estore.read_config())
+    record = evaluate_current(cfg, estore)
+    log.info("%s: final eval %s", experiment, record)
+    report = end_of_run_report(estore)
+    if report["warning"]:
+        log.warning("%s: %s", experiment, report["warning"])
+    done = set(estore.done())
+    if {i.name for i in cfg.islands} <= done:
+        unregister_experiment(store_url, experiment)
+    return {
+        "merged": merged,
+        "eval": record,
+        "best": report.get("best"),
+        "warning": report["warning"],
+        "done": sorted(done),
+    }

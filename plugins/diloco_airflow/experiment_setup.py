@@ -1,0 +1,79 @@
+"""The `init` task: validate the form, create the experiment or join it, hand out the islands.
+
+Heavy imports (the training package, jax) happen inside the function, at task run time.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from diloco_airflow import store
+from diloco_airflow.backends import BACKENDS
+from diloco_airflow.experiment_registry import register_experiment
+from diloco_airflow.island_entry import island_entry
+
+log = logging.getLogger(__name__)
+
+
+def init_experiment(params: dict[str, Any]) -> dict[str, list]:
+    """Validate the form, create the experiment or join it, return the islands by backend
+    (``{"local": [...], "tpu_vm": [...], "gke": [...]}``, `IslandEntry.to_dict` each) and the
+    syncer's shards (``"shards": [0, ..., S-1]``, one mapped merge task each).
+
+    Joining (the experiment exists): every setting but the island list must equal the stored
+    config (`training.config.check_same_settings`); islands not in it yet are added by compare-and-swap on
+    config.json (`ExperimentStore.add_islands`: each needs a free data shard, see
+    docs/STORE.md); islands already in it must be asked for with the same settings.
+    """
+    from diloco_airflow.params import config_from_params
+    from training.config import check_same_settings, parse_config
+    from training.store.experiment import ExperimentExists
+    from training.store.objectstore import ObjectNotFound
+
+    cfg = config_from_params(params)
+    hook = store.DilocoStoreHook(store_url=cfg.store_url)
+    hook.check()  # unreachable bucket / missing credentials: fail now, with the store's message
+    estore = hook.experiment(cfg.name)
+    wanted = json.loads(cfg.to_json())
+    try:
+        existing = estore.read_config()
+    except ObjectNotFound:
+        existing = None
+    if existing is None:
+        try:
+            estore.write_config(wanted)
+            cfg_all = cfg
+        except ExperimentExists:  # created by a concurrent trigger in between: join it
+            existing = estore.read_config()
+    if existing is not None:
+        check_same_settings(existing, wanted)  # the same experiment, or a one-line ConfigError
+        known = {i["name"] for i in existing.get("islands", [])}
+        joined = estore.add_islands([i.model_dump(mode="json") for i in cfg.islands])
+        cfg_all = parse_config(joined)
+        new = [i.name for i in cfg.islands if i.name not in known]
+        log.info(
+            "joining experiment %s: new islands %s, relaunching %s",
+            cfg.name,
+            new,
+            sorted(known & {i.name for i in cfg.islands}),
+        )
+        if estore.stop_requested(None):
+            log.warning("experiment %s has a stop marker: its islands stop at once", cfg.name)
+    from training.merge import initial_version
+
+    created = initial_version(cfg_all, estore)
+    log.info("experiment %s: %s", cfg.name, "created version 0" if created == 0 else "exists")
+    if created == 0:
+        from training.evaluate import evaluate_current
+
+        log.info("initial eval: %s", evaluate_current(cfg_all, estore))
+    # only the islands of this trigger run here; islands of earlier runs keep running there
+    entries = [island_entry(cfg_all, cfg_all.island(i.name)) for i in cfg.islands]
+    register_experiment(cfg.store_url, cfg.name, entries)
+    out: dict[str, list] = {b: [] for b in BACKENDS}
+    for e in entries:
+        out[e.backend].append(e.to_dict())
+    out["shards"] = list(range(cfg_all.syncer.shards))
+    return out

@@ -1,0 +1,122 @@
+"""Every ``DILOCO_*`` environment variable of the Airflow layer, documented once, read here.
+
+*Knobs* are what whoever deploys Airflow may set in the environment of its components (the
+dag-processor reads the DAG knobs at parse time, the workers and the triggerer the others when a
+task runs). Each is a `Knob`: ``KNOB.get()`` reads it now (unset or empty: its default). Nothing
+else in `plugins/`, `dags/` or `devtools/` reads ``os.environ`` for a ``DILOCO_*`` name.
+
+The library has one variable of its own, ``DILOCO_FAULTS`` (fault points of a process:
+`training.faults`, where it is documented and read). The backends *set* a few more for the island
+process (`ISLAND_ENV`, below); an island never needs them (it gets its arguments on the command
+line) but logs and startup scripts use them.
+
+Standard library only: imported at DAG parse time.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+
+def _flag(text: str) -> bool:
+    return text.lower() in ("1", "true", "yes")
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One environment variable: its name, default (None: unset), parser and meaning."""
+
+    name: str
+    default: Any
+    parse: Callable[[str], Any]
+    doc: str
+
+    def get(self, environ: Mapping[str, str] | None = None) -> Any:
+        """The value now: parsed from the environment, or the default when unset or empty."""
+        text = (os.environ if environ is None else environ).get(self.name, "")
+        return self.parse(text) if text else self.default
+
+
+# -- the DAGs (read at parse time) --------------------------------------------------------------
+RETRY_DELAY_S = Knob(
+    "DILOCO_RETRY_DELAY_S", 30.0, float, "first retry delay of the DAGs' tasks (exponential)"
+)
+ISLAND_TIMEOUT_H = Knob(
+    "DILOCO_ISLAND_TIMEOUT_H", 72.0, float, "execution timeout of an island's wait and the syncer"
+)
+ISLAND_RETRIES = Knob(
+    "DILOCO_ISLAND_RETRIES", 5, int, "retries of an island's launch and wait, the syncer's tasks"
+)
+HEARTBEAT_TIMEOUT_S = Knob(
+    "DILOCO_HEARTBEAT_TIMEOUT_S",
+    None,
+    float,
+    "a running island whose heartbeat is older than this is stalled (default: "
+    "max(60, 12 x the config's heartbeat_s))",
+)
+EXPERIMENT_SCHEDULE = Knob(
+    "DILOCO_EXPERIMENT_SCHEDULE", None, str, "cron or preset of diloco_experiment (default: none)"
+)
+MAINTENANCE_SCHEDULE = Knob(
+    "DILOCO_MAINTENANCE_SCHEDULE", "*/15 * * * *", str, "cron or preset of diloco_maintenance"
+)
+
+# -- tasks (read when they run) -----------------------------------------------------------------
+GC_KEEP_LAST = Knob(
+    "DILOCO_GC_KEEP_LAST", 5, int, "versions of each fragment's chain garbage collection keeps"
+)
+GC_DRY_RUN = Knob("DILOCO_GC_DRY_RUN", False, _flag, "1 / true / yes: gc only reports its plan")
+RUNS_ROOT = Knob(
+    "DILOCO_RUNS_ROOT", None, str, "local backend: where island run directories go (./runs)"
+)
+TPU_API_ENDPOINT = Knob(
+    "DILOCO_TPU_API_ENDPOINT",
+    None,
+    str,
+    "tpu_vm backend: send every TPU API call to this http://127.0.0.1:PORT (a local fake, "
+    "anonymous credentials), as STORAGE_EMULATOR_HOST does for GCS; unset in production",
+)
+
+PAGE_STORES = Knob(
+    "DILOCO_PAGE_STORES",
+    "",
+    str,
+    "comma-separated store URLs the DiLoCo page always shows (besides the registry and runs)",
+)
+
+# -- developer tools (devtools/) ----------------------------------------------------------------
+AIRFLOW_PORT = Knob("DILOCO_AIRFLOW_PORT", 8080, int, "port of the local Airflow's API server/UI")
+DEMO_TOKENS = Knob("DILOCO_DEMO_TOKENS", 600_000, int, "token budget of `make demo`")
+DEMO_TIMEOUT_S = Knob("DILOCO_DEMO_TIMEOUT_S", 480.0, float, "how long `make demo` waits")
+
+KNOBS: tuple[Knob, ...] = (
+    RETRY_DELAY_S,
+    ISLAND_TIMEOUT_H,
+    ISLAND_RETRIES,
+    HEARTBEAT_TIMEOUT_S,
+    EXPERIMENT_SCHEDULE,
+    MAINTENANCE_SCHEDULE,
+    GC_KEEP_LAST,
+    GC_DRY_RUN,
+    RUNS_ROOT,
+    TPU_API_ENDPOINT,
+    PAGE_STORES,
+    AIRFLOW_PORT,
+    DEMO_TOKENS,
+    DEMO_TIMEOUT_S,
+)
+
+# -- what the backends set for the island process ----------------------------------------------
+ISLAND_ENV: dict[str, str] = {
+    "DILOCO_EXPERIMENT": "the experiment's name",
+    "DILOCO_ISLAND": "the island's name",
+    "DILOCO_STORE_URL": "the store's URL",
+    "DILOCO_NUM_PROCESSES": "hosts of the island's slice",
+    "DILOCO_PROCESS_ID": "tpu_vm: this host's worker number",
+    "DILOCO_COORDINATOR": "tpu_vm: host 0's address:port (jax.distributed coordinator)",
+    "DILOCO_INSTALL": "tpu_vm: a pip requirement spec the startup script installs first "
+    "(from hardware['install'] or the spec's env)",
+}
