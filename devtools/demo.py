@@ -34,8 +34,36 @@ TOKEN_BUDGET = knobs.DEMO_TOKENS.get()
 TIMEOUT_S = knobs.DEMO_TIMEOUT_S.get()
 
 
-def demo_conf(name: str, store_url: str, budget: int = TOKEN_BUDGET) -> dict:
+# The paper's profile (issue 7 item 8): P = 24 fragments (balanced single tensors; `tiny` has
+# 15 tensors, so P = 15, the most it allows), H = 24, tau = 2 overlap steps, quorum K = 1, int4
+# pseudo-gradients, overwrite on adoption. `DILOCO_DEMO_PROFILE=paper make demo`.
+PROFILES: dict[str, dict] = {
+    "default": {},
+    "paper": {
+        "H": 24,
+        "fragments": 15,
+        "codec": "int4",
+        "quorum": 1,
+        "overrides": {
+            "inner.lr": 0.002,
+            "inner.tau": 2,
+            "inner.keep_overlap": False,
+            "fragments.strategy": "tensors",
+        },
+    },
+}
+
+
+def demo_conf(
+    name: str, store_url: str, budget: int = TOKEN_BUDGET, profile: str = "default"
+) -> dict:
     """The trigger form's values for the demo (the REST API gets exactly these)."""
+    if profile not in PROFILES:
+        raise SystemExit(f"unknown demo profile {profile!r}; choose one of {sorted(PROFILES)}")
+    return {**_base_conf(name, store_url, budget), **PROFILES[profile]}
+
+
+def _base_conf(name: str, store_url: str, budget: int) -> dict:
     return {
         "experiment_name": name,
         "store_url": store_url,
@@ -216,7 +244,9 @@ def main() -> int:
             f"(admin / {af.password()})",
             flush=True,
         )
-        run_id = af.trigger("diloco_experiment", demo_conf(name, store_url))
+        run_id = af.trigger(
+            "diloco_experiment", demo_conf(name, store_url, profile=knobs.DEMO_PROFILE.get())
+        )
         print(f"[demo] triggered diloco_experiment {run_id}: experiment {name}", flush=True)
         print(f"[demo] watch it: {af.base}/plugin/diloco (Browse -> DiLoCo)", flush=True)
         estore = store.open_experiment(store_url, name)

@@ -90,6 +90,9 @@ PAGE_STORES = Knob(
 # -- developer tools (devtools/) ----------------------------------------------------------------
 AIRFLOW_PORT = Knob("DILOCO_AIRFLOW_PORT", 8080, int, "port of the local Airflow's API server/UI")
 DEMO_TOKENS = Knob("DILOCO_DEMO_TOKENS", 600_000, int, "token budget of `make demo`")
+DEMO_PROFILE = Knob(
+    "DILOCO_DEMO_PROFILE", "default", str, "`make demo`'s settings: default, or paper (P = 24)"
+)
 DEMO_TIMEOUT_S = Knob("DILOCO_DEMO_TIMEOUT_S", 480.0, float, "how long `make demo` waits")
 
 KNOBS: tuple[Knob, ...] = (
@@ -106,6 +109,7 @@ KNOBS: tuple[Knob, ...] = (
     PAGE_STORES,
     AIRFLOW_PORT,
     DEMO_TOKENS,
+    DEMO_PROFILE,
     DEMO_TIMEOUT_S,
 )
 
