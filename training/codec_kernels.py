@@ -164,34 +164,51 @@ def _scale_into(codes: np.ndarray, scales: np.ndarray, b0: int, block: int, out:
         np.multiply(codes[full:m], scales[b0 + full // block], out=out[full:])
 
 
+def chunk_step(block: int) -> int:
+    """Elements per chunk for blocks of `block`: chunk starts are block- and byte-aligned."""
+    return _chunk_blocks(block) * block
+
+
+def decode_range(
+    kind: str,
+    data: np.ndarray,
+    scales: np.ndarray,
+    s: int,
+    e: int,
+    block: int,
+    out: np.ndarray,
+    levels: int = 127,
+) -> np.ndarray:
+    """Elements [s, e) of a quantized tensor, decoded into `out` (float32, e - s elements);
+    s is a multiple of chunk_step(block). ValueError if a code there is outside [-levels,
+    levels] (int8: -128; int4: nibble 0; int2 has no invalid code)."""
+    per = {"int8": 1, "int4": 2, "int2": 4}[kind]
+    lo, hi = s // per, -(-e // per)
+    if kind == "int8":
+        codes = data[s:e]
+    elif kind == "int4":
+        codes = np.empty(2 * (hi - lo), np.int8)
+        np.take(_LUT["int4"], data[lo:hi], out=codes.view(np.uint16))
+        codes = codes[: e - s]
+    else:
+        codes = np.empty((hi - lo, 4), np.float32)
+        np.take(_LUT["int2"], data[lo:hi], axis=0, out=codes)
+        codes = codes.reshape(-1)[: e - s]
+    if kind != "int2" and codes.size and codes.min() < -levels:
+        raise ValueError(f"codes outside [-{levels}, {levels}]")
+    _scale_into(codes, scales, s // block, block, out)
+    return out
+
+
 def decode_quantized(
     data: np.ndarray, scales: np.ndarray, n: int, block: int, kind: str, levels: int = 127
 ) -> np.ndarray:
-    """Flat float32 of n elements: codes x their block's scale. ValueError if a code is
-    outside [-levels, levels] (int8: -128; int4: nibble 0; int2 has no invalid code)."""
+    """Flat float32 of n elements: codes x their block's scale (decode_range, chunk by chunk)."""
     out = np.empty(n, np.float32)
-    step = _chunk_blocks(block) * block
-    per = {"int8": 1, "int4": 2, "int2": 4}[kind]
-    if kind == "int4":
-        codes_buf = np.empty(min(step, -(-n // 2) * 2), np.int8)
-    elif kind == "int2":
-        levels_buf = np.empty(min(step, -(-n // 4) * 4), np.float32)
+    step = chunk_step(block)
     for s in range(0, n, step):
         e = min(n, s + step)
-        lo, hi = s // per, -(-e // per)
-        if kind == "int8":
-            codes = data[s:e]
-        elif kind == "int4":
-            codes = codes_buf[: 2 * (hi - lo)]
-            np.take(_LUT["int4"], data[lo:hi], out=codes.view(np.uint16))
-            codes = codes[: e - s]
-        else:
-            codes = levels_buf[: 4 * (hi - lo)]
-            np.take(_LUT["int2"], data[lo:hi], axis=0, out=codes.reshape(-1, 4))
-            codes = codes[: e - s]
-        if kind != "int2" and codes.size and codes.min() < -levels:
-            raise ValueError(f"codes outside [-{levels}, {levels}]")
-        _scale_into(codes, scales, s // block, block, out[s:e])
+        decode_range(kind, data, scales, s, e, block, out[s:e], levels)
     return out
 
 
@@ -222,11 +239,12 @@ def encode_bf16(delta: np.ndarray, residual: np.ndarray | None) -> tuple[np.ndar
     return bits, new_residual
 
 
-def decode_bf16(bits: np.ndarray) -> np.ndarray:
-    """Flat float32 of flat uint16 bfloat16 bits (exact)."""
-    out = np.empty(bits.size, np.uint32)
+def decode_bf16(bits: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """Flat float32 of flat uint16 bfloat16 bits (exact), into `out` if given."""
+    out = np.empty(bits.size, np.float32) if out is None else out
+    as_bits = out.view(np.uint32)
     for s in range(0, bits.size, CHUNK):
-        chunk = out[s : s + CHUNK]
+        chunk = as_bits[s : s + CHUNK]
         chunk[:] = bits[s : s + CHUNK]
         chunk <<= 16
-    return out.view(np.float32)
+    return out

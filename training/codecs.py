@@ -20,6 +20,7 @@ next residual, so the quantization error is sent later instead of lost.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import ml_dtypes
 import numpy as np
@@ -124,12 +125,28 @@ def _shape(payload: dict[str, np.ndarray], name: str) -> tuple[int, ...]:
     return tuple(int(d) for d in shape_arr)
 
 
-def _decode_tensor(name: str, payload: dict[str, np.ndarray], codec: str, block: int) -> np.ndarray:
-    if codec == "fp32":
-        return _get(payload, name, (np.float32,), name).astype(np.float32)
-    if codec == "bf16":
-        data = _get(payload, name, (ml_dtypes.bfloat16, np.uint16), name)
-        return kernels.decode_bf16(data.view(np.uint16).reshape(-1)).reshape(data.shape)
+class TensorCodes(NamedTuple):
+    """One tensor of a payload, checked against the layout and ready to decode in chunks."""
+
+    name: str
+    codec: str
+    shape: tuple[int, ...]
+    data: np.ndarray  # flat: float32, uint16 (bf16 bits), int8 codes or packed uint8
+    scales: np.ndarray | None  # flat float32 per block (quantized codecs)
+    block: int
+
+
+def tensor_codes(
+    payload: dict[str, np.ndarray], name: str, codec: str, block: int = DEFAULT_BLOCK
+) -> TensorCodes:
+    """`name` of a payload with its dtypes, sizes and scale count checked (ValueError naming
+    the payload tensor); code values are checked as they are decoded (`decode_chunk`)."""
+    _check_codec(codec)
+    if codec in ("fp32", "bf16"):
+        dtypes = (np.float32,) if codec == "fp32" else (ml_dtypes.bfloat16, np.uint16)
+        data = _get(payload, name, dtypes, name)
+        flat = data.reshape(-1) if codec == "fp32" else data.view(np.uint16).reshape(-1)
+        return TensorCodes(name, codec, data.shape, flat, None, block)
     scales = _get(payload, name + SCALE_SUFFIX, (np.float32,), name).reshape(-1)
     if codec == "int8":
         data = _get(payload, name, (np.int8,), name)
@@ -151,14 +168,48 @@ def _decode_tensor(name: str, payload: dict[str, np.ndarray], codec: str, block:
             f"payload tensor {name + SCALE_SUFFIX!r} has {scales.size} scales, expected "
             f"{_num_blocks(n, block)} for {n} elements in blocks of {block}"
         )
-    levels = _LEVELS.get(codec, 0)
+    return TensorCodes(name, codec, tuple(shape), packed, scales, block)
+
+
+def chunk_step(block: int = DEFAULT_BLOCK) -> int:
+    """Elements per chunk of `chunk_spans`."""
+    return kernels.chunk_step(block)
+
+
+def chunk_spans(size: int, block: int = DEFAULT_BLOCK) -> list[tuple[int, int]]:
+    """[(start, end)] covering `size` elements in cache-sized chunks aligned for decoding."""
+    step = kernels.chunk_step(block)
+    return [(s, min(size, s + step)) for s in range(0, size, step)]
+
+
+def decode_chunk(codes: TensorCodes, s: int, e: int, out: np.ndarray) -> np.ndarray:
+    """Elements [s, e) of the flattened tensor as float32 in `out` (e - s elements); s from
+    `chunk_spans`. ValueError if a code there is not a valid level."""
+    if codes.codec == "fp32":
+        np.copyto(out, codes.data[s:e])
+        return out
+    if codes.codec == "bf16":
+        return kernels.decode_bf16(codes.data[s:e], out)
+    levels = _LEVELS.get(codes.codec, 0)
     try:
-        flat = kernels.decode_quantized(packed, scales, n, block, codec, levels)
+        return kernels.decode_range(
+            codes.codec, codes.data, codes.scales, s, e, codes.block, out, levels
+        )
     except ValueError:
         raise ValueError(
-            f"payload tensor {name!r} has codes outside [-{levels}, {levels}]"
+            f"payload tensor {codes.name!r} has codes outside [-{levels}, {levels}]"
         ) from None
-    return flat.reshape(shape)
+
+
+def _decode_tensor(name: str, payload: dict[str, np.ndarray], codec: str, block: int) -> np.ndarray:
+    codes = tensor_codes(payload, name, codec, block)
+    if codec == "fp32":
+        return codes.data.astype(np.float32).reshape(codes.shape)
+    n = math.prod(codes.shape)
+    out = np.empty(n, np.float32)
+    for s, e in chunk_spans(n, block):
+        decode_chunk(codes, s, e, out[s:e])
+    return out.reshape(codes.shape)
 
 
 def decode(
@@ -190,7 +241,8 @@ def encoded_layout(name: str, shape: tuple[int, ...], codec: str, block: int = D
     scales = (name + SCALE_SUFFIX, 4 * _num_blocks(n, block), 1)
     if codec == "int8":
         return [(name, n, len(shape)), scales]
-    return [(name, -(-n // 2), 1), scales, (name + SHAPE_SUFFIX, 4 * len(shape), 1)]
+    per = 2 if codec == "int4" else 4
+    return [(name, -(-n // per), 1), scales, (name + SHAPE_SUFFIX, 4 * len(shape), 1)]
 
 
 def payload_limits(

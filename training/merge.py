@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from training import claims, codecs, model
+from training import claims, codecs, merge_stream, model
 from training import merge_rules as rules
 from training.config import ExperimentConfig
 from training.faults import fault_point
@@ -248,7 +248,7 @@ class Merger:
             self.cfg.outer, self.shapes[p], fv.outer_state, ms["steps"], ms["seen"]
         )
         del fv
-        params_norm = math.sqrt(sum(rules.sq_norm(v) for v in params.values()))
+        params_norm = merge_stream.norm_of(params)
         norms = list(ms["norms"])
         cursors = dict(ms["cursors"])
         last_claim = dict(ms.get("last_claim") or {})
@@ -264,10 +264,12 @@ class Merger:
                 by_island.setdefault(c.island, []).append(c)
             caps = rules.capped_weights(self.cfg.outer, group)
             for island, contribs in sorted(by_island.items()):
-                vote, kept, vote_norms = self._vote(contribs, norms, params_norm, result)
+                vote, kept, vote_norms, (total_sq, body_sq) = self._vote(
+                    contribs, norms, params_norm, result, combiner
+                )
                 if vote is None:
                     continue
-                norm = math.sqrt(sum(rules.sq_norm(v) for v in vote.values()))
+                norm = math.sqrt(total_sq)
                 scale, _ = rules.norm_verdict(
                     self.cfg.outer, norm, rules.clip_limit(self.cfg.outer, norms), params_norm
                 )
@@ -276,7 +278,7 @@ class Merger:
                     if self.cfg.outer.method == "sync"
                     else min(rules.island_weight(self.cfg.outer, kept), caps[island])
                 )
-                combiner.add(vote, weight, scale)
+                combiner.add(vote, weight, scale, body_sq)
                 del vote
                 voted += kept
                 norms += [[island, n] for n in vote_norms]
@@ -298,12 +300,12 @@ class Merger:
                     )
             if not voted:
                 continue
-            delta = combiner.result()
+            delta, gains = combiner.finish()
             if self.cfg.outer.method == "decoupled" and self.cfg.outer.partial_scaling:
                 share = min(1.0, len({c.island for c in voted}) / max(len(active), 1))
                 if share < 1.0:
-                    for v in delta.values():
-                        v *= np.float32(share)
+                    for factors in gains.values():
+                        factors.append(np.float32(share))
             state = rules.outer_step_(
                 self.cfg.outer,
                 outer_period(self.cfg),
@@ -311,6 +313,7 @@ class Merger:
                 state,
                 delta,
                 final=all(c.final for c in voted),
+                gains=gains,
             )
             del delta, combiner
             for c in voted:
@@ -344,13 +347,16 @@ class Merger:
         for d in details:
             d["merged_at"] = merged_at
 
-    def _vote(self, contribs, norms, params_norm, result):
-        """One island's vote on a fragment: its pending contributions decoded and summed (they
-        are consecutive increments: an island never publishes the same progress twice).
-        Returns (vote or None, the contributions in it, their norms)."""
-        vote: dict[str, np.ndarray] | None = None
-        kept, vote_norms = [], []
+    def _vote(self, contribs, norms, params_norm, result, combiner):
+        """One island's vote on a fragment: its pending contributions, each checked and its
+        norms computed in one streaming pass, summed (they are consecutive increments: an
+        island never publishes the same progress twice). Returns (vote or None, the
+        contributions in it, their norms, the vote's (squared norm, squared body norm)).
+        At most one payload and one summed vote are held at a time."""
+        vote: merge_stream.Vote | None = None
+        kept, vote_norms, sqs = [], [], (0.0, 0.0)
         limit = rules.clip_limit(self.cfg.outer, norms)
+        buf = combiner.scratch
         for c in contribs:
             shapes = self.shapes[c.fragment]
             max_nbytes, max_header = codecs.payload_limits(shapes, c.codec)
@@ -364,26 +370,25 @@ class Merger:
                 self._quarantine(c.id, f"unreadable payload: {err}", result)
                 continue
             try:
-                tensors = dict(rules.decode_checked(payload, c.codec, shapes, c.fragment))
+                this = rules.check_payload(payload, c.codec, shapes, c.fragment)
+                total_sq, body_sq = rules.vote_sq_norms(this, shapes, combiner.body, buf)
             except (ValueError, KeyError) as err:
                 self._quarantine(c.id, str(err).strip("'\""), result)
                 continue
             finally:
                 del payload
-            norm = math.sqrt(sum(rules.sq_norm(v) for v in tensors.values()))
+            norm = math.sqrt(total_sq)
             _, reason = rules.norm_verdict(self.cfg.outer, norm, limit, params_norm)
             if reason is not None:
                 self._quarantine(c.id, reason, result)
                 continue
-            if vote is None:
-                vote = tensors
-            else:
-                for n, v in tensors.items():
-                    vote[n] += v
-            del tensors
+            vote = this if vote is None else merge_stream.add_votes(vote, this, shapes, buf)
+            sqs = (total_sq, body_sq) if not kept else None
             kept.append(c)
             vote_norms.append(norm)
-        return vote, kept, vote_norms
+        if vote is not None and sqs is None:
+            sqs = merge_stream.sq_norms(vote, self.shapes[kept[0].fragment], combiner.body, buf)
+        return vote, kept, vote_norms, sqs or (0.0, 0.0)
 
     @staticmethod
     def _claim(c: rules.Candidate) -> claims.Claim:
