@@ -9,9 +9,10 @@ makes, for each owned fragment with work, at most one new version:
    owned fragments; quarantined ones are skipped;
 3. admit each by its manifest (training/merge_rules.check_manifest), quarantining the bad ones;
 4. let the method decide what to apply now (quorum, grace window, sync);
-5. stream: load the fragment's params and outer state once, decode each contribution tensor by
-   tensor (checked as decoded), fold each island's vote into one float32 accumulator, apply the
-   outer step in place;
+5. stream: load the fragment's params and outer state once (or keep the arrays of the version
+   this merger published last, if HEAD still names it: `warm_bytes`), read each contribution
+   chunk by chunk from its codes (checked as decoded, its norms in the same pass), fold each
+   island's vote into one float32 accumulator, apply the outer step in place, chunk by chunk;
 6. write the new version (payloads, manifest, then HEAD by compare-and-swap from the head read
    in step 1) and the ledger entries. Losing the race publishes nothing: the next attempt starts
    again at 1.
@@ -41,6 +42,7 @@ from training.store.objectstore import StoreError, StoreUnreachable, TransientSt
 log = logging.getLogger("diloco.merge")
 
 SNAPSHOT_EVERY_S = 10.0  # a merger records the current snapshot at most this often
+WARM_BYTES = 4 * 2**30  # a merger keeps the fragments it published, up to this, for its next merge
 
 
 @dataclass
@@ -114,8 +116,12 @@ class Merger:
         store: ExperimentStore,
         clock: Callable[[], float] = time.time,
         fragments: Sequence[int] | None = None,
+        warm_bytes: int = WARM_BYTES,
     ):
         self.cfg = cfg
+        self.warm_bytes = warm_bytes
+        # fragment -> (version dir, params, outer tensors, bytes) this merger published last
+        self._warm: dict[int, tuple[str, dict, dict, int]] = {}
         self.store = store
         self.clock = clock
         self.frags = fragment_names(cfg)
@@ -240,14 +246,11 @@ class Merger:
         if not groups:
             return
 
-        fv = self.store.load_fragment(
-            head, outer_state=True, manifest=manifest, max_nbytes=self._fragment_limits[p]
-        )
-        params = fv.params
+        params, outer_tensors = self._fragment_arrays(head, manifest)
         state = rules.state_from_tensors(
-            self.cfg.outer, self.shapes[p], fv.outer_state, ms["steps"], ms["seen"]
+            self.cfg.outer, self.shapes[p], outer_tensors, ms["steps"], ms["seen"]
         )
-        del fv
+        del outer_tensors
         params_norm = merge_stream.norm_of(params)
         norms = list(ms["norms"])
         cursors = dict(ms["cursors"])
@@ -341,11 +344,38 @@ class Merger:
             log.info("fragment %d: lost the head race at version %d", p, head.version + 1)
             result.lost_race = True
             return
+        self._keep_warm(p, new.dir, params, rules.state_tensors(state))
         result.versions[p] = new.version
         result.applied += applied
         result.contributions += details
         for d in details:
             d["merged_at"] = merged_at
+
+    def _fragment_arrays(self, head: HeadPointer, manifest: dict):
+        """(params, outer-state tensors) of the version `head` names, writable: the arrays this
+        merger published as that very version if it still holds them (HEAD names the directory
+        it wrote: the bytes are those it checksummed), else read and verified from the store.
+        Taken out of the warm set either way: the merge mutates them."""
+        warm = self._warm.pop(head.fragment, None)
+        if warm is not None and warm[0] == head.dir:
+            return warm[1], warm[2]
+        fv = self.store.load_fragment(
+            head,
+            outer_state=True,
+            manifest=manifest,
+            max_nbytes=self._fragment_limits[head.fragment],
+        )
+        return fv.params, fv.outer_state
+
+    def _keep_warm(self, fragment: int, directory: str, params: dict, outer_tensors: dict):
+        """Hold a just-published version's arrays for the next merge of its fragment, within
+        `warm_bytes` in all (the oldest let go first)."""
+        size = sum(v.nbytes for v in params.values()) + sum(
+            v.nbytes for v in outer_tensors.values()
+        )
+        self._warm[fragment] = (directory, params, outer_tensors, size)
+        while sum(w[3] for w in self._warm.values()) > self.warm_bytes:
+            self._warm.pop(next(iter(self._warm)))
 
     def _vote(self, contribs, norms, params_norm, result, combiner):
         """One island's vote on a fragment: its pending contributions, each checked and its
