@@ -28,15 +28,15 @@ class NonFinite(ValueError):
     """The input holds NaN or infinity."""
 
 
-def _blocks(x: np.ndarray, s: int, e: int, block: int, pad: np.ndarray | None) -> np.ndarray:
-    """x[s:e] as (blocks, block); a partial last block goes through the zero-padded `pad`."""
-    m = e - s
+def _blocks(x: np.ndarray, block: int, pad: np.ndarray) -> np.ndarray:
+    """x as (blocks, block); a partial last block goes through the zero-padded `pad`."""
+    m = x.size
     if m % block == 0:
-        return x[s:e].reshape(-1, block)
+        return x.reshape(-1, block)
     nb = -(-m // block)
     buf = pad[: nb * block]
     buf[m:] = 0
-    buf[:m] = x[s:e]
+    buf[:m] = x
     return buf.reshape(nb, block)
 
 
@@ -76,7 +76,7 @@ def encode_quantized(
     for s in range(0, n, step):
         e = min(n, s + step)
         x = _source(delta, residual, s, e, xbuf)
-        blocks = _blocks(x, 0, e - s, block, pad)
+        blocks = _blocks(x, block, pad)
         k = blocks.shape[0]
         b0 = s // block
         q = scr[: k * block].reshape(k, block)
