@@ -220,7 +220,7 @@ class ExperimentStore(FragmentVersions, GarbageCollection, IslandObjects):
             raise CorruptObject(f"{what}: invalid nbytes {safejson.show(nbytes)}")
         algorithm, expected = digest
         try:
-            data = self.store.read_buffer(self._key(relative), max_bytes=nbytes)
+            data = self.store.read_buffer(self._key(relative), max_bytes=nbytes, writable=copy)
         except ObjectNotFound:
             raise CorruptObject(f"{what}: payload {relative} is missing") from None
         except CorruptObject as exc:
@@ -229,7 +229,7 @@ class ExperimentStore(FragmentVersions, GarbageCollection, IslandObjects):
             raise CorruptObject(f"{what}: payload {relative} has {len(data)} bytes, not {nbytes}")
         if checksum([data], algorithm) != expected:
             raise CorruptObject(f"{what}: payload {relative} fails its {algorithm} checksum")
-        view = data if copy else data.toreadonly()
+        view = data if copy else data.toreadonly()  # copy=True: nothing else holds `data`
         return decode_tensors(view, copy=False, max_header_bytes=max_header)[0]
 
     # config --------------------------------------------------------------------------------

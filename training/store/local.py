@@ -210,9 +210,12 @@ class LocalStore(ObjectStore):
 
         return self._run("create", key, attempt)
 
-    def read_buffer(self, key: str, max_bytes: int | None = None) -> memoryview:
-        """The file read straight into a new writable buffer (one copy from the page cache);
-        the size is checked on the open file first, as in `read`."""
+    def read_buffer(
+        self, key: str, max_bytes: int | None = None, writable: bool = True
+    ) -> memoryview:
+        """The file read straight into a new writable buffer (one copy from the page cache,
+        whether or not `writable` is asked); the size is checked on the open file first, as
+        in `read`."""
         path = self._path(key)
         _check_limit(max_bytes)
 

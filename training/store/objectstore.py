@@ -192,10 +192,14 @@ class ObjectStore(ABC):
         stream them (file://) never builds the whole object in memory."""
         self.write(key, b"".join(memoryview(p).cast("B") for p in parts))
 
-    def read_buffer(self, key: str, max_bytes: int | None = None) -> memoryview:
-        """`read` into a writable buffer: arrays decoded from it without a copy are writable
-        (file:// reads straight into it; other backends copy the bytes once)."""
-        return memoryview(bytearray(self.read(key, max_bytes)))
+    def read_buffer(
+        self, key: str, max_bytes: int | None = None, writable: bool = True
+    ) -> memoryview:
+        """`read` into a buffer, writable if asked: arrays decoded from it without a copy are
+        then writable (file:// reads straight into a writable buffer; other backends copy the
+        bytes once for a writable one, never for a read-only one)."""
+        data = self.read(key, max_bytes)
+        return memoryview(bytearray(data)) if writable else memoryview(data)
 
     @abstractmethod
     def create(self, key: str, data: bytes) -> bool:
