@@ -129,7 +129,9 @@ BIG = {"blocks/0/w": (3, 100_003), "embed/tokens": (300_001,)}  # several chunks
 
 
 @pytest.mark.parametrize("codec", ["int8", "int4", "int2", "bf16", "fp32"])
-def test_a_payload_read_in_chunks_folds_exactly_as_its_decoded_arrays(codec):
+def test_a_payload_read_in_chunks_folds_as_its_decoded_arrays(codec):
+    """Same norms, same fold (quantized codes fold the vote's coefficient into their block
+    scales, rounded once: equal to float32 rounding; fp32 / bf16 bit for bit)."""
     from training import codecs, merge_stream
 
     rng = np.random.default_rng(4)
@@ -147,7 +149,10 @@ def test_a_payload_read_in_chunks_folds_exactly_as_its_decoded_arrays(codec):
         whole.add(decoded, w, 0.5)
     got, want = streamed.result(), whole.result()
     for k in BIG:
-        np.testing.assert_array_equal(got[k], want[k])
+        if codec in ("fp32", "bf16"):
+            np.testing.assert_array_equal(got[k], want[k])
+        else:
+            np.testing.assert_allclose(got[k], want[k], rtol=1e-6, atol=1e-9)
     votes = [rules.check_payload(p, codec, BIG) for p in payloads]
     summed = merge_stream.add_votes(votes[0], votes[1], BIG, streamed.scratch)
     summed = merge_stream.add_votes(summed, votes[0], BIG, streamed.scratch)  # in place

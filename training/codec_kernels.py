@@ -181,7 +181,7 @@ def decode_range(
 ) -> np.ndarray:
     """Elements [s, e) of a quantized tensor, decoded into `out` (float32, e - s elements);
     s is a multiple of chunk_step(block). ValueError if a code there is outside [-levels,
-    levels] (int8: -128; int4: nibble 0; int2 has no invalid code)."""
+    levels] (int8: -128; int4: nibble 0; int2 has no invalid code); levels 0: no check."""
     per = {"int8": 1, "int4": 2, "int2": 4}[kind]
     lo, hi = s // per, -(-e // per)
     if kind == "int8":
@@ -194,7 +194,7 @@ def decode_range(
         codes = np.empty((hi - lo, 4), np.float32)
         np.take(_LUT["int2"], data[lo:hi], axis=0, out=codes)
         codes = codes.reshape(-1)[: e - s]
-    if kind != "int2" and codes.size and codes.min() < -levels:
+    if levels and kind != "int2" and codes.size and codes.min() < -levels:
         raise ValueError(f"codes outside [-{levels}, {levels}]")
     _scale_into(codes, scales, s // block, block, out)
     return out

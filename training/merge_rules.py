@@ -405,7 +405,7 @@ class Combiner:
     def __init__(self, shapes: Mapping[str, tuple[int, ...]], rda: bool):
         self.rda = rda
         self.shapes = dict(shapes)
-        self.acc = {n: np.zeros(s, np.float32) for n, s in shapes.items()}
+        self.acc = {n: np.empty(s, np.float32) for n, s in shapes.items()}  # set by 1st vote
         self.body = [n for n in shapes if rda and not is_embedding(n)]
         self.total_weight = 0.0
         self.norm_sum = 0.0  # sum w |v_body|
@@ -431,10 +431,12 @@ class Combiner:
         for n, shape in self.shapes.items():
             coef = direction if n in body else mean
             acc = self.acc[n].reshape(-1)
+            scaled = vote.scaled(n, coef)
             for s, e in merge_stream.spans(shape):
-                x = vote.chunk(n, s, e, buf[: e - s])
-                np.multiply(x, coef, out=buf[: e - s])
-                acc[s:e] += buf[: e - s]
+                if self.votes:
+                    acc[s:e] += scaled(s, e, buf[: e - s])
+                else:  # the first vote initializes the accumulator
+                    scaled(s, e, acc[s:e])
         self.total_weight += weight
         self.norm_sum += weight * body_norm
         self.votes += 1

@@ -15,7 +15,7 @@ Chunks come from `codecs.chunk_spans` (about 512 KiB of float32: within a core's
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -28,6 +28,14 @@ class Vote:
     def chunk(self, name: str, s: int, e: int, out: np.ndarray) -> np.ndarray:
         raise NotImplementedError
 
+    def scaled(self, name: str, coef: np.float32) -> Callable[[int, int, np.ndarray], np.ndarray]:
+        """(s, e, out) -> coef x elements [s, e) of `name`, written into `out`."""
+
+        def read(s: int, e: int, out: np.ndarray) -> np.ndarray:
+            return np.multiply(self.chunk(name, s, e, out), coef, out=out)
+
+        return read
+
 
 class PayloadVote(Vote):
     """A checked payload (codecs.tensor_codes per tensor), decoded on demand."""
@@ -37,6 +45,16 @@ class PayloadVote(Vote):
 
     def chunk(self, name: str, s: int, e: int, out: np.ndarray) -> np.ndarray:
         return codecs.decode_chunk(self.codes[name], s, e, out)
+
+    def scaled(self, name: str, coef: np.float32) -> Callable[[int, int, np.ndarray], np.ndarray]:
+        """Quantized codes decode with coef folded into their block scales (one multiply per
+        element: codes x (scale x coef), rounded once), without re-checking the codes (the
+        norm pass did)."""
+        codes = self.codes[name]
+        if codes.scales is None:
+            return super().scaled(name, coef)
+        folded = codes._replace(scales=codes.scales * coef)
+        return lambda s, e, out: codecs.decode_chunk(folded, s, e, out, check=False)
 
 
 class DenseVote(Vote):
