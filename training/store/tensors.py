@@ -192,13 +192,16 @@ def tensor_parts(tensors: Mapping[str, np.ndarray]) -> list[Any]:
     """The safetensors file of `tensors` as parts: the 8-byte length and JSON header (padded
     with spaces to 8 bytes, as safetensors does), then each array's own bytes (no copy of a
     C-contiguous little-endian array). b"".join(parts) is a file `decode_tensors` and the
-    safetensors library read; the tensors are laid out in name order."""
+    safetensors library read; the tensors are laid out by decreasing item size, then name (as
+    safetensors does), so every tensor's data is aligned to its item size."""
     header: dict[str, Any] = {}
     arrays = []
     offset = 0
-    for name in sorted(tensors):
+    for name in tensors:
         if not isinstance(name, str) or not name or name == "__metadata__":
             raise ValueError(f"invalid tensor name {name!r}")
+    order = sorted(tensors, key=lambda n: (-np.asarray(tensors[n]).dtype.itemsize, n))
+    for name in order:
         array = np.asarray(tensors[name])
         if array.dtype.byteorder == ">":
             array = array.astype(array.dtype.newbyteorder("<"))
