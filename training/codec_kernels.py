@@ -6,8 +6,8 @@ produces exactly the bits of the reference implementation (tests/test_codec_gold
   last, partial block is padded with zeros in a small scratch copy;
 - `encode_*` read `delta` (+ `residual`) once, chunk by chunk, and write the payload and the
   new residual (x - decode(payload)) in the same pass while the chunk is in cache;
-- `decode_*` write each float32 element once (int4 / int2 through a 256-entry table of the
-  levels per byte).
+- `decode_*` write each float32 element once (int4 codes unpacked with 16-bit shifts, int2
+  through a 256-entry table of the levels per byte).
 A chunk is CHUNK elements (a multiple of 4 blocks, so packed bytes never straddle chunks).
 """
 
@@ -138,13 +138,22 @@ def _pack(kind: str, q: np.ndarray, m: int, data: np.ndarray, s: int) -> None:
         out[full] = sum(c << (j * (4 if kind == "int4" else 2)) for j, c in enumerate(codes))
 
 
+def _unpack4(packed: np.ndarray) -> np.ndarray:
+    """int8 codes q (nibble - 8), two per byte, low nibble first: each byte widened to 16
+    bits, its high nibble moved to the high byte (little-endian: the second code)."""
+    wide = packed.astype("<u2")  # little-endian storage, whatever the host
+    wide |= wide << 4
+    wide &= 0x0F0F
+    codes = wide.view(np.int8)
+    codes -= np.int8(8)
+    return codes
+
+
 def _tables() -> dict[str, np.ndarray]:
-    """Per byte: int4, its two codes q (low nibble first) as int8 pairs in one uint16; int2,
-    its four levels (code - 1.5) as float32."""
+    """Per byte, int2: its four levels (code - 1.5) as float32."""
     byte = np.arange(256)
-    pair = np.stack([(byte & 0x0F) - 8, (byte >> 4) - 8], axis=1).astype(np.int8)
     quad = np.stack([((byte >> sh) & 3) - HALF_RANGE for sh in (0, 2, 4, 6)], axis=1)
-    return {"int4": pair.view(np.uint16).reshape(-1), "int2": quad.astype(np.float32)}
+    return {"int2": quad.astype(np.float32)}
 
 
 _LUT = _tables()
@@ -187,9 +196,7 @@ def decode_range(
     if kind == "int8":
         codes = data[s:e]
     elif kind == "int4":
-        codes = np.empty(2 * (hi - lo), np.int8)
-        np.take(_LUT["int4"], data[lo:hi], out=codes.view(np.uint16))
-        codes = codes[: e - s]
+        codes = _unpack4(data[lo:hi])[: e - s]
     else:
         codes = np.empty((hi - lo, 4), np.float32)
         np.take(_LUT["int2"], data[lo:hi], axis=0, out=codes)
