@@ -9,7 +9,9 @@ with its peak RSS above the baseline before it; and a memcpy of the bytes a merg
 outer state in and out) in the parent process. Peak RSS is sampled every millisecond.
 `fragment_bytes` is the fragment's params + outer state (fp32). Rows for 1b and 12b are computed
 from the largest measured row's throughput and peak ratio. Codec rows time each codec's encode
-and decode of one 16M-element tensor (best of 5) against a memcpy of its fp32 bytes (best of 5).
+and decode of one 16M-element tensor (best of 5: into new arrays, as `codecs.decode`, and chunk by
+chunk into one reused array, as the streaming merge) against a memcpy of its fp32 bytes between
+two preallocated buffers (best of 5).
 
     diloco bench merge --json runs/bench_merge.json [--presets tiny small 125m] [--fragments 1 4 24]
     diloco bench merge --presets          # the codec rows only
@@ -186,9 +188,11 @@ def codec_rows(elems: int = 16 * 2**20, repeats: int = 5) -> list[dict]:
 
     x = np.random.default_rng(0).normal(size=elems).astype(np.float32)
     copy_s = memcpy_seconds(x.nbytes, repeats)
+    out = np.empty_like(x)  # the merge's path: decoded chunk by chunk into reused memory
+    out.fill(0)
     rows = []
     for codec in codecs.CODECS:
-        enc = dec = math.inf
+        enc = dec = into = math.inf
         for _ in range(repeats):
             t = time.perf_counter()
             payload, _ = codecs.encode({"x": x}, codec)
@@ -196,15 +200,22 @@ def codec_rows(elems: int = 16 * 2**20, repeats: int = 5) -> list[dict]:
             t = time.perf_counter()
             codecs.decode(payload, codec)
             dec = min(dec, time.perf_counter() - t)
+            t = time.perf_counter()
+            tensor = codecs.tensor_codes(payload, "x", codec)
+            for s, e in codecs.chunk_spans(elems):
+                codecs.decode_chunk(tensor, s, e, out[s:e])
+            into = min(into, time.perf_counter() - t)
         rows.append(
             dict(
                 codec=codec,
                 elems=elems,
                 encode_s=enc,
                 decode_s=dec,
+                decode_into_s=into,
                 memcpy_s=copy_s,
                 encode_vs_memcpy=copy_s / enc,
                 decode_vs_memcpy=copy_s / dec,
+                decode_into_vs_memcpy=copy_s / into,
             )
         )
     return rows
@@ -356,7 +367,9 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(rows))
     for c in codec_table:
         print(
-            f"codec {c['codec']}: encode {c['encode_vs_memcpy']:.0%} of memcpy speed, decode {c['decode_vs_memcpy']:.0%}"
+            f"codec {c['codec']}: encode {c['encode_vs_memcpy']:.0%} of memcpy speed, decode "
+            f"{c['decode_vs_memcpy']:.0%} (into a buffer, as the merge: "
+            f"{c['decode_into_vs_memcpy']:.0%})"
         )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
