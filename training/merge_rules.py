@@ -355,11 +355,6 @@ def vote_sq_norms(
         raise ValueError(f"unreadable payload: {reason.strip(chr(39))}") from None
 
 
-def sq_norm(x: np.ndarray) -> float:
-    flat = x.reshape(-1)
-    return float(np.dot(flat, flat))
-
-
 def clip_limit(outer: OuterConfig, norms: Sequence[Any]) -> float | None:
     """k x the running median of merged norms (entries [island, norm]: one vote per island,
     claims.norm_median), or None until four norms are known."""
