@@ -42,7 +42,10 @@ from training.store.objectstore import StoreError, StoreUnreachable, TransientSt
 log = logging.getLogger("diloco.merge")
 
 SNAPSHOT_EVERY_S = 10.0  # a merger records the current snapshot at most this often
-WARM_BYTES = 4 * 2**30  # a merger keeps the fragments it published, up to this, for its next merge
+# A merger keeps the arrays of the fragment versions it published, up to this many bytes, for
+# its next merge of each (no read, no checksum). A merger owning several fragments holds them
+# between merges: its peak is one fragment merge plus up to this (Merger(warm_bytes=0): none).
+WARM_BYTES = 4 * 2**30
 
 
 @dataclass
