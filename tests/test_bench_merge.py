@@ -15,6 +15,7 @@ def test_bench_merge_measures_a_row_and_derives_the_large_presets(tmp_path, caps
     # tiny: 434,816 parameters; params + momentum in fp32 = 8 bytes each
     assert measured["fragment_bytes"] == 8 * 434_816
     assert measured["seconds"] > 0 and measured["memcpy_seconds"] > 0
+    assert measured["warm_seconds"] > 0  # the same merger's next merge
     computed = {(r["preset"], r["fragments"]) for r in rows if not r["measured"]}
     assert computed == {("1b", 1), ("12b", 1)}
     assert "x memcpy" in capsys.readouterr().out

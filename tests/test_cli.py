@@ -66,7 +66,7 @@ def test_init_then_status_and_a_corrupt_global_version(tmp_path, capsys):
     data[-1] ^= 0xFF
     store.store.write(params, bytes(data))
     code, _, err = _run(capsys, "eval", "--store", url, "--experiment", "e")
-    assert code == 2 and "sha256" in err.lower() and err.count("\n") == 1
+    assert code == 2 and "checksum" in err.lower() and err.count("\n") == 1
 
 
 @pytest.mark.parametrize("argv", [["island"], ["merge", "--store", "file:///tmp"]])

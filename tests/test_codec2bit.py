@@ -41,6 +41,14 @@ def test_unpack_inverts_pack():
     assert np.array_equal(codec2bit.unpack(codec2bit.pack(codes), 37), codes)
 
 
+def test_kernel_packing_is_the_documented_layout():
+    x = np.random.default_rng(3).normal(size=300_003).astype(np.float32)  # several chunks
+    payload, _ = codecs.encode({"w": x}, "int2")
+    levels = codecs.decode(payload, "int2")["w"] / np.repeat(payload["w.__scale"], 256)[: x.size]
+    codes = (levels + codec2bit.HALF_RANGE).round().astype(np.uint8)
+    assert np.array_equal(codec2bit.pack(codes), payload["w"])
+
+
 def test_error_feedback_carries_what_two_bits_lose():
     x = {"w": (np.random.default_rng(2).normal(size=512) * 0.1).astype(np.float32)}
     total, residual = np.zeros(512, np.float32), None

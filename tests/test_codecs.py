@@ -180,3 +180,10 @@ def test_int4_packing_layout():
     bad = dict(payload, w=np.zeros(3, np.uint8))  # code 0 is not a valid level
     with pytest.raises(ValueError, match="outside"):
         codecs.decode(bad, "int4")
+
+
+@pytest.mark.parametrize("codec", codecs.CODECS)
+def test_payload_keys_are_what_encode_writes(codec):
+    delta = _delta()
+    payload, _ = codecs.encode(delta, codec)
+    assert codecs.payload_keys(delta, codec) == set(payload)

@@ -18,7 +18,7 @@ from training.store.experiment import (
     dump_json,
 )
 from training.store.objectstore import CorruptObject, ObjectNotFound
-from training.store.tensors import encode_tensors, sha256
+from training.store.tensors import checksum, encode_tensors, sha256
 
 LOCAL_BACKENDS = ["memory", "file"]
 
@@ -186,7 +186,7 @@ def test_manifest_fields_are_filled(exp):
         7,
         2,
         128,
-    ) and m["sha256"] == sha256(exp.store.read(f"exp/{m['payload']}"))
+    ) and m["crc32c"] == checksum([exp.store.read(f"exp/{m['payload']}")], "crc32c")
 
 
 def test_list_pseudograds_filters_by_island_and_exclusion(exp):
@@ -222,7 +222,7 @@ def test_load_pseudograd_detects_a_flipped_payload_byte(exp):
     data = bytearray(exp.store.read(key))
     data[-1] ^= 0xFF
     exp.store.write(key, bytes(data))
-    with pytest.raises(CorruptObject, match="sha256"):
+    with pytest.raises(CorruptObject, match="crc32c checksum"):
         exp.load_pseudograd(ref)
 
 
@@ -668,3 +668,31 @@ def test_layout_keys_are_the_documented_ones(exp):
         f"exp/{snapshot}",
         "exp/snapshots/BEST.json",
     } <= keys and head.dir.startswith("fragments/f000/v00000000-")
+
+
+def test_sha256_manifests_of_older_stores_still_verify(exp):
+    """Stores written before crc32c carry sha256: both kinds are verified, one per manifest."""
+    ref = exp.publish_pseudograd("isl-a", 1, 0, _params(), {})
+    data = exp.store.read(f"exp/{ref.payload_key}")
+    old = {k: v for k, v in ref.manifest.items() if k != "crc32c"}
+    marker = "exp/pseudograds/isl-a/00000001-f000.json"
+    exp.store.write(marker, dump_json({**old, "sha256": sha256(data)}))
+    (listed,) = exp.list_pseudograds()
+    assert np.array_equal(exp.load_pseudograd(listed)["embed"], _params()["embed"])
+    exp.store.write(marker, dump_json({**old, "sha256": sha256(data + b"x")}))
+    with pytest.raises(CorruptObject, match="fails its sha256 checksum"):
+        exp.load_pseudograd(exp.list_pseudograds()[0])
+    exp.store.write(marker, dump_json({**ref.manifest, "sha256": sha256(data)}))
+    with pytest.raises(CorruptObject, match="exactly one checksum"):
+        exp.load_pseudograd(exp.list_pseudograds()[0])
+
+    head = _publish_v0(exp)
+    manifest = exp.fragment_manifest(head)
+    sums = {
+        n: sha256(exp.store.read(f"exp/{head.dir}/{n}.safetensors"))
+        for n in ("params", "outer_state")
+    }
+    legacy = {k: v for k, v in manifest.items() if k != "crc32c"} | {"sha256": sums}
+    exp.store.write(f"exp/{head.dir}/manifest.json", dump_json(legacy))
+    loaded = exp.load_fragment(exp.head(0), outer_state=True)
+    assert sorted(loaded.params) == sorted(_fragment(0, 0.0))

@@ -155,7 +155,7 @@ def _flip_last_byte(data: bytes) -> bytes:
 
 
 BYTES = {
-    "altered after commit": (_flip_last_byte, "fails its sha256 check"),
+    "altered after commit": (_flip_last_byte, "fails its crc32c checksum"),
     "truncated after commit": (lambda d: d[: len(d) // 2], "bytes, not"),
     "emptied after commit": (lambda d: b"", "has 0 bytes, not"),
 }

@@ -206,3 +206,30 @@ def test_replayed_sequence_number_is_never_listed_nor_applied():
     publish_delta(store, cfg, "a", 3, random_delta(theta, 1), base_version=1)
     assert merger.pending() == {0: []}
     assert merger.merge_once().applied == []
+
+
+def test_a_merger_reuses_the_arrays_of_the_version_it_published():
+    """Its next merge of that fragment reads neither params nor outer state from the store and
+    gives the bits a fresh merger (reading and verifying them) gives; after another writer
+    moved HEAD it reads the store again."""
+    cfg = small_config(outer={"method": "nesterov"})
+    stores = [new_store(cfg), new_store(cfg)]
+    mergers = [Merger(cfg, s) for s in stores]
+    theta = stores[0].load_params()
+    for s, m in zip(stores, mergers, strict=True):
+        publish_delta(s, cfg, "a", 0, random_delta(theta, 0))
+        assert m.merge_once().version == 1
+        publish_delta(s, cfg, "a", 1, random_delta(theta, 1), base_version=1)
+    real = stores[0].load_fragment
+    stores[0].load_fragment = lambda *a, **k: pytest.fail("read what it published itself")
+    assert mergers[0].merge_once().version == 2
+    stores[0].load_fragment = real
+    assert Merger(cfg, stores[1]).merge_once().version == 2  # cold: reads and verifies
+    for k, v in stores[0].load_params().items():
+        np.testing.assert_array_equal(v, stores[1].load_params()[k])
+    publish_delta(stores[0], cfg, "a", 2, random_delta(theta, 2), base_version=2)
+    assert Merger(cfg, stores[0]).merge_once().version == 3  # another writer moves HEAD
+    publish_delta(stores[0], cfg, "a", 3, random_delta(theta, 3), base_version=3)
+    calls = []
+    stores[0].load_fragment = lambda *a, **k: calls.append(1) or real(*a, **k)
+    assert mergers[0].merge_once().version == 4 and calls == [1]

@@ -123,3 +123,87 @@ def _json(obj):
     from training.store.layout import dump_json
 
     return dump_json(obj)
+
+
+BIG = {"blocks/0/w": (3, 100_003), "embed/tokens": (300_001,)}  # several chunks, odd sizes
+
+
+@pytest.mark.parametrize("codec", ["int8", "int4", "int2", "bf16", "fp32"])
+def test_a_payload_read_in_chunks_folds_as_its_decoded_arrays(codec):
+    """Same norms, same fold (quantized codes fold the vote's coefficient into their block
+    scales, rounded once: equal to float32 rounding; fp32 / bf16 bit for bit)."""
+    from training import codecs, merge_stream
+
+    rng = np.random.default_rng(4)
+    deltas = [{k: rng.normal(0, 1e-2, s).astype(np.float32) for k, s in BIG.items()}]
+    deltas.append({k: v * -0.5 + 1e-3 for k, v in deltas[0].items()})
+    payloads = [codecs.encode(d, codec)[0] for d in deltas]
+    streamed, whole = rules.Combiner(BIG, True), rules.Combiner(BIG, True)
+    for payload, w in zip(payloads, [1.0, 2.5], strict=True):
+        vote = rules.check_payload(payload, codec, BIG)
+        total, body = rules.vote_sq_norms(vote, BIG, streamed.body, streamed.scratch)
+        decoded = codecs.decode(payload, codec)
+        exact = sum(float(np.vdot(v.astype(np.float64), v)) for v in decoded.values())
+        assert total == pytest.approx(exact, rel=1e-5)  # float32 dots per chunk
+        streamed.add(vote, w, 0.5, body)
+        whole.add(decoded, w, 0.5)
+    got, want = streamed.result(), whole.result()
+    for k in BIG:
+        if codec in ("fp32", "bf16"):
+            np.testing.assert_array_equal(got[k], want[k])
+        else:
+            np.testing.assert_allclose(got[k], want[k], rtol=1e-6, atol=1e-9)
+    votes = [rules.check_payload(p, codec, BIG) for p in payloads]
+    summed = merge_stream.add_votes(votes[0], votes[1], BIG, streamed.scratch)
+    summed = merge_stream.add_votes(summed, votes[0], BIG, streamed.scratch)  # in place
+    decoded = [codecs.decode(p, codec) for p in payloads]
+    for k in BIG:
+        expected = decoded[0][k] + decoded[1][k]
+        expected += decoded[0][k]
+        np.testing.assert_array_equal(summed.flat[k].reshape(BIG[k]), expected)
+
+
+def test_a_payload_value_problem_is_found_by_the_norm_pass():
+    from training import codecs
+
+    payload, _ = codecs.encode({k: np.ones(s, np.float32) for k, s in BIG.items()}, "int8")
+    bad = dict(payload, **{"embed/tokens": payload["embed/tokens"].copy()})
+    bad["embed/tokens"][200_000] = -128
+    vote = rules.check_payload(bad, "int8", BIG)
+    with pytest.raises(
+        ValueError, match="unreadable payload: payload tensor 'embed/tokens' has codes"
+    ):
+        rules.vote_sq_norms(vote, BIG, [], np.empty(1 << 17, np.float32))
+    nan = dict(payload, **{"embed/tokens.__scale": payload["embed/tokens.__scale"].copy()})
+    nan["embed/tokens.__scale"][-1] = np.nan
+    with pytest.raises(ValueError, match="non-finite values in embed/tokens"):
+        rules.vote_sq_norms(rules.check_payload(nan, "int8", BIG), BIG, [], np.empty(1 << 17))
+
+
+def test_an_islands_two_pending_contributions_are_summed_into_one_vote():
+    """Decoupled, RDA, outer SGD lr 1: island a's two contributions are one vote (their sum),
+    island b's one; the new parameters are theta - combine([a1 + a2, b]) (the whole-array
+    reference of training/outer.py), equal weights."""
+    cfg = small_config(
+        outer={
+            "method": "decoupled",
+            "lr": 1.0,
+            "momentum": 0.0,
+            "token_weighting": False,
+            "staleness_decay": False,
+            "partial_scaling": False,
+        },
+        codec="fp32",
+    )
+    store = new_store(cfg)
+    theta = store.load_params()
+    a1, a2, b = (random_delta(theta, s) for s in (1, 2, 3))
+    publish_delta(store, cfg, "a", 0, a1)
+    publish_delta(store, cfg, "a", 1, a2)
+    publish_delta(store, cfg, "b", 0, b)
+    r = Merger(cfg, store).merge_once()
+    assert sorted(r.applied) == ["a/00000000-f000", "a/00000001-f000", "b/00000000-f000"]
+    expected = outer.combine([{k: a1[k] + a2[k] for k in a1}, b], [1.0, 1.0], rda=True)
+    new = store.load_params()
+    for k in theta:
+        np.testing.assert_allclose(new[k], theta[k] - expected[k], rtol=1e-5, atol=1e-6)

@@ -8,6 +8,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import requests
 from google.api_core import exceptions as gexc
@@ -97,6 +98,17 @@ def test_local_read_over_max_bytes_reads_nothing_of_the_file(tmp_path, monkeypat
 def test_read_returns_what_write_wrote(store):
     store.write("a/b.bin", b"\x00payload\xff")
     assert store.read("a/b.bin") == b"\x00payload\xff"
+
+
+def test_write_parts_and_read_buffer_round_trip(store):
+    parts = [b"head", memoryview(b"er"), np.arange(5, dtype=np.uint8)]
+    store.write_parts("a/parts", parts)
+    buf = store.read_buffer("a/parts", max_bytes=11)
+    assert bytes(buf) == b"header" + bytes(range(5)) and not buf.readonly
+    with pytest.raises(ObjectTooLarge):
+        store.read_buffer("a/parts", max_bytes=10)
+    with pytest.raises(ObjectNotFound):
+        store.read_buffer("a/missing")
 
 
 def test_read_of_missing_key_raises_object_not_found(store):

@@ -11,11 +11,13 @@ import pytest
 
 from training.store.tensors import (
     CorruptObject,
+    checksum,
     decode_tensors,
     encode_tensors,
     flatten,
     read_tensor,
     sha256,
+    tensor_parts,
     unflatten,
 )
 
@@ -142,3 +144,32 @@ def test_flatten_rejects_keys_containing_a_slash():
 
 def test_sha256_is_the_hex_digest():
     assert sha256(b"abc") == hashlib.sha256(b"abc").hexdigest()
+
+
+def test_tensor_parts_join_to_a_file_both_readers_accept():
+    import safetensors
+
+    tensors = {
+        "b": np.arange(6, dtype=np.float32).reshape(2, 3),
+        "a": np.array(1.5, ml_dtypes.bfloat16),
+        "c": np.zeros((3, 1), np.int8),
+        "t": np.arange(6, dtype=np.int32).reshape(2, 3).T,  # not C-contiguous
+    }
+    data = b"".join(memoryview(p).cast("B") for p in tensor_parts(tensors))
+    decoded, _ = decode_tensors(data)
+    assert all(v.ctypes.data % v.dtype.itemsize == 0 for v in decoded.values())  # aligned
+    loaded = dict(safetensors.deserialize(data))  # name -> {dtype, shape, data}
+    for name, value in tensors.items():
+        assert np.array_equal(decoded[name], value) and decoded[name].dtype == value.dtype
+        raw = np.frombuffer(bytes(loaded[name]["data"]), value.dtype)
+        assert np.array_equal(raw.reshape(loaded[name]["shape"]), value)
+
+
+@pytest.mark.parametrize("algorithm", ["crc32c", "sha256"])
+def test_checksum_of_parts_is_the_checksum_of_their_concatenation(algorithm):
+    parts = tensor_parts({"w": np.arange(1000, dtype=np.float32), "s": np.ones(3, np.int8)})
+    joined = b"".join(memoryview(p).cast("B") for p in parts)
+    assert checksum(parts, algorithm) == checksum([joined], algorithm)
+    assert checksum([bytearray(joined)], algorithm) == checksum([joined], algorithm)
+    assert checksum([b"123456789"], "crc32c") == "e3069283"  # the CRC-32C check value
+    assert checksum([joined], "sha256") == sha256(joined)

@@ -4,7 +4,8 @@ Per block of `block` elements of the flattened tensor, scale = absmax / 1.5 and 
 becomes the nearest of the levels (-1.5, -0.5, 0.5, 1.5) x scale, code q in 0..3 for level
 q - 1.5 (no zero level: with four levels a symmetric grid has none). Codes are packed four per
 byte, element 4i + j in bits 2j..2j+1. `training/codecs.py` stores the packed bytes under the
-tensor's name, the scales under `name.__scale` and the shape under `name.__shape`, as for int4.
+tensor's name, the scales under `name.__scale` and the shape under `name.__shape`, as for int4. The arithmetic is in training/codec_kernels.py; `pack` / `unpack`
+below are the plain statement of the byte layout (tests compare the kernels against it).
 """
 
 from __future__ import annotations
@@ -12,25 +13,6 @@ from __future__ import annotations
 import numpy as np
 
 HALF_RANGE = 1.5  # the outermost level, in units of the scale
-
-
-def quantize(flat: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
-    """(codes uint8 in 0..3 of shape flat.shape, float32 scales, one per block)."""
-    n = flat.size
-    blocks_n = -(-n // block)
-    padded = np.zeros(blocks_n * block, dtype=np.float32)
-    padded[:n] = flat
-    blocks = padded.reshape(-1, block)
-    scales = (np.abs(blocks).max(axis=1) / np.float32(HALF_RANGE)).astype(np.float32)
-    safe = np.where(scales > 0, scales, np.float32(1))
-    y = blocks / safe[:, None]
-    codes = np.clip(np.floor(y + 2.0), 0, 3).astype(np.uint8)
-    return codes.reshape(-1)[:n], scales
-
-
-def dequantize(codes: np.ndarray, scales: np.ndarray, block: int) -> np.ndarray:
-    per_element = np.repeat(scales, block)[: codes.size]
-    return (codes.astype(np.float32) - np.float32(HALF_RANGE)) * per_element
 
 
 def pack(codes: np.ndarray) -> np.ndarray:

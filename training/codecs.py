@@ -20,12 +20,13 @@ next residual, so the quantization error is sent later instead of lost.
 from __future__ import annotations
 
 import math
-from typing import get_args
+from typing import NamedTuple, get_args
 
 import ml_dtypes
 import numpy as np
 
 from training import codec2bit
+from training import codec_kernels as kernels
 from training.config import Codec
 
 CODECS: tuple[str, ...] = get_args(Codec)  # the config's type is the one list
@@ -44,75 +45,39 @@ def _num_blocks(n: int, block: int) -> int:
     return -(-n // block)
 
 
-def _quantize(flat: np.ndarray, levels: int, block: int) -> tuple[np.ndarray, np.ndarray]:
-    """Per-block symmetric absmax quantization to integers in [-levels, levels].
-
-    Works on a block view of the input (only the last, partial block is padded) with one
-    float32 scratch buffer, so a tensor is read about four times, not ten.
-    """
-    n = flat.size
-    nb = _num_blocks(n, block)
-    if n % block:
-        padded = np.zeros(nb * block, dtype=np.float32)
-        padded[:n] = flat
-    else:
-        padded = np.ascontiguousarray(flat, dtype=np.float32)
-    blocks = padded.reshape(nb, block)
-    absmax = np.maximum(blocks.max(axis=1), -blocks.min(axis=1))
-    scales = (absmax / np.float32(levels)).astype(np.float32)
-    inv = np.where(absmax > 0, np.float32(levels) / np.where(absmax > 0, absmax, 1), 0)
-    scratch = np.multiply(blocks, inv.astype(np.float32)[:, None])
-    np.rint(scratch, out=scratch)
-    np.clip(scratch, -levels, levels, out=scratch)  # rounding of x * (levels / absmax)
-    return scratch.astype(np.int8).reshape(-1)[:n], scales
-
-
-def _dequantize(q: np.ndarray, scales: np.ndarray, block: int) -> np.ndarray:
-    n = q.size
-    full = (n // block) * block
-    out = np.empty(n, np.float32)
-    if full:
-        body = out[:full].reshape(-1, block)
-        np.multiply(q[:full].reshape(-1, block), scales[: full // block, None], out=body)
-    if full < n:
-        out[full:] = q[full:] * scales[-1]
-    return out
-
-
-def _pack4(q: np.ndarray) -> np.ndarray:
-    codes = (q.astype(np.int16) + 8).astype(np.uint8)
-    if codes.size % 2:
-        codes = np.append(codes, np.uint8(8))
-    return (codes[0::2] | (codes[1::2] << 4)).astype(np.uint8)
-
-
-def _unpack4(packed: np.ndarray, n: int) -> np.ndarray:
-    codes = np.empty(packed.size * 2, dtype=np.int8)
-    codes[0::2] = (packed & 0x0F).astype(np.int8)
-    codes[1::2] = (packed >> 4).astype(np.int8)
-    return codes[:n] - np.int8(8)
-
-
-def _encode_tensor(name: str, x: np.ndarray, codec: str, block: int) -> dict[str, np.ndarray]:
-    if codec == "fp32":
-        return {name: x.copy()}
-    if codec == "bf16":
-        return {name: x.astype(ml_dtypes.bfloat16)}
-    if codec == "int2":
-        codes, scales = codec2bit.quantize(x.reshape(-1), block)
-        return {
-            name: codec2bit.pack(codes),
-            name + SCALE_SUFFIX: scales,
-            name + SHAPE_SUFFIX: np.asarray(x.shape, dtype=np.int32),
-        }
-    q, scales = _quantize(x.reshape(-1), _LEVELS[codec], block)
+def _encode_tensor(
+    name: str, x: np.ndarray, residual: np.ndarray | None, codec: str, block: int
+) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """(payload tensors, new residual) of one tensor; x + residual is what is quantized."""
+    shape = x.shape
+    flat = x.reshape(-1)
+    r = None if residual is None else residual.reshape(-1)
+    try:
+        if codec == "fp32":
+            data = flat.copy() if r is None else flat + r
+            if not np.isfinite(data).all():
+                raise kernels.NonFinite
+            return {name: data.reshape(shape)}, np.zeros(shape, np.float32)
+        if codec == "bf16":
+            bits, new = kernels.encode_bf16(flat, r)
+            return {name: bits.view(ml_dtypes.bfloat16).reshape(shape)}, new.reshape(shape)
+        levels = {"int2": codec2bit.HALF_RANGE}.get(codec, _LEVELS.get(codec))
+        data, scales, new = kernels.encode_quantized(flat, r, levels, block, codec)
+    except kernels.NonFinite:
+        raise ValueError(f"tensor {name!r} has non-finite values") from None
     if codec == "int8":
-        return {name: q.reshape(x.shape), name + SCALE_SUFFIX: scales}
+        return {name: data.reshape(shape), name + SCALE_SUFFIX: scales}, new.reshape(shape)
     return {
-        name: _pack4(q),
+        name: data,
         name + SCALE_SUFFIX: scales,
-        name + SHAPE_SUFFIX: np.asarray(x.shape, dtype=np.int32),
-    }
+        name + SHAPE_SUFFIX: np.asarray(shape, dtype=np.int32),
+    }, new.reshape(shape)
+
+
+def _contiguous(value) -> np.ndarray:
+    """float32, C-contiguous, shape kept (np.ascontiguousarray would make 0-d arrays 1-d)."""
+    x = np.asarray(value, dtype=np.float32)
+    return x if x.flags.c_contiguous else x.copy(order="C")
 
 
 def encode(
@@ -134,17 +99,14 @@ def encode(
     for name, value in delta.items():
         if ".__" in name:
             raise ValueError(f"tensor name {name!r} uses the reserved '.__' marker")
-        x = np.asarray(value, dtype=np.float32)
+        x = _contiguous(value)
+        r = None
         if name in residual:
-            r = np.asarray(residual[name], dtype=np.float32)
+            r = _contiguous(residual[name])
             if r.shape != x.shape:
                 raise ValueError(f"residual for {name!r} has shape {r.shape}, expected {x.shape}")
-            x = x + r
-        if not np.all(np.isfinite(x)):
-            raise ValueError(f"tensor {name!r} has non-finite values")
-        encoded = _encode_tensor(name, x, codec, block)
+        encoded, new_residual[name] = _encode_tensor(name, x, r, codec, block)
         payload.update(encoded)
-        new_residual[name] = x - _decode_tensor(name, encoded, codec, block)
     return payload, new_residual
 
 
@@ -164,46 +126,94 @@ def _shape(payload: dict[str, np.ndarray], name: str) -> tuple[int, ...]:
     return tuple(int(d) for d in shape_arr)
 
 
-def _decode_tensor(name: str, payload: dict[str, np.ndarray], codec: str, block: int) -> np.ndarray:
-    if codec == "fp32":
-        return _get(payload, name, (np.float32,), name).astype(np.float32)
-    if codec == "bf16":
-        data = _get(payload, name, (ml_dtypes.bfloat16, np.uint16), name)
-        return data.view(ml_dtypes.bfloat16).astype(np.float32)
+class TensorCodes(NamedTuple):
+    """One tensor of a payload, checked against the layout and ready to decode in chunks."""
+
+    name: str
+    codec: str
+    shape: tuple[int, ...]
+    data: np.ndarray  # flat: float32, uint16 (bf16 bits), int8 codes or packed uint8
+    scales: np.ndarray | None  # flat float32 per block (quantized codecs)
+    block: int
+
+
+def tensor_codes(
+    payload: dict[str, np.ndarray], name: str, codec: str, block: int = DEFAULT_BLOCK
+) -> TensorCodes:
+    """`name` of a payload with its dtypes, sizes and scale count checked (ValueError naming
+    the payload tensor); code values are checked as they are decoded (`decode_chunk`)."""
+    _check_codec(codec)
+    if codec in ("fp32", "bf16"):
+        dtypes = (np.float32,) if codec == "fp32" else (ml_dtypes.bfloat16, np.uint16)
+        data = _get(payload, name, dtypes, name)
+        flat = data.reshape(-1) if codec == "fp32" else data.view(np.uint16).reshape(-1)
+        return TensorCodes(name, codec, data.shape, flat, None, block)
     scales = _get(payload, name + SCALE_SUFFIX, (np.float32,), name).reshape(-1)
     if codec == "int8":
         data = _get(payload, name, (np.int8,), name)
-        shape, q = data.shape, data.reshape(-1)
-    elif codec == "int2":
-        shape = _shape(payload, name)
-        codes = codec2bit.unpack(
-            _get(payload, name, (np.uint8,), name).reshape(-1), math.prod(shape)
-        )
-        if scales.size != _num_blocks(codes.size, block):
-            raise ValueError(f"payload tensor {name + SCALE_SUFFIX!r} has {scales.size} scales")
-        return codec2bit.dequantize(codes, scales, block).reshape(shape)
+        shape, n, packed = data.shape, data.size, data.reshape(-1)
     else:
-        shape_arr = _get(payload, name + SHAPE_SUFFIX, (np.int32,), name)
-        if shape_arr.ndim != 1 or np.any(shape_arr < 0):
-            raise ValueError(f"payload tensor {name + SHAPE_SUFFIX!r} is not a valid shape")
-        shape = tuple(int(d) for d in shape_arr)
+        shape = _shape(payload, name)
         n = math.prod(shape)
+        per = 2 if codec == "int4" else 4
         packed = _get(payload, name, (np.uint8,), name).reshape(-1)
-        if packed.size != -(-n // 2):
+        if packed.size != -(-n // per):
+            if codec == "int2":
+                raise ValueError(f"int2: {packed.size} bytes cannot hold {n} codes")
             raise ValueError(
-                f"payload tensor {name!r} has {packed.size} bytes, expected {-(-n // 2)} "
+                f"payload tensor {name!r} has {packed.size} bytes, expected {-(-n // per)} "
                 f"for shape {shape}"
             )
-        q = _unpack4(packed, n)
-    if scales.size != _num_blocks(q.size, block):
+    if scales.size != _num_blocks(n, block):
         raise ValueError(
             f"payload tensor {name + SCALE_SUFFIX!r} has {scales.size} scales, expected "
-            f"{_num_blocks(q.size, block)} for {q.size} elements in blocks of {block}"
+            f"{_num_blocks(n, block)} for {n} elements in blocks of {block}"
         )
-    levels = _LEVELS[codec]
-    if q.size and np.abs(q.astype(np.int16)).max() > levels:
-        raise ValueError(f"payload tensor {name!r} has codes outside [-{levels}, {levels}]")
-    return _dequantize(q, scales, block).reshape(shape)
+    return TensorCodes(name, codec, tuple(shape), packed, scales, block)
+
+
+def chunk_step(block: int = DEFAULT_BLOCK) -> int:
+    """Elements per chunk of `chunk_spans`."""
+    return kernels.chunk_step(block)
+
+
+def chunk_spans(size: int, block: int = DEFAULT_BLOCK) -> list[tuple[int, int]]:
+    """[(start, end)] covering `size` elements in cache-sized chunks aligned for decoding."""
+    step = kernels.chunk_step(block)
+    return [(s, min(size, s + step)) for s in range(0, size, step)]
+
+
+def decode_chunk(
+    codes: TensorCodes, s: int, e: int, out: np.ndarray, check: bool = True
+) -> np.ndarray:
+    """Elements [s, e) of the flattened tensor as float32 in `out` (e - s elements); s from
+    `chunk_spans`. ValueError if a code there is not a valid level (check=False: the caller
+    has decoded these codes once already)."""
+    if codes.codec == "fp32":
+        np.copyto(out, codes.data[s:e])
+        return out
+    if codes.codec == "bf16":
+        return kernels.decode_bf16(codes.data[s:e], out)
+    levels = _LEVELS.get(codes.codec, 0)
+    try:
+        return kernels.decode_range(
+            codes.codec, codes.data, codes.scales, s, e, codes.block, out, levels if check else 0
+        )
+    except ValueError:
+        raise ValueError(
+            f"payload tensor {codes.name!r} has codes outside [-{levels}, {levels}]"
+        ) from None
+
+
+def _decode_tensor(name: str, payload: dict[str, np.ndarray], codec: str, block: int) -> np.ndarray:
+    codes = tensor_codes(payload, name, codec, block)
+    if codec == "fp32":
+        return codes.data.astype(np.float32).reshape(codes.shape)
+    n = math.prod(codes.shape)
+    out = np.empty(n, np.float32)
+    for s, e in chunk_spans(n, block):
+        decode_chunk(codes, s, e, out[s:e])
+    return out.reshape(codes.shape)
 
 
 def decode(
@@ -235,7 +245,8 @@ def encoded_layout(name: str, shape: tuple[int, ...], codec: str, block: int = D
     scales = (name + SCALE_SUFFIX, 4 * _num_blocks(n, block), 1)
     if codec == "int8":
         return [(name, n, len(shape)), scales]
-    return [(name, -(-n // 2), 1), scales, (name + SHAPE_SUFFIX, 4 * len(shape), 1)]
+    per = 2 if codec == "int4" else 4
+    return [(name, -(-n // per), 1), scales, (name + SHAPE_SUFFIX, 4 * len(shape), 1)]
 
 
 def payload_limits(
@@ -262,9 +273,9 @@ def payload_keys(names, codec: str) -> set[str]:
     """Every payload tensor name that encoding tensors `names` with `codec` produces."""
     _check_codec(codec)
     keys = set(names)
-    if codec in ("int8", "int4"):
+    if codec in ("int8", "int4", "int2"):
         keys |= {name + SCALE_SUFFIX for name in names}
-    if codec == "int4":
+    if codec in ("int4", "int2"):
         keys |= {name + SHAPE_SUFFIX for name in names}
     return keys
 

@@ -9,9 +9,10 @@ makes, for each owned fragment with work, at most one new version:
    owned fragments; quarantined ones are skipped;
 3. admit each by its manifest (training/merge_rules.check_manifest), quarantining the bad ones;
 4. let the method decide what to apply now (quorum, grace window, sync);
-5. stream: load the fragment's params and outer state once, decode each contribution tensor by
-   tensor (checked as decoded), fold each island's vote into one float32 accumulator, apply the
-   outer step in place;
+5. stream: load the fragment's params and outer state once (or keep the arrays of the version
+   this merger published last, if HEAD still names it: `warm_bytes`), read each contribution
+   chunk by chunk from its codes (checked as decoded, its norms in the same pass), fold each
+   island's vote into one float32 accumulator, apply the outer step in place, chunk by chunk;
 6. write the new version (payloads, manifest, then HEAD by compare-and-swap from the head read
    in step 1) and the ledger entries. Losing the race publishes nothing: the next attempt starts
    again at 1.
@@ -30,7 +31,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from training import claims, codecs, model, rounds
+from training import claims, codecs, merge_stream, model, rounds
 from training import merge_rules as rules
 from training.config import ExperimentConfig
 from training.faults import fault_point
@@ -41,6 +42,10 @@ from training.store.objectstore import StoreError, StoreUnreachable, TransientSt
 log = logging.getLogger("diloco.merge")
 
 SNAPSHOT_EVERY_S = 10.0  # a merger records the current snapshot at most this often
+# A merger keeps the arrays of the fragment versions it published, up to this many bytes, for
+# its next merge of each (no read, no checksum). A merger owning several fragments holds them
+# between merges: its peak is one fragment merge plus up to this (Merger(warm_bytes=0): none).
+WARM_BYTES = 4 * 2**30
 
 
 @dataclass
@@ -114,8 +119,12 @@ class Merger:
         store: ExperimentStore,
         clock: Callable[[], float] = time.time,
         fragments: Sequence[int] | None = None,
+        warm_bytes: int = WARM_BYTES,
     ):
         self.cfg = cfg
+        self.warm_bytes = warm_bytes
+        # fragment -> (version dir, params, outer tensors, bytes) this merger published last
+        self._warm: dict[int, tuple[str, dict, dict, int]] = {}
         self.store = store
         self.clock = clock
         self.frags = fragment_names(cfg)
@@ -259,15 +268,12 @@ class Merger:
         if not groups:
             return
 
-        fv = self.store.load_fragment(
-            head, outer_state=True, manifest=manifest, max_nbytes=self._fragment_limits[p]
-        )
-        params = fv.params
+        params, outer_tensors = self._fragment_arrays(head, manifest)
         state = rules.state_from_tensors(
-            self.cfg.outer, self.shapes[p], fv.outer_state, ms["steps"], ms["seen"]
+            self.cfg.outer, self.shapes[p], outer_tensors, ms["steps"], ms["seen"]
         )
-        del fv
-        params_norm = math.sqrt(sum(rules.sq_norm(v) for v in params.values()))
+        del outer_tensors
+        params_norm = merge_stream.norm_of(params)
         norms = list(ms["norms"])
         cursors = dict(ms["cursors"])
         last_claim = dict(ms.get("last_claim") or {})
@@ -283,10 +289,12 @@ class Merger:
                 by_island.setdefault(c.island, []).append(c)
             caps = rules.capped_weights(self.cfg.outer, group)
             for island, contribs in sorted(by_island.items()):
-                vote, kept, vote_norms = self._vote(contribs, norms, params_norm, result)
+                vote, kept, vote_norms, (total_sq, body_sq) = self._vote(
+                    contribs, norms, params_norm, result, combiner
+                )
                 if vote is None:
                     continue
-                norm = math.sqrt(sum(rules.sq_norm(v) for v in vote.values()))
+                norm = math.sqrt(total_sq)
                 scale, _ = rules.norm_verdict(
                     self.cfg.outer, norm, rules.clip_limit(self.cfg.outer, norms), params_norm
                 )
@@ -295,7 +303,7 @@ class Merger:
                     if self.cfg.outer.method == "sync"
                     else min(rules.island_weight(self.cfg.outer, kept), caps[island])
                 )
-                combiner.add(vote, weight, scale)
+                combiner.add(vote, weight, scale, body_sq)
                 del vote
                 voted += kept
                 norms += [[island, n] for n in vote_norms]
@@ -317,12 +325,12 @@ class Merger:
                     )
             if not voted:
                 continue
-            delta = combiner.result()
+            delta, gains = combiner.finish()
             if self.cfg.outer.method == "decoupled" and self.cfg.outer.partial_scaling:
                 share = min(1.0, len({c.island for c in voted}) / max(len(active), 1))
                 if share < 1.0:
-                    for v in delta.values():
-                        v *= np.float32(share)
+                    for factors in gains.values():
+                        factors.append(np.float32(share))
             state = rules.outer_step_(
                 self.cfg.outer,
                 outer_period(self.cfg),
@@ -330,6 +338,7 @@ class Merger:
                 state,
                 delta,
                 final=all(c.final for c in voted),
+                gains=gains,
             )
             del delta, combiner
             for c in voted:
@@ -357,19 +366,49 @@ class Merger:
             log.info("fragment %d: lost the head race at version %d", p, head.version + 1)
             result.lost_race = True
             return
+        self._keep_warm(p, new.dir, params, rules.state_tensors(state))
         result.versions[p] = new.version
         result.applied += applied
         result.contributions += details
         for d in details:
             d["merged_at"] = merged_at
 
-    def _vote(self, contribs, norms, params_norm, result):
-        """One island's vote on a fragment: its pending contributions decoded and summed (they
-        are consecutive increments: an island never publishes the same progress twice).
-        Returns (vote or None, the contributions in it, their norms)."""
-        vote: dict[str, np.ndarray] | None = None
-        kept, vote_norms = [], []
+    def _fragment_arrays(self, head: HeadPointer, manifest: dict):
+        """(params, outer-state tensors) of the version `head` names, writable: the arrays this
+        merger published as that very version if it still holds them (HEAD names the directory
+        it wrote: the bytes are those it checksummed), else read and verified from the store.
+        Taken out of the warm set either way: the merge mutates them."""
+        warm = self._warm.pop(head.fragment, None)
+        if warm is not None and warm[0] == head.dir:
+            return warm[1], warm[2]
+        fv = self.store.load_fragment(
+            head,
+            outer_state=True,
+            manifest=manifest,
+            max_nbytes=self._fragment_limits[head.fragment],
+        )
+        return fv.params, fv.outer_state
+
+    def _keep_warm(self, fragment: int, directory: str, params: dict, outer_tensors: dict):
+        """Hold a just-published version's arrays for the next merge of its fragment, within
+        `warm_bytes` in all (the oldest let go first)."""
+        size = sum(v.nbytes for v in params.values()) + sum(
+            v.nbytes for v in outer_tensors.values()
+        )
+        self._warm[fragment] = (directory, params, outer_tensors, size)
+        while sum(w[3] for w in self._warm.values()) > self.warm_bytes:
+            self._warm.pop(next(iter(self._warm)))
+
+    def _vote(self, contribs, norms, params_norm, result, combiner):
+        """One island's vote on a fragment: its pending contributions, each checked and its
+        norms computed in one streaming pass, summed (they are consecutive increments: an
+        island never publishes the same progress twice). Returns (vote or None, the
+        contributions in it, their norms, the vote's (squared norm, squared body norm)).
+        At most one payload and one summed vote are held at a time."""
+        vote: merge_stream.Vote | None = None
+        kept, vote_norms, sqs = [], [], (0.0, 0.0)
         limit = rules.clip_limit(self.cfg.outer, norms)
+        buf = combiner.scratch
         for c in contribs:
             shapes = self.shapes[c.fragment]
             max_nbytes, max_header = codecs.payload_limits(shapes, c.codec)
@@ -383,26 +422,25 @@ class Merger:
                 self._quarantine(c.id, f"unreadable payload: {err}", result)
                 continue
             try:
-                tensors = dict(rules.decode_checked(payload, c.codec, shapes, c.fragment))
+                this = rules.check_payload(payload, c.codec, shapes, c.fragment)
+                total_sq, body_sq = rules.vote_sq_norms(this, shapes, combiner.body, buf)
             except (ValueError, KeyError) as err:
                 self._quarantine(c.id, str(err).strip("'\""), result)
                 continue
             finally:
                 del payload
-            norm = math.sqrt(sum(rules.sq_norm(v) for v in tensors.values()))
+            norm = math.sqrt(total_sq)
             _, reason = rules.norm_verdict(self.cfg.outer, norm, limit, params_norm)
             if reason is not None:
                 self._quarantine(c.id, reason, result)
                 continue
-            if vote is None:
-                vote = tensors
-            else:
-                for n, v in tensors.items():
-                    vote[n] += v
-            del tensors
+            vote = this if vote is None else merge_stream.add_votes(vote, this, shapes, buf)
+            sqs = (total_sq, body_sq) if not kept else None
             kept.append(c)
             vote_norms.append(norm)
-        return vote, kept, vote_norms
+        if vote is not None and sqs is None:
+            sqs = merge_stream.sq_norms(vote, self.shapes[kept[0].fragment], combiner.body, buf)
+        return vote, kept, vote_norms, sqs or (0.0, 0.0)
 
     @staticmethod
     def _claim(c: rules.Candidate) -> claims.Claim:

@@ -6,11 +6,12 @@ The merger (training/merge.py) is the I/O shell around these:
   A `Candidate` or the reason to quarantine it. Reads no payload.
 - `capped_weights`: the vote weights of a group, each island's capped (claims.cap_weights).
 - `select`: which candidates of one fragment to apply now (quorum K, grace window, sync).
-- `decode_checked`: a payload's tensors decoded one at a time, each checked (tree, dtype, shape,
-  finiteness) as it is decoded.
+- `check_payload`: a payload's structure checked (tree, dtypes, shapes) and wrapped as a vote
+  read chunk by chunk (training/merge_stream.py); `vote_sq_norms` checks its values (finite,
+  valid codes) in the one pass that computes its norms.
 - `Combiner`: folds islands' votes into one update, tensor by tensor, in float32: radial-
   directional averaging (RDA) over the non-embedding tensors, the weighted mean for embeddings.
-  It holds one fragment-sized accumulator, never every contribution.
+  It holds one fragment-sized accumulator, never every contribution, and never a decoded one.
 - `outer_step_`: the outer optimizer applied in place on host arrays, with its state as one
   typed `OuterFragmentState` per fragment. `tests/test_merge_rules.py` checks it against the
   optax transforms of training/outer.py (`optax.sgd(..., nesterov=True)`, `delayed_nesterov`).
@@ -22,13 +23,13 @@ outer step moves the parameters against them.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import numpy as np
 
-from training import claims, codecs
+from training import claims, codecs, merge_stream
 from training.config import ExperimentConfig, OuterConfig
 from training.fragments import is_embedding
 from training.store import records
@@ -66,6 +67,7 @@ def outer_step_(
     state: OuterFragmentState,
     delta: dict[str, np.ndarray],
     final: bool = False,
+    gains: Mapping[str, Sequence[np.float32]] | None = None,
 ) -> OuterFragmentState:
     """theta <- outer step(theta, delta), in place on `params` and the state's arrays.
 
@@ -76,38 +78,51 @@ def outer_step_(
       m <- beta m + D / N, theta -= lr (g / N + beta m), D <- 0; otherwise theta -= lr g / N.
     `final` (an island's last, partial interval): theta -= lr g and the state does not move, so
     a few steps' remainder never buys a full momentum step (the end-of-run degradation).
-    `delta` may be overwritten.
+    g = delta[n] multiplied in turn by each factor of `gains[n]` (Combiner.finish). Applied
+    chunk by chunk (codecs.chunk_spans), so its temporaries stay in cache. `delta` may be
+    overwritten.
     """
     lr, beta = np.float32(outer.lr), np.float32(outer.momentum)
-    if final or not outer.momentum:
-        for n, g in delta.items():
-            params[n] -= lr * g
-        return state if final else state._replace(steps=state.steps + 1, seen=state.seen + 1)
-    if outer.method == "delayed_nesterov":
-        seen = state.seen + 1
-        flush = seen % period == 0
-        inv = np.float32(1.0 / period)
-        for n, g in delta.items():
-            d, m = state.buffer[n], state.momentum[n]
-            d += g
-            g *= inv
-            if flush:
+    plain = final or not outer.momentum
+    delayed = outer.method == "delayed_nesterov" and not plain
+    seen = state.seen + 1
+    flush = delayed and seen % period == 0
+    inv = np.float32(1.0 / period)
+    for n, g_all in delta.items():
+        flat = {"p": params[n].reshape(-1), "g": g_all.reshape(-1)}
+        if not plain:
+            flat["m"] = state.momentum[n].reshape(-1)
+        if delayed:
+            flat["d"] = state.buffer[n].reshape(-1)
+        for s, e in codecs.chunk_spans(flat["g"].size):
+            c = {k: v[s:e] for k, v in flat.items()}
+            g = c["g"]
+            for factor in (gains or {}).get(n, ()):
+                g *= factor
+            if plain:
+                c["p"] -= lr * g
+            elif delayed:
+                d, m = c["d"], c["m"]
+                d += g
+                g *= inv
+                if flush:
+                    m *= beta
+                    m += inv * d
+                    d[...] = 0
+                    g += beta * m
+                c["p"] -= lr * g
+            else:
+                m = c["m"]
                 m *= beta
-                m += inv * d
-                d[...] = 0
-                g += beta * m
-            params[n] -= lr * g
-        return state._replace(steps=state.steps + 1, seen=seen)
-    for n, g in delta.items():
-        m = state.momentum[n]
-        m *= beta
-        m += g
-        if outer.nesterov:
-            g += beta * m
-            params[n] -= lr * g
-        else:
-            params[n] -= lr * m
-    return state._replace(steps=state.steps + 1, seen=state.seen + 1)
+                m += g
+                if outer.nesterov:
+                    g += beta * m
+                    c["p"] -= lr * g
+                else:
+                    c["p"] -= lr * m
+    if final:
+        return state
+    return state._replace(steps=state.steps + 1, seen=seen)
 
 
 def state_tensors(state: OuterFragmentState) -> dict[str, np.ndarray]:
@@ -293,14 +308,15 @@ def select(
 # -- payloads ------------------------------------------------------------------------------------
 
 
-def decode_checked(
+def check_payload(
     payload: Mapping[str, np.ndarray],
     codec: str,
     shapes: Mapping[str, tuple[int, ...]],
     fragment: int = 0,
-) -> Iterator[tuple[str, np.ndarray]]:
-    """(name, float32 tensor) for each tensor of the fragment, decoded one at a time from the
-    payload and checked; ValueError with the reason at the first problem."""
+) -> merge_stream.PayloadVote:
+    """The payload as a vote to read chunk by chunk, its structure checked (tree, payload
+    keys, dtypes, sizes, shapes); ValueError with the reason at the first problem. Its values
+    (finiteness, valid codes) are checked as they are first decoded (merge_stream.sq_norms)."""
     names = sorted(k for k in payload if ".__" not in k)
     if names != sorted(shapes):
         extra = sorted(set(names) - set(shapes))[:3]
@@ -312,23 +328,31 @@ def decode_checked(
         raise ValueError(
             f"unreadable payload: unexpected payload tensors for codec {codec!r}: {unexpected[:3]}"
         )
+    checked = {}
     for n in names:
         try:
-            v = codecs.decode_tensor(payload, n, codec)
+            codes = codecs.tensor_codes(dict(payload), n, codec)
         except (ValueError, KeyError) as err:
             raise ValueError(f"unreadable payload: {str(err).strip(chr(39))}") from None
-        if v.dtype != np.float32:
-            raise ValueError(f"wrong dtype for {n}: {v.dtype}")
-        if tuple(v.shape) != tuple(shapes[n]):
-            raise ValueError(f"wrong shape for {n}: {tuple(v.shape)}, expected {tuple(shapes[n])}")
-        if not np.isfinite(v).all():
-            raise ValueError(f"non-finite values in {n}")
-        yield n, v
+        if tuple(codes.shape) != tuple(shapes[n]):
+            raise ValueError(
+                f"wrong shape for {n}: {tuple(codes.shape)}, expected {tuple(shapes[n])}"
+            )
+        checked[n] = codes
+    return merge_stream.PayloadVote(checked)
 
 
-def sq_norm(x: np.ndarray) -> float:
-    flat = x.reshape(-1)
-    return float(np.dot(flat, flat))
+def vote_sq_norms(
+    vote: merge_stream.Vote, shapes: Mapping[str, tuple[int, ...]], body: Sequence[str], buf
+) -> tuple[float, float]:
+    """merge_stream.sq_norms with the quarantine reasons of a payload's values."""
+    try:
+        return merge_stream.sq_norms(vote, shapes, body, buf)
+    except ValueError as err:
+        reason = str(err)
+        if reason.startswith("non-finite"):
+            raise
+        raise ValueError(f"unreadable payload: {reason.strip(chr(39))}") from None
 
 
 def clip_limit(outer: OuterConfig, norms: Sequence[Any]) -> float | None:
@@ -369,43 +393,68 @@ class Combiner:
 
     RDA (arXiv 2604.21428) over the non-embedding tensors taken together as one vector:
     `(sum w |v| / sum w) * unit(sum w unit(v))`; the weighted mean for embedding tensors (and
-    for everything when rda=False). One accumulator per tensor; a vote is folded in once.
+    for everything when rda=False). One accumulator per tensor; a vote (a dict of arrays, or a
+    training/merge_stream.Vote read chunk by chunk) is folded in once.
     """
 
     def __init__(self, shapes: Mapping[str, tuple[int, ...]], rda: bool):
         self.rda = rda
-        self.acc = {n: np.zeros(s, np.float32) for n, s in shapes.items()}
+        self.shapes = dict(shapes)
+        self.acc = {n: np.empty(s, np.float32) for n, s in shapes.items()}  # set by 1st vote
         self.body = [n for n in shapes if rda and not is_embedding(n)]
         self.total_weight = 0.0
         self.norm_sum = 0.0  # sum w |v_body|
         self.votes = 0
+        self.scratch = merge_stream.scratch()  # one chunk, shared with the merger's reads
 
-    def add(self, vote: Mapping[str, np.ndarray], weight: float, scale: float = 1.0) -> None:
-        """Fold one island's vote (scaled by `scale`, e.g. a clip) with `weight`."""
+    def add(
+        self, vote: Any, weight: float, scale: float = 1.0, body_sq: float | None = None
+    ) -> None:
+        """Fold one island's vote (scaled by `scale`, e.g. a clip) with `weight`; `body_sq`:
+        the vote's squared body norm if already known (merge_stream.sq_norms)."""
         if weight <= 0:
             raise ValueError(f"vote weight must be positive, got {weight}")
-        body_norm = math.sqrt(sum(sq_norm(vote[n]) for n in self.body)) * scale
+        if not isinstance(vote, merge_stream.Vote):
+            vote = merge_stream.DenseVote(vote)
+        if body_sq is None:
+            body_sq = merge_stream.sq_norms(vote, self.shapes, self.body, self.scratch)[1]
+        body_norm = math.sqrt(body_sq) * scale
         direction = np.float32(weight * scale / body_norm) if body_norm > 0 else np.float32(0)
         mean = np.float32(weight * scale)
-        for n, v in vote.items():
-            self.acc[n] += (direction if n in self.body else mean) * v
+        body = set(self.body)
+        buf = self.scratch
+        for n, shape in self.shapes.items():
+            coef = direction if n in body else mean
+            acc = self.acc[n].reshape(-1)
+            scaled = vote.scaled(n, coef)
+            for s, e in merge_stream.spans(shape):
+                if self.votes:
+                    acc[s:e] += scaled(s, e, buf[: e - s])
+                else:  # the first vote initializes the accumulator
+                    scaled(s, e, acc[s:e])
         self.total_weight += weight
         self.norm_sum += weight * body_norm
         self.votes += 1
 
-    def result(self) -> dict[str, np.ndarray]:
-        """The combined update (in place in the accumulators: the Combiner is spent)."""
+    def finish(self) -> tuple[dict[str, np.ndarray], dict[str, list[np.float32]]]:
+        """(accumulators, per-tensor gains): the combined update is acc[n] x gains[n]
+        (outer_step_ applies them chunk by chunk; the Combiner is spent)."""
         if not self.votes:
             raise ValueError("no votes to combine")
         inv = np.float32(1.0 / self.total_weight)
         body = set(self.body)
-        for n, a in self.acc.items():
-            if n not in body:
-                a *= inv
+        gains = {n: [inv] for n in self.acc if n not in body}
         if body:
-            direction_norm = math.sqrt(sum(sq_norm(self.acc[n]) for n in body))
+            direction_norm = merge_stream.norm_of(self.acc, self.body)
             target = self.norm_sum / self.total_weight
             factor = np.float32(target / direction_norm) if direction_norm > 0 else np.float32(0)
-            for n in body:
-                self.acc[n] *= factor
-        return self.acc
+            gains.update({n: [factor] for n in self.body})
+        return self.acc, gains
+
+    def result(self) -> dict[str, np.ndarray]:
+        """The combined update (in place in the accumulators: the Combiner is spent)."""
+        acc, gains = self.finish()
+        for n, factors in gains.items():
+            for f in factors:
+                acc[n] *= f
+        return acc

@@ -2,15 +2,19 @@
 
 Per (preset, P) row: a store on local disk gets version 0 and M int8 contributions to the
 largest fragment (setup, in a child process); then a fresh child process times one
-`Merger(fragments=[p]).merge_once()` and reports its peak RSS above its own baseline (after
-imports and the Merger's construction, before the merge), and a memcpy of the bytes the merge
-moves (M payloads in, the fragment's params and outer state in and out) in the same process.
-Peak RSS is sampled every millisecond during the merge.
+`Merger(fragments=[p]).merge_once()` ("cold": it reads the fragment from the store) and, after
+publishing M more contributions each time, the same merger's next three merges ("warm", the
+best of three: the draining syncer, which keeps the arrays of the version it published), each
+with its peak RSS above the baseline before it; and a memcpy of the bytes a merge moves (M payloads in, the fragment's params and
+outer state in and out) in the parent process. Peak RSS is sampled every millisecond.
 `fragment_bytes` is the fragment's params + outer state (fp32). Rows for 1b and 12b are computed
-from the largest measured row's throughput and peak ratio. Codec rows time int8 / int4 encode
-and decode of one 16M-element tensor against a memcpy of its fp32 bytes.
+from the largest measured row's throughput and peak ratio. Codec rows time each codec's encode
+and decode of one 16M-element tensor (best of 5: into new arrays, as `codecs.decode`, and chunk by
+chunk into one reused array, as the streaming merge) against a memcpy of its fp32 bytes between
+two preallocated buffers (best of 5).
 
     diloco bench merge --json runs/bench_merge.json [--presets tiny small 125m] [--fragments 1 4 24]
+    diloco bench merge --presets          # the codec rows only
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from pathlib import Path
 import numpy as np
 
 COMPUTED = ("1b", "12b")
+WARM_REPEATS = 3  # warm merges timed (the best is reported; the peak is the highest)
 TARGET_WORKER_BYTES = 16 * 2**30
 
 
@@ -56,11 +61,41 @@ def _fragment_sizes(cfg) -> list[int]:
     return [sum(math.prod(shapes[n]) for n in names) for names in fragment_names(cfg)]
 
 
+def _publish(store, cfg, p: int, M: int, codec: str, seq: int, base: int, rng) -> int:
+    """M contributions (one per island) to fragment p; returns their payload bytes."""
+    from training import codecs
+
+    shapes = {n: s for n, s in _fragment_shapes(cfg)[p].items()}
+    payload_bytes = 0
+    for m in range(M):
+        delta = {n: rng.normal(0, 1e-3, s).astype(np.float32) for n, s in shapes.items()}
+        payload, _ = codecs.encode(delta, codec)
+        payload_bytes += codecs.payload_nbytes(payload)
+        manifest = dict(
+            base_version=base,
+            steps=24,
+            tokens=24 * 1024,
+            codec=codec,
+            step_time_s=1.0,
+            published_at=time.time(),
+            loss=1.0,
+        )
+        store.publish_pseudograd(f"island-{m}", seq, p, payload, manifest)
+        del delta, payload
+    return payload_bytes
+
+
+def _fragment_shapes(cfg) -> list[dict]:
+    from training import model
+    from training.runtime import fragment_names
+
+    shapes = {k: tuple(v.shape) for k, v in model.abstract_params(cfg.model).items()}
+    return [{n: shapes[n] for n in names} for names in fragment_names(cfg)]
+
+
 def setup(url: str, preset: str, P: int, M: int, codec: str) -> dict:
     """Version 0 and M contributions to the largest fragment; returns what the row needs."""
-    from training import codecs
     from training.merge import initial_version
-    from training.runtime import fragment_names
     from training.store.experiment import ExperimentStore
     from training.store.objectstore import open_store
 
@@ -70,31 +105,17 @@ def setup(url: str, preset: str, P: int, M: int, codec: str) -> dict:
     initial_version(cfg, store)
     sizes = _fragment_sizes(cfg)
     p = int(np.argmax(sizes))
-    params = store.load_fragment(store.head(p)).params
-    rng = np.random.default_rng(0)
-    payload_bytes = 0
-    for m in range(M):
-        delta = {n: rng.normal(0, 1e-3, v.shape).astype(np.float32) for n, v in params.items()}
-        payload, _ = codecs.encode(delta, codec)
-        payload_bytes += codecs.payload_nbytes(payload)
-        manifest = dict(
-            base_version=0,
-            steps=24,
-            tokens=24 * 1024,
-            codec=codec,
-            step_time_s=1.0,
-            published_at=time.time(),
-            loss=1.0,
-        )
-        store.publish_pseudograd(f"island-{m}", 0, p, payload, manifest)
-        del delta, payload
-    largest = max(int(v.nbytes) for v in params.values())
-    del fragment_names
+    payload_bytes = _publish(store, cfg, p, M, codec, 0, 0, np.random.default_rng(0))
+    largest = max(math.prod(s) * 4 for s in _fragment_shapes(cfg)[p].values())
     return dict(fragment=p, fragment_elems=sizes[p], payload_bytes=payload_bytes, largest=largest)
 
 
 def measure(url: str, preset: str, P: int, M: int, codec: str, fragment: int) -> dict:
-    """One merge of `fragment` in this (fresh) process: seconds and peak RSS above baseline."""
+    """Merges of `fragment` in this (fresh) process, each timed with its peak RSS above the
+    baseline before it: `cold` reads the fragment from the store (a new merger process);
+    `warm` (the best of WARM_REPEATS, the highest peak) is the same merger's next merge of M
+    new contributions (the draining syncer: it keeps the arrays of the version it
+    published). New contributions are published between merges, untimed."""
     from training.merge import Merger
     from training.store.experiment import ExperimentStore
     from training.store.objectstore import open_store
@@ -102,6 +123,24 @@ def measure(url: str, preset: str, P: int, M: int, codec: str, fragment: int) ->
     cfg = _cfg(preset, P, M, codec)
     store = ExperimentStore(open_store(url), cfg.name)
     merger = Merger(cfg, store, fragments=[fragment])
+    out = {}
+    for round_ in range(1 + WARM_REPEATS):
+        kind = "cold" if round_ == 0 else "warm"
+        if round_:
+            _publish(store, cfg, fragment, M, codec, round_, round_, np.random.default_rng(round_))
+        seconds, peak, applied = _timed(merger)
+        if applied != M:
+            raise RuntimeError(f"{kind} merge applied {applied} of {M} contributions")
+        best = out.get(kind, dict(seconds=math.inf, peak_rss_bytes=0))
+        out[kind] = dict(
+            seconds=min(best["seconds"], seconds),
+            peak_rss_bytes=max(best["peak_rss_bytes"], peak),
+        )
+    return out
+
+
+def _timed(merger) -> tuple[float, int, int]:
+    """(seconds, peak RSS above the baseline, contributions applied) of one merge_once."""
     baseline = _rss()
     peak_rss = [baseline]
     done = threading.Event()
@@ -118,9 +157,7 @@ def measure(url: str, preset: str, P: int, M: int, codec: str, fragment: int) ->
     done.set()
     sampler.join()
     peak = max(peak_rss[0], _rss()) - baseline
-    if len(r.applied) != M:
-        raise RuntimeError(f"merge applied {len(r.applied)} of {M} contributions")
-    return dict(seconds=seconds, peak_rss_bytes=max(0, peak))
+    return seconds, max(0, peak), len(r.applied)
 
 
 def _rss() -> int:
@@ -144,28 +181,41 @@ def memcpy_seconds(nbytes: int, repeats: int = 3) -> float:
     return best
 
 
-def codec_rows(elems: int = 16 * 2**20) -> list[dict]:
+def codec_rows(elems: int = 16 * 2**20, repeats: int = 5) -> list[dict]:
+    """Encode (no residual) and decode of one `elems`-element float32 tensor per codec, best
+    of `repeats`, against the best of `repeats` memcpys of its fp32 bytes in the same run."""
     from training import codecs
 
     x = np.random.default_rng(0).normal(size=elems).astype(np.float32)
-    copy_s = memcpy_seconds(x.nbytes)
+    copy_s = memcpy_seconds(x.nbytes, repeats)
+    out = np.empty_like(x)  # the merge's path: decoded chunk by chunk into reused memory
+    out.fill(0)
     rows = []
-    for codec in ("bf16", "int8", "int4"):
-        t = time.perf_counter()
-        payload, _ = codecs.encode({"x": x}, codec)
-        enc = time.perf_counter() - t
-        t = time.perf_counter()
-        codecs.decode(payload, codec)
-        dec = time.perf_counter() - t
+    for codec in codecs.CODECS:
+        enc = dec = into = math.inf
+        for _ in range(repeats):
+            t = time.perf_counter()
+            payload, _ = codecs.encode({"x": x}, codec)
+            enc = min(enc, time.perf_counter() - t)
+            t = time.perf_counter()
+            codecs.decode(payload, codec)
+            dec = min(dec, time.perf_counter() - t)
+            t = time.perf_counter()
+            tensor = codecs.tensor_codes(payload, "x", codec)
+            for s, e in codecs.chunk_spans(elems):
+                codecs.decode_chunk(tensor, s, e, out[s:e])
+            into = min(into, time.perf_counter() - t)
         rows.append(
             dict(
                 codec=codec,
                 elems=elems,
                 encode_s=enc,
                 decode_s=dec,
+                decode_into_s=into,
                 memcpy_s=copy_s,
                 encode_vs_memcpy=copy_s / enc,
                 decode_vs_memcpy=copy_s / dec,
+                decode_into_vs_memcpy=copy_s / into,
             )
         )
     return rows
@@ -179,20 +229,24 @@ def run_row(preset: str, P: int, M: int, codec: str) -> dict:
     fragment_bytes = 2 * 4 * info["fragment_elems"]  # params + momentum, fp32
     bytes_moved = info["payload_bytes"] + 2 * fragment_bytes
     copy_s = memcpy_seconds(bytes_moved)
+    cold, warm = got["cold"], got["warm"]
     return dict(
         preset=preset,
         fragments=P,
         contributions=M,
         codec=codec,
         measured=True,
-        seconds=got["seconds"],
+        seconds=cold["seconds"],
         bytes_moved=bytes_moved,
         memcpy_seconds=copy_s,
-        vs_memcpy=got["seconds"] / copy_s,
-        peak_rss_bytes=got["peak_rss_bytes"],
+        vs_memcpy=cold["seconds"] / copy_s,
+        peak_rss_bytes=cold["peak_rss_bytes"],
         fragment_bytes=fragment_bytes,
         largest_tensor_bytes=info["largest"],
-        peak_vs_fragment=got["peak_rss_bytes"] / fragment_bytes,
+        peak_vs_fragment=cold["peak_rss_bytes"] / fragment_bytes,
+        warm_seconds=warm["seconds"],
+        warm_vs_memcpy=warm["seconds"] / copy_s,
+        warm_peak_rss_bytes=warm["peak_rss_bytes"],
     )
 
 
@@ -200,13 +254,17 @@ def computed_rows(measured: list[dict], fragments: list[int], M: int, codec: str
     """1b / 12b rows from the largest measured row: its bytes/s and its peak / fragment ratio."""
     from training import codecs
 
+    if not measured:
+        return []
     ref = max(measured, key=lambda r: r["bytes_moved"])
     rate = ref["bytes_moved"] / ref["seconds"]
+    warm_rate = ref["bytes_moved"] / ref.get("warm_seconds", ref["seconds"])
     per_elem = {
         "fp32": 4,
         "bf16": 2,
         "int8": 1 + 4 / codecs.DEFAULT_BLOCK,
         "int4": 0.5 + 4 / codecs.DEFAULT_BLOCK,
+        "int2": 0.25 + 4 / codecs.DEFAULT_BLOCK,
     }[codec]
     rows = []
     for preset in COMPUTED:
@@ -229,6 +287,7 @@ def computed_rows(measured: list[dict], fragments: list[int], M: int, codec: str
                     codec=codec,
                     measured=False,
                     seconds=moved / rate,
+                    warm_seconds=moved / warm_rate,
                     bytes_moved=int(moved),
                     fragment_bytes=int(fragment_bytes),
                     peak_rss_bytes=int(peak),
@@ -250,12 +309,17 @@ def _child(*args) -> dict:
 
 
 def format_table(rows: list[dict]) -> str:
-    head = f"{'preset':7s} {'P':>3s} {'M':>2s} {'seconds':>8s} {'x memcpy':>8s} {'moved MB':>9s} {'frag MB':>8s} {'peak MB':>8s} {'peak/frag':>9s}"
+    head = (
+        f"{'preset':7s} {'P':>3s} {'M':>2s} {'seconds':>8s} {'x memcpy':>8s} {'warm s':>8s} "
+        f"{'x memcpy':>8s} {'moved MB':>9s} {'frag MB':>8s} {'peak MB':>8s} {'peak/frag':>9s}"
+    )
     lines = [head, "-" * len(head)]
     for r in rows:
         x = f"{r['vs_memcpy']:.1f}" if r.get("measured") else "(calc)"
+        xw = f"{r['warm_vs_memcpy']:.1f}" if r.get("measured") else "(calc)"
         lines.append(
-            f"{r['preset']:7s} {r['fragments']:3d} {r['contributions']:2d} {r['seconds']:8.3f} {x:>8s} "
+            f"{r['preset']:7s} {r['fragments']:3d} {r['contributions']:2d} {r['seconds']:8.3f} "
+            f"{x:>8s} {r['warm_seconds']:8.3f} {xw:>8s} "
             f"{r['bytes_moved'] / 2**20:9.1f} {r['fragment_bytes'] / 2**20:8.1f} "
             f"{r['peak_rss_bytes'] / 2**20:8.1f} {r['peak_rss_bytes'] / r['fragment_bytes']:9.2f}"
         )
@@ -264,7 +328,7 @@ def format_table(rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="diloco bench merge", description=__doc__.split("\n")[0])
-    ap.add_argument("--presets", nargs="+", default=["tiny", "small", "125m"])
+    ap.add_argument("--presets", nargs="*", default=["tiny", "small", "125m"])
     ap.add_argument("--fragments", nargs="+", type=int, default=[1, 4, 24])
     ap.add_argument("--contributions", type=int, default=4)
     ap.add_argument("--codec", default="int8")
@@ -290,7 +354,8 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             row = run_row(preset, P, args.contributions, args.codec)
             print(
-                f"{preset} P={P}: {row['seconds']:.3f} s, {row['vs_memcpy']:.1f}x memcpy, "
+                f"{preset} P={P}: {row['seconds']:.3f} s, {row['vs_memcpy']:.1f}x memcpy "
+                f"(warm {row['warm_seconds']:.3f} s, {row['warm_vs_memcpy']:.1f}x), "
                 f"peak {row['peak_vs_fragment']:.2f}x fragment",
                 flush=True,
             )
@@ -302,7 +367,9 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(rows))
     for c in codec_table:
         print(
-            f"codec {c['codec']}: encode {c['encode_vs_memcpy']:.0%} of memcpy speed, decode {c['decode_vs_memcpy']:.0%}"
+            f"codec {c['codec']}: encode {c['encode_vs_memcpy']:.0%} of memcpy speed, decode "
+            f"{c['decode_vs_memcpy']:.0%} (into a buffer, as the merge: "
+            f"{c['decode_into_vs_memcpy']:.0%})"
         )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -54,7 +54,7 @@ from training.store.layout import (
 )
 from training.store.objectstore import CorruptObject, ObjectNotFound, ObjectStore, StoreError
 from training.store.safejson import JSONLimits
-from training.store.tensors import MAX_HEADER_BYTES, decode_tensors, encode_tensors, sha256
+from training.store.tensors import MAX_HEADER_BYTES, checksum, decode_tensors, tensor_parts
 from training.store.versions import FragmentVersions
 
 __all__ = [
@@ -215,21 +215,25 @@ class ExperimentStore(FragmentVersions, GarbageCollection, IslandObjects):
         copy: bool = True,
         max_header: int = MAX_HEADER_BYTES,
     ) -> dict[str, np.ndarray]:
-        """Read a payload (never more than the manifest's `nbytes`), check its size and sha256
-        against the manifest, decode it (a header of at most `max_header` bytes)."""
+        """Read a payload (never more than the manifest's `nbytes`), check its size and its
+        checksum `digest` ((algorithm, hex), records.checksum_field) against the manifest,
+        decode it (a header of at most `max_header` bytes). The arrays are views into the one
+        buffer read: writable (copy=True: nothing else holds it) or read-only (copy=False)."""
         if not records.is_int(nbytes) or nbytes < 0:
             raise CorruptObject(f"{what}: invalid nbytes {safejson.show(nbytes)}")
+        algorithm, expected = digest
         try:
-            data = self.store.read(self._key(relative), max_bytes=nbytes)
+            data = self.store.read_buffer(self._key(relative), max_bytes=nbytes, writable=copy)
         except ObjectNotFound:
             raise CorruptObject(f"{what}: payload {relative} is missing") from None
         except CorruptObject as exc:
             raise CorruptObject(f"{what}: {exc}") from None
         if len(data) != nbytes:
             raise CorruptObject(f"{what}: payload {relative} has {len(data)} bytes, not {nbytes}")
-        if sha256(data) != digest:
-            raise CorruptObject(f"{what}: payload {relative} fails its sha256 check")
-        return decode_tensors(data, copy=copy, max_header_bytes=max_header)[0]
+        if checksum([data], algorithm) != expected:
+            raise CorruptObject(f"{what}: payload {relative} fails its {algorithm} checksum")
+        view = data if copy else data.toreadonly()  # copy=True: nothing else holds `data`
+        return decode_tensors(view, copy=False, max_header_bytes=max_header)[0]
 
     # config --------------------------------------------------------------------------------
     def write_config(self, cfg: Mapping[str, Any]) -> None:
@@ -322,7 +326,7 @@ class ExperimentStore(FragmentVersions, GarbageCollection, IslandObjects):
     ) -> PseudoGradRef:
         """Write the payload to a unique name, then create the manifest (the commit marker).
 
-        The manifest gets experiment, island, seq, fragment, payload, nbytes, sha256 and
+        The manifest gets experiment, island, seq, fragment, payload, nbytes, crc32c and
         created_at (`manifest` may not set them: ValueError). If the marker already exists (a
         retry after a crash, or a racing duplicate), the existing commit wins: its ref is
         returned and no second commit is made.
@@ -337,9 +341,9 @@ class ExperimentStore(FragmentVersions, GarbageCollection, IslandObjects):
         if existing is not None:
             return self._pg_ref(island, seq, fragment, existing)
 
-        data = encode_tensors(tensors)
+        parts = tensor_parts(tensors)
         payload = f"{stem}-{_uuid8()}.safetensors"
-        self.store.write(self._key(payload), data)
+        self.store.write_parts(self._key(payload), parts)
         fault_point("pseudograd.payload-written")
         full = {
             **caller,
@@ -348,8 +352,8 @@ class ExperimentStore(FragmentVersions, GarbageCollection, IslandObjects):
             "seq": seq,
             "fragment": fragment,
             "payload": payload,
-            "nbytes": len(data),
-            "sha256": sha256(data),
+            "nbytes": sum(len(p) for p in parts),
+            "crc32c": checksum(parts),
             "created_at": _now(),
         }
         if self._create_json(f"{stem}.json", full):
@@ -423,7 +427,7 @@ class ExperimentStore(FragmentVersions, GarbageCollection, IslandObjects):
         island, seq and fragment (records.parse_pseudograd_commit); the payload key is
         `pseudograds/{island}/{seq:08d}-f{fragment:03d}-<8 hex>.safetensors` (so never outside
         this island's prefix); the declared size is at most `max_nbytes` (refused before any
-        read; `limit_of` names the limit in the message); and the payload's size and sha256
+        read; `limit_of` names the limit in the message); and the payload's size and checksum
         match (it is read with the declared size as its limit, its header with `max_header`).
         The arrays are read-only views over the downloaded bytes (the merger never mutates
         them).
@@ -447,7 +451,7 @@ class ExperimentStore(FragmentVersions, GarbageCollection, IslandObjects):
             )
         return self._verified_tensors(
             commit.payload,
-            commit.sha256,
+            commit.checksum,
             commit.nbytes,
             what,
             copy=False,

@@ -102,7 +102,7 @@ class IslandObjects:
         directory, step = latest.dir, latest.step
         what = f"{self.url} checkpoint of {island} at step {step}"
         tensors = self._verified_tensors(
-            f"{directory}/state.safetensors", latest.sha256, latest.nbytes, what
+            f"{directory}/state.safetensors", ("sha256", latest.sha256), latest.nbytes, what
         )
         return tensors, self.checkpoint_meta(island, latest)
 

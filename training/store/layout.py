@@ -45,10 +45,11 @@ LAYOUT_VERSION = 2  # recorded in config.json as "layout"; a store of another la
 
 _FRAGMENT_RESERVED = frozenset(
     {"experiment", "fragment", "version", "parent_version", "parent_dir", "created_at"}
-    | {"created_at_iso", "applied", "sha256", "nbytes"}
+    | {"created_at_iso", "applied", "sha256", "crc32c", "nbytes"}
 )
 _PG_RESERVED = frozenset(
-    {"experiment", "island", "seq", "fragment", "payload", "nbytes", "sha256", "created_at"}
+    {"experiment", "island", "seq", "fragment", "payload", "nbytes", "sha256", "crc32c"}
+    | {"created_at"}
 )
 
 

@@ -16,8 +16,8 @@ import os
 import random
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable
-from typing import TypeVar
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 log = logging.getLogger(__name__)
 
@@ -186,6 +186,20 @@ class ObjectStore(ABC):
     @abstractmethod
     def write(self, key: str, data: bytes) -> None:
         """Create or overwrite the object."""
+
+    def write_parts(self, key: str, parts: Sequence[Any]) -> None:
+        """`write` of the concatenation of `parts` (bytes-like objects); a backend that can
+        stream them (file://) never builds the whole object in memory."""
+        self.write(key, b"".join(memoryview(p).cast("B") for p in parts))
+
+    def read_buffer(
+        self, key: str, max_bytes: int | None = None, writable: bool = True
+    ) -> memoryview:
+        """`read` into a buffer, writable if asked: arrays decoded from it without a copy are
+        then writable (file:// reads straight into a writable buffer; other backends copy the
+        bytes once for a writable one, never for a read-only one)."""
+        data = self.read(key, max_bytes)
+        return memoryview(bytearray(data)) if writable else memoryview(data)
 
     @abstractmethod
     def create(self, key: str, data: bytes) -> bool:

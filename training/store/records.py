@@ -89,6 +89,8 @@ MAX_REASON = 2000  # characters of a quarantine reason
 MAX_APPLIED = 2**20
 CODECS: tuple[str, ...] = get_args(Codec)  # the config's type (int2 was missing here)
 SHA256 = re.compile(r"[0-9a-f]{64}", re.ASCII)
+CHECKSUM_PATTERNS = {"crc32c": re.compile(r"[0-9a-f]{8}", re.ASCII), "sha256": SHA256}
+"""The payload checksums a manifest may carry (tensors.CHECKSUMS), each under its own key."""
 
 
 def is_int(value: Any) -> bool:
@@ -147,6 +149,15 @@ class Fields:
         return self.get(key, is_name, "a name matching [a-z0-9][a-z0-9-]{0,62}", **kw)
 
 
+def checksum_field(m: dict, f: Fields) -> tuple[str, Any]:
+    """(algorithm, value) of the one checksum key of `m` (crc32c or sha256); f.fail if there
+    is none or more than one."""
+    present = [a for a in CHECKSUM_PATTERNS if a in m]
+    if len(present) != 1:
+        f.fail(f"needs exactly one checksum of {sorted(CHECKSUM_PATTERNS)}, has {present}")
+    return present[0], m[present[0]]
+
+
 def _obj(data: Any, limits: JSONLimits, error: type[CorruptObject], what: str) -> dict:
     """The JSON object of `data` (bytes, read under `limits`) or `data` itself (a dict)."""
     if isinstance(data, dict):
@@ -171,7 +182,7 @@ class PseudoGradCommit:
     fragment: int
     payload: str
     nbytes: int
-    sha256: str
+    checksum: tuple[str, str]  # (algorithm, hex): ("crc32c", 8 hex) or ("sha256", 64 hex)
     created_at: float
     raw: dict[str, Any] = field(repr=False, compare=False)
 
@@ -180,7 +191,8 @@ def parse_pseudograd_commit(data: Any, pg_id: str, experiment: str) -> PseudoGra
     """The store's fields of marker `pg_id` (bytes or a loaded dict) in `experiment`: it names
     this experiment, island, seq and fragment; its payload is
     `pseudograds/{pg_id}-<8 hex>.safetensors` (so inside the island's prefix); nbytes is an
-    int in [0, 2^53], sha256 64 lowercase hex, created_at a number. BadPseudoGradManifest
+    int in [0, 2^53]; one checksum, crc32c (8 lowercase hex) or sha256 (64); created_at a
+    number. BadPseudoGradManifest
     (BadName for a bad `pg_id`)."""
     island, seq, fragment = parse_pseudograd_id(pg_id)
     m = _obj(data, safejson.MANIFEST, BadPseudoGradManifest, "manifest")
@@ -195,6 +207,7 @@ def parse_pseudograd_commit(data: Any, pg_id: str, experiment: str) -> PseudoGra
     pattern = re.escape(f"pseudograds/{pg_id}-") + r"[0-9a-f]{8}\.safetensors"
     if not isinstance(payload, str) or re.fullmatch(pattern, payload, re.ASCII) is None:
         f.fail(f"payload key {show(payload, 120)} is not inside pseudograds/{island}/")
+    algorithm, _ = checksum_field(m, f)
     return PseudoGradCommit(
         pg_id,
         island,
@@ -202,7 +215,7 @@ def parse_pseudograd_commit(data: Any, pg_id: str, experiment: str) -> PseudoGra
         fragment,
         payload,
         nbytes=f.int("nbytes"),
-        sha256=f.str("sha256", SHA256),
+        checksum=(algorithm, f.str(algorithm, CHECKSUM_PATTERNS[algorithm])),
         created_at=float(f.real("created_at")),
         raw=m,
     )
@@ -364,7 +377,7 @@ class FragmentManifest:
     parent_dir: str | None
     created_at: float
     applied: list[str]
-    sha256: dict[str, str]
+    checksums: dict[str, tuple[str, str]]  # payload -> (algorithm, hex)
     nbytes: dict[str, int]
     raw: dict[str, Any] = field(repr=False, compare=False)
 
@@ -378,7 +391,8 @@ def parse_fragment_manifest(
 ) -> FragmentManifest:
     """A fragment version's manifest.json: names `experiment`, `fragment` and `version` (when
     given); a parent (version - 1 and its directory of the same fragment) or none; `applied`
-    ids (of this fragment); sha256 and nbytes of each payload; if present tokens_merged (int),
+    ids (of this fragment); nbytes and one checksum kind (crc32c or sha256: a map payload ->
+    hex) of each payload; if present tokens_merged (int),
     merge_state (validate_merge_state) and merged_at (the merger's fields). BadFragmentManifest."""
     m = _obj(data, safejson.FRAGMENT_MANIFEST, BadFragmentManifest, "fragment manifest")
     f = Fields(m, BadFragmentManifest, "fragment manifest")
@@ -399,11 +413,13 @@ def parse_fragment_manifest(
             ok = False
     if not ok:
         f.fail(f"parent {show(parent)} / {show(parent_dir)} is not version {v - 1}")
-    digests, sizes = m.get("sha256"), m.get("nbytes")
+    algorithm, digests = checksum_field(m, f)
+    sizes = m.get("nbytes")
     if not isinstance(digests, dict) or not isinstance(sizes, dict):
-        f.fail("lacks sha256 / nbytes")
+        f.fail(f"lacks {algorithm} / nbytes")
     for name in payloads:
-        Fields(digests, BadFragmentManifest, "fragment manifest sha256").str(name, SHA256)
+        what = f"fragment manifest {algorithm}"
+        Fields(digests, BadFragmentManifest, what).str(name, CHECKSUM_PATTERNS[algorithm])
         Fields(sizes, BadFragmentManifest, "fragment manifest nbytes").int(name)
     f.int("tokens_merged", optional=True)
     f.real("merged_at", optional=True)
@@ -419,7 +435,7 @@ def parse_fragment_manifest(
         parent_dir=parent_dir,
         created_at=float(f.real("created_at")),
         applied=applied,
-        sha256={n: digests[n] for n in payloads},
+        checksums={n: (algorithm, digests[n]) for n in payloads},
         nbytes={n: sizes[n] for n in payloads},
         raw=m,
     )

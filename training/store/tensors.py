@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import struct
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
+import google_crc32c
 import ml_dtypes
 import numpy as np
 import safetensors
@@ -17,12 +19,15 @@ from training.store.safejson import JSONLimits, load_json, show
 
 __all__ = [
     "BadTensors",
+    "CHECKSUMS",
     "CorruptObject",
+    "checksum",
     "decode_tensors",
     "encode_tensors",
     "flatten",
     "read_tensor",
     "sha256",
+    "tensor_parts",
     "unflatten",
 ]
 
@@ -57,6 +62,37 @@ class BadTensors(CorruptObject):
 def sha256(data: bytes) -> str:
     """Hex SHA-256 of `data`."""
     return hashlib.sha256(data).hexdigest()
+
+
+CHECKSUMS = ("crc32c", "sha256")
+"""Payload checksums a manifest may carry (docs/STORE.md "Integrity"): crc32c (what the store
+writes: hardware CRC, ~10x faster than sha256; detects corruption, truncation and any burst
+error, not a forgery by someone who may write the object) and sha256 (older stores)."""
+
+
+def _readonly_bytes(part: Any) -> np.ndarray:
+    """A read-only uint8 view of a bytes-like object or C-contiguous array (no copy)."""
+    view = np.frombuffer(part, np.uint8) if not isinstance(part, np.ndarray) else part
+    view = view.reshape(-1).view(np.uint8)
+    view = view.view()
+    view.flags.writeable = False
+    return view
+
+
+def checksum(parts: Iterable[Any], algorithm: str = "crc32c") -> str:
+    """Hex checksum of the concatenation of `parts` (bytes-like objects or C-contiguous
+    arrays), without joining them: crc32c as 8 hex digits, sha256 as 64."""
+    if algorithm == "sha256":
+        h = hashlib.sha256()
+        for part in parts:
+            h.update(_readonly_bytes(part))
+        return h.hexdigest()
+    if algorithm != "crc32c":
+        raise ValueError(f"unknown checksum {algorithm!r}; expected one of {CHECKSUMS}")
+    crc = 0
+    for part in parts:
+        crc = google_crc32c.extend(crc, _readonly_bytes(part))
+    return f"{crc:08x}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -150,6 +186,39 @@ def encode_tensors(
             data_len=array.nbytes,
         )
     return bytes(safetensors.serialize(specs, metadata=dict(metadata) if metadata else None))
+
+
+def tensor_parts(tensors: Mapping[str, np.ndarray]) -> list[Any]:
+    """The safetensors file of `tensors` as parts: the 8-byte length and JSON header (padded
+    with spaces to 8 bytes, as safetensors does), then each array's own bytes (no copy of a
+    C-contiguous little-endian array). b"".join(parts) is a file `decode_tensors` and the
+    safetensors library read; the tensors are laid out by decreasing item size, then name (as
+    safetensors does), so every tensor's data is aligned to its item size."""
+    header: dict[str, Any] = {}
+    arrays = []
+    offset = 0
+    for name in tensors:
+        if not isinstance(name, str) or not name or name == "__metadata__":
+            raise ValueError(f"invalid tensor name {name!r}")
+    order = sorted(tensors, key=lambda n: (-np.asarray(tensors[n]).dtype.itemsize, n))
+    for name in order:
+        array = np.asarray(tensors[name])
+        if array.dtype.byteorder == ">":
+            array = array.astype(array.dtype.newbyteorder("<"))
+        if array.dtype not in _CODES:
+            raise TypeError(f"tensor {name!r}: unsupported dtype {array.dtype}")
+        if not array.flags.c_contiguous:
+            array = array.copy(order="C")
+        header[name] = {
+            "dtype": _CODES[array.dtype],
+            "shape": list(array.shape),
+            "data_offsets": [offset, offset + array.nbytes],
+        }
+        offset += array.nbytes
+        arrays.append(array.reshape(-1).view(np.uint8))
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return [struct.pack("<Q", len(text)) + text, *arrays]
 
 
 def _parse_header(data: bytes, max_header: int = MAX_HEADER_BYTES) -> tuple[dict[str, Any], int]:

@@ -39,7 +39,7 @@ from training.store.layout import (
     parse_pseudograd_id,
 )
 from training.store.objectstore import CorruptObject, ObjectNotFound, StoreError
-from training.store.tensors import encode_tensors, sha256
+from training.store.tensors import checksum, tensor_parts
 
 log = logging.getLogger(__name__)
 
@@ -117,10 +117,10 @@ class FragmentVersions:
         directory = fragment_dir(fragment, version, _uuid8())
         sums, sizes = {}, {}
         for name, tensors in (("params", params), ("outer_state", outer_state)):
-            data = encode_tensors(tensors)
-            sums[name], sizes[name] = sha256(data), len(data)
-            self.store.write(self._key(f"{directory}/{name}.safetensors"), data)
-            del data
+            parts = tensor_parts(tensors)  # the arrays' own bytes: nothing is serialized
+            sums[name], sizes[name] = checksum(parts), sum(len(p) for p in parts)
+            self.store.write_parts(self._key(f"{directory}/{name}.safetensors"), parts)
+            del parts
         fault_point("global.payload-written")
         created = _now()
         manifest = {
@@ -133,7 +133,7 @@ class FragmentVersions:
             "created_at": created,
             "created_at_iso": iso(created),
             "applied": sorted(ids),
-            "sha256": sums,
+            "crc32c": sums,
             "nbytes": sizes,
         }
         if not self._create_json(f"{directory}/manifest.json", manifest):
@@ -183,13 +183,18 @@ class FragmentVersions:
 
         Each payload is read once (never more than its manifest's nbytes, which must be at most
         `max_nbytes[name]` when given: the fragment's size, from its shapes), its size and
-        sha256 checked against the manifest, and its tensors decoded as writable arrays.
+        checksum checked against the manifest, and its tensors decoded as writable arrays
+        (views into the buffer read: no copy).
         ObjectNotFound if the version was garbage-collected.
         """
         manifest = manifest if manifest is not None else self.fragment_manifest(head)
-        digests, sizes = manifest.get("sha256"), manifest.get("nbytes")
-        if not isinstance(digests, dict) or not isinstance(sizes, dict):
-            raise CorruptObject(f"{self.url}/{head.dir}/manifest.json lacks sha256 / nbytes")
+        try:
+            checked = records.parse_fragment_manifest(
+                manifest, self.experiment, head.fragment, head.version
+            )
+        except CorruptObject as exc:
+            raise type(exc)(f"{self.url}/{head.dir}/manifest.json: {exc}") from None
+        digests, sizes = checked.checksums, checked.nbytes
         what = f"{self.url} fragment {head.fragment} version {head.version}"
         names = PAYLOADS if outer_state else ("params",)
         for name in names:
