@@ -176,13 +176,11 @@ def test_a_run_triggered_like_the_form_merges_from_its_first_publish(airflow, gc
     if not 0 <= over <= len(ISLANDS) * per_interval:
         misses.append(f"{over} tokens over the budget (at most {len(ISLANDS) * per_interval})")
     # The end of the run may not degrade the model: today's failure was a final eval far above
-    # the best (2.84 -> 3.53, +24%; the remainders' momentum step, now applied without it). Evals
-    # of this 240k-token run still move by a few percent between the last merges (one run in
-    # three ended 2% above its best), so the bound is 5%; snapshots/BEST.json keeps the best.
-    if not s["final_eval_loss"] <= 1.05 * s["best_eval_loss"]:
-        misses.append(
-            f"final eval {s['final_eval_loss']:.4f} > 1.05 x best {s['best_eval_loss']:.4f}"
-        )
+    # the best (2.84 -> 3.53, +24%; the remainders' momentum step, now applied without it). The
+    # last merges of this short run still moved the eval by 2-7% in one run in three, so
+    # finalize restores snapshots/BEST.json when the final model is worse (finish_at_best).
+    if not s["final_eval_loss"] <= 1.001 * s["best_eval_loss"]:
+        misses.append(f"final eval {s['final_eval_loss']:.4f} > best {s['best_eval_loss']:.4f}")
     assert s["evals"] >= 3  # version 0, at least one during the run, the final one
     assert not misses, "; ".join(misses)
 

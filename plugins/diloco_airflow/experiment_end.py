@@ -71,13 +71,30 @@ def finalize_experiment(store_url: str, experiment: str) -> dict[str, Any]:
     normally), a final eval of the current model, and drop the experiment from the registry
     once every island of its config is done."""
     from training.config import parse_config
-    from training.evaluate import end_of_run_report, evaluate_current
+    from training.evaluate import end_of_run_report, evaluate_current, finish_at_best
 
     merged = merge_experiments([{"store_url": store_url, "experiment": experiment}])
     estore = store.open_experiment(store_url, experiment)
     cfg = parse_config(estore.read_config())
     record = evaluate_current(cfg, estore)
     log.info("%s: final eval %s", experiment, record)
+    restored = False
+    if {i.name for i in cfg.islands} <= set(estore.done()) and not any(estore.pending().values()):
+        # nobody trains or merges any more: the run ends on its best evaluated snapshot
+        finish = finish_at_best(cfg, estore, record)
+        restored = finish["restored"]
+        if restored:
+            best = finish["restored_from"]
+            log.warning(
+                "%s: final eval %.4f was worse than the best %.4f: restored the best snapshot "
+                "%s as the final model (eval %.4f)",
+                experiment,
+                record["loss"],
+                best["loss"],
+                best.get("versions"),
+                finish["final"]["loss"],
+            )
+            record = finish["final"]
     report = end_of_run_report(estore)
     if report["warning"]:
         log.warning("%s: %s", experiment, report["warning"])
@@ -87,6 +104,7 @@ def finalize_experiment(store_url: str, experiment: str) -> dict[str, Any]:
     return {
         "merged": merged,
         "eval": record,
+        "restored_best": restored,
         "best": report.get("best"),
         "warning": report["warning"],
         "done": sorted(done),

@@ -380,6 +380,28 @@ class FragmentVersions:
             params.update(fv.params)
         return params
 
+    def restore_snapshot(self, snapshot: Snapshot, reason: str) -> Snapshot | None:
+        """Make `snapshot`'s model the current one: each fragment whose HEAD is not already at
+        the snapshot's version gets a new version (HEAD + 1) holding that version's parameters
+        and outer state, and HEAD's manifest fields (tokens_merged, merge_state with its cursors:
+        nothing applied becomes unapplied, nothing is applied again) plus `restored_from`
+        ({"version", "dir", "reason"}). Returns the new current snapshot, or None if a fragment's
+        HEAD moved meanwhile (a merger is still at work: restore nothing more, retry later)."""
+        for p, (v, d) in enumerate(zip(snapshot.versions, snapshot.dirs, strict=True)):
+            head = self.head(p)
+            if head is None or head.dir == d:
+                continue
+            old = self.load_fragment(HeadPointer(p, v, d, 0), outer_state=True)
+            current = self.fragment_manifest(head)
+            extra = {k: val for k, val in current.items() if k not in _FRAGMENT_RESERVED}
+            extra["restored_from"] = {"version": v, "dir": d, "reason": reason}
+            new = self.publish_fragment(
+                p, head.version + 1, old.params, old.outer_state, extra, expected=head
+            )
+            if new is None:
+                return None
+        return self.current_snapshot()
+
     def best(self) -> dict[str, Any] | None:
         """snapshots/BEST.json: the best evaluated snapshot with its eval record, or None."""
         return self._read_json_or_none(BEST, safejson.SNAPSHOT)

@@ -1,0 +1,45 @@
+"""finish_at_best: a run whose last merges made the model worse ends on its best snapshot."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tests.helpers import new_store, publish_delta, small_config
+from training.evaluate import evaluate_current, finish_at_best
+from training.merge import Merger
+
+
+def _worse_run():
+    """Version 0 evaluated (BEST), then a huge pseudo-gradient merged: version 1 is worse."""
+    cfg = small_config("finish", islands=("a",), outer={"method": "nesterov"})
+    store = new_store(cfg)
+    evaluate_current(cfg, store)  # version 0 becomes BEST
+    params = store.load_params()
+    publish_delta(store, cfg, "a", 0, {k: np.full_like(v, 0.5) for k, v in params.items()})
+    Merger(cfg, store).merge_all()
+    final = evaluate_current(cfg, store)
+    return cfg, store, params, final
+
+
+def test_the_best_snapshot_becomes_the_final_model():
+    cfg, store, v0, final = _worse_run()
+    out = finish_at_best(cfg, store, final)
+    restored = store.load_params()
+    assert out["restored"] and all(np.array_equal(restored[k], v0[k]) for k in v0)
+
+
+def test_restoring_keeps_what_was_applied_applied():
+    cfg, store, _, final = _worse_run()
+    finish_at_best(cfg, store, final)
+    head = store.head(0)
+    manifest = store.fragment_manifest(head)
+    # version 2 restores version 0 and keeps version 1's cursor: a-0 stays applied, once
+    assert (head.version, manifest["restored_from"]["version"]) == (2, 0)
+    assert manifest["merge_state"]["cursors"] == {"a": 0} and not any(store.pending().values())
+
+
+def test_a_final_model_at_its_best_is_left_alone():
+    cfg = small_config("finish-ok", islands=("a",))
+    store = new_store(cfg)
+    final = evaluate_current(cfg, store)
+    assert not finish_at_best(cfg, store, final)["restored"] and store.head(0).version == 0
