@@ -7,12 +7,13 @@ import errno
 import fcntl
 import os
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TypeVar
 
 from training.store.objectstore import (
+    Chunk,
     CorruptObject,
     Generation,
     ObjectNotFound,
@@ -78,12 +79,18 @@ class LocalStore(ObjectStore):
             raise StoreError(f"{op} {self._where(key)}: {exc.strerror or exc}") from exc
 
     @staticmethod
-    def _write_temp(path: Path, data: bytes) -> Path:
+    def _write_temp(path: Path, data: bytes | Iterable[Chunk]) -> Path:
+        """A fsynced temp file next to `path` holding `data` (bytes, or chunks written one by
+        one as they come)."""
         path.parent.mkdir(parents=True, exist_ok=True)
         temp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex}")
         try:
             with open(temp, "xb") as f:
-                f.write(data)
+                if isinstance(data, bytes | bytearray | memoryview):
+                    f.write(data)
+                else:
+                    for chunk in data:
+                        f.write(chunk)
                 f.flush()
                 os.fsync(f.fileno())
         except BaseException:
@@ -159,10 +166,17 @@ class LocalStore(ObjectStore):
         return self._run("read", key, attempt)
 
     def write(self, key: str, data: bytes) -> None:
+        self._replace_with(key, lambda: data)
+
+    def write_stream(self, key: str, chunks: Callable[[], Iterable[Chunk]]) -> None:
+        self._replace_with(key, chunks)
+
+    def _replace_with(self, key: str, data: Callable[[], bytes | Iterable[Chunk]]) -> None:
+        """Write `data()` (fresh on every attempt) to a temp file, then replace the object."""
         path = self._path(key)
 
         def attempt() -> None:
-            temp = self._write_temp(path, data)
+            temp = self._write_temp(path, data())
             try:
                 with self._locked_generation(path) as fd:
                     self._write_counter(fd, self._read_counter(fd) + 1)

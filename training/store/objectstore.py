@@ -16,12 +16,14 @@ import os
 import random
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TypeVar
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+Chunk = bytes | bytearray | memoryview
+"""One piece of a streamed write."""
 Generation = int | str
 """Opaque token naming one version of one object: compare it, pass it back to compare_and_swap."""
 
@@ -186,6 +188,15 @@ class ObjectStore(ABC):
     @abstractmethod
     def write(self, key: str, data: bytes) -> None:
         """Create or overwrite the object."""
+
+    def write_stream(self, key: str, chunks: Callable[[], Iterable[Chunk]]) -> None:
+        """Create or overwrite the object with the concatenation of `chunks()`, streamed: the
+        backend never holds the whole object (LocalStore writes a temp file chunk by chunk,
+        GCSStore a resumable upload; this default joins them, for backends that hold whole
+        objects anyway). `chunks` is a factory: a retried attempt calls it again and streams
+        from the start, so the object is all of one attempt's bytes or absent/unchanged, as
+        with `write`. The chunks may be any bytes-like objects (memoryviews of arrays)."""
+        self.write(key, b"".join(bytes(c) for c in chunks()))
 
     @abstractmethod
     def create(self, key: str, data: bytes) -> bool:
