@@ -75,7 +75,7 @@ def cmd_island(args) -> int:
 
     cfg, estore = _load(args)
     estore = for_process(cfg, estore, "island")
-    info = Island(cfg, args.island, estore).run(max_steps=args.max_steps)
+    info = Island(cfg, args.island, estore, background=True).run(max_steps=args.max_steps)
     print(json.dumps(info))
     return 0
 

@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         estore = RegionalCheckpoints(
             estore, ExperimentStore(open_store(args.checkpoints), args.experiment)
         )
-    island = LoggedIsland(cfg, args.island, estore, step_log=Path(args.step_log))
+    island = LoggedIsland(cfg, args.island, estore, step_log=Path(args.step_log), background=True)
     print(json.dumps(island.run(max_steps=args.max_steps)), flush=True)
     return 0
 
