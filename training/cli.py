@@ -6,7 +6,7 @@
     diloco eval    --store URL --experiment NAME [--version N] [--record]
     diloco status  --store URL --experiment NAME [--json]
     diloco stop    --store URL --experiment NAME [--island NAME]
-    diloco bench   quality | goodput-sim | chaos | merge | wan | science  [...]
+    diloco bench   quality | goodput-sim | chaos | merge | wan | science | island  [...]
 
 Every error a user can cause (a bad config, name or URL, an unreachable store, a corrupt object)
 ends with one line on stderr and exit status 2.
@@ -162,6 +162,10 @@ def cmd_bench(args, rest: list[str]) -> int:
         from training.bench.wan import bench
 
         return bench.main(rest)
+    if args.bench == "island":
+        from training.bench import island
+
+        return island.main(rest)
     if args.bench == "science":
         from training.bench import science
 
@@ -218,9 +222,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(fn=cmd_stop)
 
     sp = sub.add_parser(
-        "bench", help="benchmarks: quality, goodput-sim, chaos, merge, wan, science"
+        "bench", help="benchmarks: quality, goodput-sim, chaos, merge, wan, science, island"
     )
-    sp.add_argument("bench", choices=["quality", "goodput-sim", "chaos", "merge", "wan", "science"])
+    sp.add_argument(
+        "bench", choices=["quality", "goodput-sim", "chaos", "merge", "wan", "science", "island"]
+    )
     sp.set_defaults(fn=None)
     return p
 

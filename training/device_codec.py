@@ -109,19 +109,21 @@ def _encode_tensor(name: str, x: jax.Array, codec: str, block: int):
     return {name: _pack4(q), name + codecs.SCALE_SUFFIX: scales}, deq
 
 
-def _x(anchor, local, residual, name):
-    x = anchor[name] - local[name]
-    return x + residual[name] if residual else x
+def _x(anchor, local, residual, i):
+    x = anchor[i] - local[i]
+    return x + residual[i] if residual else x
 
 
 def _encode(codec, block, anchor, local, residual):
-    """(payload, decoded payload, finite) of every tensor."""
-    payload, decoded, finite = {}, {}, {}
-    for name in local:
-        x = _x(anchor, local, residual, name)
-        finite[name] = jnp.all(jnp.isfinite(x))
-        entries, decoded[name] = _encode_tensor(name, x, codec, block)
-        payload.update(entries)
+    """(payload, decoded payload, finite) per tensor, over lists of arrays (so fragments of
+    the same shapes share one compiled computation); payload entries keyed "", ".__scale"."""
+    payload, decoded, finite = [], [], []
+    for i in range(len(local)):
+        x = _x(anchor, local, residual, i)
+        finite.append(jnp.all(jnp.isfinite(x)))
+        entries, deq = _encode_tensor("", x, codec, block)
+        payload.append(entries)
+        decoded.append(deq)
     return payload, decoded, finite
 
 
@@ -130,13 +132,13 @@ def _residual(anchor, local, residual, decoded):
     payload as a materialized input: fused with the dequantization, XLA contracts
     `x - q * scale` into one multiply-add (even past an optimization barrier), which rounds
     once where numpy rounds twice."""
-    new_residual = {n: _x(anchor, local, residual, n) - decoded[n] for n in local}
-    return new_residual, {n: jnp.copy(v) for n, v in local.items()}
+    new_residual = [_x(anchor, local, residual, i) - decoded[i] for i in range(len(local))]
+    return new_residual, [jnp.copy(v) for v in local]
 
 
 class DeviceEncoder:
     """Two jitted computations (encode, then the residual and the new anchor), compiled once
-    per fragment structure, with and without a residual; see the module docstring."""
+    per list of tensor shapes, with and without a residual; see the module docstring."""
 
     def __init__(self, codec: str, block: int = codecs.DEFAULT_BLOCK):
         if codec not in codecs.CODECS:
@@ -149,10 +151,21 @@ class DeviceEncoder:
         """(payload, new residual, new anchor, finite) as device arrays, dispatched
         asynchronously (nothing waits for the device here). `residual` None: the numpy codec
         without a residual for these names (a fragment's first publish, error feedback off)."""
-        residual = residual or {}
-        payload, decoded, finite = self._encode(anchor, local, residual)
-        new_residual, new_anchor = self._residual(anchor, local, residual, decoded)
-        return payload, new_residual, new_anchor, finite
+        names = list(local)
+        args = [[anchor[n] for n in names], [local[n] for n in names]]
+        res = [residual[n] for n in names] if residual else []
+        payload, decoded, finite = self._encode(*args, res)
+        new_residual, new_anchor = self._residual(*args, res, decoded)
+        return (
+            {
+                n + suffix: v
+                for n, entries in zip(names, payload, strict=True)
+                for suffix, v in entries.items()
+            },
+            dict(zip(names, new_residual, strict=True)),
+            dict(zip(names, new_anchor, strict=True)),
+            dict(zip(names, finite, strict=True)),
+        )
 
     def host_payload(self, payload: dict, finite: dict, shapes: dict) -> dict[str, np.ndarray]:
         """The payload on the host in codecs.encode's layout and order; ValueError (as

@@ -284,13 +284,13 @@ class Island:
             self.bytes_received += sum(int(v.nbytes) for v in fresh.values())
             names = self.frags[p]
             new, anchor = _adopt_fn(mode)(
-                self.loop.put_params({n: fresh[n] for n in names}),
-                {n: self.params[n] for n in names},
-                {n: self.anchor[n] for n in names},
+                list(self.loop.put_params({n: fresh[n] for n in names}).values()),
+                [self.params[n] for n in names],
+                [self.anchor[n] for n in names],
                 np.float32(self.cfg.inner.alpha),
             )
-            self.params.update(new)
-            self.anchor.update(anchor)
+            self.params.update(zip(names, new, strict=True))
+            self.anchor.update(zip(names, anchor, strict=True))
             self.anchor_from[p] = "blended" if mode == "blend" else "version"
             self.base_version[p] = head.version
             moved += 1
@@ -563,8 +563,9 @@ class Island:
 
 
 def _adopt_fn(mode: str):
-    """The jitted adopt of one fragment (cached per mode): (fresh, local, anchor, alpha) ->
-    (new parameters, new anchor), as distinct buffers (the train step donates parameters)."""
+    """The jitted adopt of one fragment (cached per mode; compiled per list of shapes):
+    (fresh, local, anchor, alpha) as lists of arrays -> (new parameters, new anchor), as
+    distinct buffers (the train step donates parameters)."""
     return shared(("adopt", mode), lambda: jax.jit(partial(_adopt, mode)))
 
 
@@ -572,8 +573,8 @@ def _adopt(mode, fresh, local, anchor, alpha):
     import jax.numpy as jnp
 
     if mode == "keep":
-        return {n: fresh[n] + (local[n] - anchor[n]) for n in fresh}, fresh
+        return [f + (x - a) for f, x, a in zip(fresh, local, anchor, strict=True)], fresh
     if mode == "set":
-        return {n: jnp.copy(v) for n, v in fresh.items()}, fresh
-    new = {n: alpha * local[n] + (1 - alpha) * fresh[n] for n in fresh}
-    return new, {n: new[n] - alpha * (local[n] - anchor[n]) for n in fresh}
+        return [jnp.copy(f) for f in fresh], fresh
+    new = [alpha * x + (1 - alpha) * f for f, x in zip(fresh, local, strict=True)]
+    return new, [n - alpha * (x - a) for n, x, a in zip(new, local, anchor, strict=True)]
