@@ -71,11 +71,14 @@ def cmd_init(args) -> int:
 
 def cmd_island(args) -> int:
     from training.chaos import for_process
+    from training.faults import FaultPlan
     from training.island import Island
 
     cfg, estore = _load(args)
     estore = for_process(cfg, estore, "island")
-    info = Island(cfg, args.island, estore, background=True).run(max_steps=args.max_steps)
+
+    island = Island(cfg, args.island, estore, background=True, faults=FaultPlan.from_env())
+    info = island.run(max_steps=args.max_steps)
     print(json.dumps(info))
     return 0
 

@@ -60,7 +60,7 @@ from training.chaos import IslandChaos
 from training.config import ExperimentConfig
 from training.data import BatchLoader, shard_tokens
 from training.device_codec import DeviceEncoder
-from training.faults import fault_point
+from training.faults import FaultPlan
 from training.fragments import fragments_due
 from training.goodput import GoodputAccountant
 from training.runtime import corpus_for, fragment_names, loop_for, shared
@@ -90,7 +90,8 @@ class Island:
     """One island's training state and loop; the same code runs as a process and in benches.
 
     `background`: do the store I/O and the checkpoint writes in background threads (see the
-    module docstring); the entry point that runs an island as a process turns it on.
+    module docstring); the entry point that runs an island as a process turns it on. `faults`:
+    the process's fault points (training/faults.py), handed over by the entry point.
     """
 
     def __init__(
@@ -100,11 +101,13 @@ class Island:
         store: ExperimentStore,
         clock: Callable[[], float] = time.time,
         background: bool = False,
+        faults: FaultPlan | None = None,
     ):
         self.cfg = cfg
         self.name = name
         self.store = store
         self.clock = clock
+        self.faults = faults
         self.spec = cfg.island(name)
         self.H = cfg.inner_steps(name) if cfg.outer.method != "sync" else cfg.inner.H
         self.P = cfg.fragments.count
@@ -341,7 +344,8 @@ class Island:
         elapsed, self._last_step_at = now - self._last_step_at, now
         self.step_count += 1
         self.tokens += inputs.size
-        fault_point("island.step")
+        if self.faults is not None:
+            self.faults.hit("island.step")
         for s in self.since:
             s["steps"] += 1
             s["tokens"] += inputs.size
