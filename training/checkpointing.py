@@ -17,6 +17,11 @@ fragment, `meta["anchor"]` says which (records.ANCHOR_KINDS):
 So the global base is never in a checkpoint, and with a syncer that merges within `tau` steps
 only the fragments published in the last `tau` steps carry an anchor.
 
+Cost on the critical path (Island, background mode): one jitted device copy of the parameters
+and AdamW state (the next steps donate the originals), dispatched between two steps; the write
+itself streams from that copy in a background thread. So a checkpoint in flight costs one more
+copy of the parameters and moments in device memory, and no host memory beyond one tensor.
+
 When (`checkpoint_due`, `ExperimentConfig.checkpoint`): after `every_rounds` publish rounds or
 `every_s` seconds, and always on SIGTERM and on finishing (Island.run). The loss bound that
 policy implies is in training/config.py's `CheckpointConfig`.

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from training import codec2bit, codecs
+from training import codec2bit, codecs, pseudograd
 
 _LEVELS = {"int8": 127, "int4": 7}
 _barrier = jax.lax.optimization_barrier
@@ -110,7 +110,7 @@ def _encode_tensor(name: str, x: jax.Array, codec: str, block: int):
 
 
 def _x(anchor, local, residual, i):
-    x = anchor[i] - local[i]
+    x = pseudograd.delta(anchor[i], local[i])
     return x + residual[i] if residual else x
 
 

@@ -207,7 +207,19 @@ def main(argv: list[str] | None = None) -> int:
     from training import model
     from training.config import ModelConfig
 
-    rows = []
+    rows: list[dict] = []
+    out = dict(
+        rows=rows,
+        machine=f"{platform.node()} {platform.machine()}, {platform.processor() or 'cpu'}",
+        date=datetime.now(UTC).isoformat(timespec="seconds"),
+        step_s=STEP_S,
+        store_bytes_per_s=STORE_BPS,
+    )
+    for preset in COMPUTED:
+        for P in args.fragments:
+            rows.append(computed(preset, P, args.H))
+    path = Path(args.json)
+    path.parent.mkdir(parents=True, exist_ok=True)
     for preset in args.presets:
         tensors = len(model.abstract_params(ModelConfig(preset=preset)))
         for P in args.fragments:
@@ -222,18 +234,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"cpu {row['cpu_ratio']:+.2%}",
                 flush=True,
             )
-    for preset in COMPUTED:
-        for P in args.fragments:
-            rows.append(computed(preset, P, args.H))
-    out = dict(
-        rows=rows,
-        machine=f"{platform.node()} {platform.machine()}, {platform.processor() or 'cpu'}",
-        date=datetime.now(UTC).isoformat(timespec="seconds"),
-        step_s=STEP_S,
-        store_bytes_per_s=STORE_BPS,
-    )
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(out, indent=2))
+            path.write_text(json.dumps(out, indent=2))  # after every row: a cut run keeps them
+    path.write_text(json.dumps(out, indent=2))
     return 0
 
 
