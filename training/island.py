@@ -179,6 +179,7 @@ class Island:
             cursor=cursor,
         )
         self.pending_adopt: dict[int, int] = {}
+        self._fetches: list[Any] = []  # adopts whose store reads are in flight (I/O thread)
         self.awaiting: dict[int, str] = {}
         self._last_step_at = self.clock()
         self._ckpt_rounds, self._ckpt_at = 0, self._now_if_timed()
@@ -268,22 +269,34 @@ class Island:
 
     def _adopt(self, fragments) -> int:
         """Take each fragment's newest version if it is newer than the one this island has;
-        returns how many fragments moved.
+        returns how many fragments moved (`_fetch`, then `_apply`)."""
+        return self._apply(self._fetch(fragments))
+
+    def _fetch(self, fragments) -> list[tuple[int, Any, dict[str, np.ndarray]]]:
+        """(fragment, head, verified params) of each fragment whose newest version is newer
+        than this island's: store reads only (the I/O thread's part of an adopt)."""
+        wanted = list(fragments)
+        out = []
+        for p, head in zip(wanted, self.store.heads(wanted), strict=True):
+            if head is not None and head.version > self.base_version[p]:
+                out.append((p, head, self.store.load_fragment(head).params))
+        return out
+
+    def _apply(self, fetched) -> int:
+        """Adopt fetched versions still newer than this island's.
 
         With `inner.keep_overlap` the steps trained since the fragment was published are kept on
         top of it (`theta <- Theta + (theta - anchor)`): they are in no pseudo-gradient yet, so
-        nothing is counted twice and the overlap steps are not wasted. Else the fragment is
-        overwritten, or blended with `inner.alpha`. The anchor moves to the adopted version (for
-        a blend, to the blended point less its unpublished steps). Computed on the devices.
+        nothing is counted twice and the overlap steps are not wasted (whenever the version
+        arrives). Else the fragment is overwritten, or blended with `inner.alpha`. The anchor
+        moves to the adopted version (for a blend, to the blended point less its unpublished
+        steps). Computed on the devices.
         """
-        wanted = list(fragments)
-        heads = self.store.heads(wanted)
         moved = 0
         mode = "keep" if self.cfg.inner.keep_overlap else "blend" if self.cfg.inner.alpha else "set"
-        for p, head in zip(wanted, heads, strict=True):
-            if head is None or head.version <= self.base_version[p]:
+        for p, head, fresh in fetched:
+            if head.version <= self.base_version[p]:
                 continue  # nothing newer: keep training on our own parameters
-            fresh = self.store.load_fragment(head).params
             self.bytes_received += sum(int(v.nbytes) for v in fresh.values())
             names = self.frags[p]
             new, anchor = _adopt_fn(mode)(
@@ -323,10 +336,13 @@ class Island:
         self.io.check()
         self.ckpt_io.check()
         due_adopt = [p for p, at in self.pending_adopt.items() if at <= self.step_count]
-        if due_adopt:
-            self._adopt(due_adopt)
+        if due_adopt:  # the reads go to the I/O thread; applied once they are in
             for p in due_adopt:
                 del self.pending_adopt[p]
+            self._fetches.append(self.io.submit(self._fetch, due_adopt))
+        if self._fetches and self._fetches[0].done():
+            while self._fetches and self._fetches[0].done():
+                self._apply(self._fetches.pop(0).result())
             t = gp.charge("waiting_for_global", t)
         inputs, targets = self.loader.next_batch()
         t = gp.charge("data_loading", t)
