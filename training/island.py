@@ -183,6 +183,7 @@ class Island:
         self.awaiting: dict[int, str] = {}
         self._last_step_at = self.clock()
         self._ckpt_rounds, self._ckpt_at = 0, self._now_if_timed()
+        self.checkpointed_step = self.step_count  # the step of the last checkpoint taken
 
     def _restore(self, tensors: dict[str, np.ndarray], meta: dict[str, Any]) -> dict:
         """Take the state of a checkpoint (checked by checkpointing.parse_state); returns the
@@ -261,6 +262,7 @@ class Island:
 
         self._ckpt_future = self.ckpt_io.submit(write)
         self._ckpt_rounds, self._ckpt_at = 0, self._now_if_timed()
+        self.checkpointed_step = step
         if wait:
             self._ckpt_future.result()
             self.ckpt_io.check()
