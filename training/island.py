@@ -33,7 +33,8 @@ Off the critical path (`background=True`, what `diloco island` runs): the pseudo
 quantization and the error-feedback residual are one jitted computation on the island's devices
 (training/device_codec.py, bit-identical to the numpy codec on CPU); only the encoded payload is
 fetched, by a background thread that uploads it (a second publish of the same fragment waits for
-the first). Heartbeats, budget and stop checks run in that thread too; checkpoints in another,
+the first). Heartbeats, budget and stop checks, and the store reads of an adopt (applied at the
+first step boundary after they are in) run in that thread too; checkpoints in another,
 from a device copy of the state taken between steps. Losses stay on the device (no per-step host
 sync: the host runs at most `RUN_AHEAD` steps ahead of the device) and are fetched when a publish
 or heartbeat needs them. `background=False` (the default: simulators, tests) does the same work
