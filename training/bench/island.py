@@ -92,7 +92,7 @@ def measure(preset: str, P: int, H: int, repeats: int, every_rounds: int | None)
         timer = _Timer()
         for method, label in (("checkpoint", "checkpoint"), ("publish", "publish")):
             timer.wrap(island, method, label)
-        timer.wrap(island, "_adopt", "adopt")
+        timer.wrap(island, "_apply", "adopt")  # the island-thread part of an adopt
         timer.wrap(island.loader, "next_batch", "data")
         bare_loader = BatchLoader(
             island.shard,
