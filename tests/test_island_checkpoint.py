@@ -128,3 +128,17 @@ def test_the_checkpoint_reader_refuses_state_that_does_not_fit_the_model():
     for anchor in (["params"], ["x", "params"], "saved", [["saved"], "params"]):
         with pytest.raises(BadCheckpoint):
             parse_checkpoint_meta(dump_json({**meta, "anchor": anchor}), "a", meta["step"])
+
+
+def test_a_background_snapshot_is_a_copy_the_next_step_cannot_donate():
+    cfg = _cfg()
+    store = new_store(cfg)
+    island = Island(cfg, "a", store)
+    island.start()
+    params = island.params
+    copied = island.loop.copy(params)
+    assert all(
+        copied[k].unsafe_buffer_pointer() != v.unsafe_buffer_pointer() for k, v in params.items()
+    )
+    island.step()  # donates `params`
+    assert all(not v.is_deleted() for v in copied.values())
