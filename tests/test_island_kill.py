@@ -74,3 +74,27 @@ def test_island_survives_sigkill_mid_publish_and_mid_training(tmp_path):
     assert len(flat) == len(set(flat))  # none applied twice
     ckpt = store.load_checkpoint("a")[1]
     assert ckpt["seq"] == len(seqs)
+
+
+def test_a_sigkilled_island_loses_at_most_what_the_checkpoint_policy_says(tmp_path):
+    """Every 2 publish rounds (H = 4, P = 1: a checkpoint every 8 steps, written in the
+    background): killed at step 21, the island resumes from step 16, or from step 8 if the
+    write of step 16 was still in flight: at most two policy intervals lost, never more."""
+    cfg = small_config(
+        "kill", islands=("a",), outer={"method": "nesterov"}, checkpoint={"every_rounds": 2}
+    )
+    url = f"file://{tmp_path}/store"
+    store = ExperimentStore(open_store(url), "kill")
+    store.write_config(json.loads(cfg.to_json()))
+    initial_version(cfg, store)
+    run = _island(url, "a", faults="island.step@21")
+    assert run.returncode == -9, run.stderr[-2000:]
+    step = store.checkpoint_pointer("a").step
+    assert step in (8, 16) and 21 - step <= 2 * 8
+    seqs = [r.seq for r in store.list_pseudograds("a")]
+    assert seqs[:4] == [0, 1, 2, 3]  # seq 4 (step 20) may have been in flight at the kill
+    meta = store.checkpoint_meta("a", store.checkpoint_pointer("a"))
+    assert meta["seq"] <= len(seqs)  # the checkpoint counts only committed publishes
+    run = _island(url, "a", max_steps=1)  # resumes there, then its final checkpoint
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert store.checkpoint_pointer("a").step == step + 1

@@ -447,3 +447,19 @@ def test_a_file_store_never_imports_the_google_client_libraries(tmp_path):
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_write_stream_stores_the_chunks_and_a_retry_streams_from_the_start(store):
+    attempts = []
+
+    def chunks():
+        attempts.append(1)
+        yield b"head-"
+        yield memoryview(np.arange(4, dtype=np.uint8))
+        if len(attempts) == 1 and not isinstance(store, MemoryStore):
+            raise ConnectionError("the connection broke mid-stream")  # transient: retried
+        yield b"-tail"
+
+    store.write_stream("big/obj", chunks)
+    assert store.read("big/obj") == b"head-\x00\x01\x02\x03-tail"
+    assert len(attempts) == (1 if isinstance(store, MemoryStore) else 2)

@@ -149,6 +149,9 @@ class ChaosStore(ObjectStore):
     def write(self, key: str, data: bytes) -> None:
         return self._call("write", key, lambda: self.inner.write(key, data))
 
+    def write_stream(self, key: str, chunks) -> None:
+        return self._call("write", key, lambda: self.inner.write_stream(key, chunks))
+
     def create(self, key: str, data: bytes) -> bool:
         return self._call("create", key, lambda: self.inner.create(key, data))
 

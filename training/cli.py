@@ -9,7 +9,7 @@
     diloco list    --store URL [--json]
     diloco history --store URL --experiment NAME [--json]
     diloco report  --store URL --experiment NAME --out DIR
-    diloco bench   quality | goodput-sim | chaos | merge | wan | science  [...]
+    diloco bench   quality | goodput-sim | chaos | merge | wan | science | island  [...]
 
 Every error a user can cause (a bad config, name or URL, an unreachable store, a corrupt object)
 ends with one line on stderr and exit status 2.
@@ -77,11 +77,14 @@ def cmd_init(args) -> int:
 
 def cmd_island(args) -> int:
     from training.chaos import for_process
+    from training.faults import FaultPlan
     from training.island import Island
 
     cfg, estore = _load(args)
     estore = for_process(cfg, estore, "island")
-    info = Island(cfg, args.island, estore).run(max_steps=args.max_steps)
+
+    island = Island(cfg, args.island, estore, background=True, faults=FaultPlan.from_env())
+    info = island.run(max_steps=args.max_steps)
     print(json.dumps(info))
     return 0
 
@@ -198,6 +201,10 @@ def cmd_bench(args, rest: list[str]) -> int:
         from training.bench.wan import bench
 
         return bench.main(rest)
+    if args.bench == "island":
+        from training.bench import island
+
+        return island.main(rest)
     if args.bench == "science":
         from training.bench import science
 
@@ -279,14 +286,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     # no help of its own: `diloco bench NAME --help` reaches the benchmark's parser
     sp = sub.add_parser(
-        "bench", help="benchmarks: quality, goodput-sim, chaos, merge, wan, science", add_help=False
+        "bench",
+        help="benchmarks: quality, goodput-sim, chaos, merge, wan, science, island",
+        add_help=False,
     )
     sp.add_argument("bench", nargs="?", choices=BENCHES)
     sp.set_defaults(fn=None)
     return p
 
 
-BENCHES = ["quality", "goodput-sim", "chaos", "merge", "wan", "science"]
+BENCHES = ["quality", "goodput-sim", "chaos", "merge", "wan", "science", "island"]
 
 
 def main(argv: list[str] | None = None) -> int:

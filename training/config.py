@@ -234,6 +234,33 @@ class SyncerConfig(_Frozen):
     )
 
 
+class CheckpointConfig(_Frozen):
+    """When an island writes its checkpoint (training/checkpointing.py, docs/STORE.md).
+
+    A checkpoint is also always written on SIGTERM and when the island finishes. Loss bound: a
+    SIGKILLed island resumes from its last committed checkpoint, so it loses at most the steps
+    since then. A checkpoint is due after `every_rounds` publish rounds or `every_s` seconds
+    (whichever comes first) and is written in the background; a checkpoint that falls due
+    while the previous one is still being written waits for it. So the steps lost are at most
+    those of two policy intervals (k publish rounds: 2k * H / P steps with P staggered
+    fragments; or 2 * every_s seconds plus one step), and, while a write takes less than one
+    interval, at most one interval plus the steps during one write.
+    """
+
+    every_rounds: int = Field(
+        1,
+        ge=0,
+        description="checkpoint after every k-th publish round (a step that published at "
+        "least one fragment); 0: never by rounds",
+    )
+    every_s: float | None = Field(
+        None,
+        gt=0,
+        description="also checkpoint when this many seconds (island clock) have passed since "
+        "the last checkpoint, checked between steps; null: never by time",
+    )
+
+
 class IslandConfig(_Frozen):
     name: str = Field(description="the island's name (lowercase letters, digits, '-')")
     speed: float = Field(1.0, gt=0, description="relative speed (DyLU; virtual clock in benches)")
@@ -325,6 +352,9 @@ class ExperimentConfig(_Frozen):
     )
     heartbeat_s: float = Field(5.0, gt=0, description="seconds between an island's heartbeats")
     syncer: SyncerConfig = Field(SyncerConfig(), description="the syncer on Airflow")
+    checkpoint: CheckpointConfig = Field(
+        CheckpointConfig(), description="when islands checkpoint (training/checkpointing.py)"
+    )
     chaos: ChaosConfig = Field(ChaosConfig(), description="fault injection (off by default)")
 
     _name = field_validator("name")(lambda cls, v: validate_name("experiment", v))

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from functools import partial
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding
@@ -75,6 +76,12 @@ class InnerLoop:
             transform_non_params=lambda _: NamedSharding(self.mesh, P()),
         )
         self._opt_shapes = opt_shapes
+        self.param_shapes = {k: tuple(v.shape) for k, v in shapes.items()}
+        self.opt_leaf_shapes = {
+            name: (tuple(x.shape), np.dtype(x.dtype))
+            for name, x in state_to_named_abstract(opt_shapes).items()
+        }
+        self._copy = jax.jit(lambda tree: jax.tree_util.tree_map(jnp.copy, tree))
         replicated = NamedSharding(self.mesh, P())
         self._train = jax.jit(
             partial(_train_step, self.model_cfg, self.tx),
@@ -125,8 +132,24 @@ class InnerLoop:
         """Inner optimizer state as named host arrays, for the island checkpoint."""
         return state_to_named(opt_state)
 
+    def opt_state_named(self, opt_state) -> dict[str, jax.Array]:
+        """The optimizer state's leaves as named device arrays (the names of
+        `opt_state_to_host`), without fetching anything."""
+        return dict(state_to_named_abstract(opt_state))
+
+    def copy(self, tree):
+        """A device copy of a pytree of arrays (fresh buffers, one dispatch): what a
+        background checkpoint holds while the next steps donate the originals."""
+        return self._copy(tree)
+
     def opt_state_from_host(self, named: dict[str, np.ndarray]):
         return jax.device_put(named_to_state(named, self._opt_shapes), self.opt_sharding)
+
+
+def state_to_named_abstract(state) -> dict:
+    """Leaves of a pytree as `{"0000": leaf, ...}` in tree order, unconverted (the names of
+    training/pytree.py's `state_to_named`)."""
+    return {f"{i:04d}": x for i, x in enumerate(jax.tree_util.tree_leaves(state))}
 
 
 def _train_step(model_cfg: ModelConfig, tx, params, opt_state, inputs, targets):

@@ -20,11 +20,25 @@ publishing its last partial interval (`final`: the merger applies it without a m
 Contract with the store (see docs/STORE.md):
 - a publish is the payload under a unique name, then the manifest (the commit marker). A crash
   between the two leaves an orphan payload nobody reads;
-- the checkpoint is written after each publish round and holds everything needed to continue:
-  parameters, AdamW state, the global base each fragment was last synced to, the codec residuals,
-  counters, the next sequence number and the data cursor. A restarted island resumes from it and
-  then adopts the newest global version: it loses at most the steps since its last publish, and
+- the checkpoint (training/checkpointing.py) is written as `cfg.checkpoint` says (by default
+  after each publish round), on SIGTERM and on finishing, and holds everything needed to
+  continue that the store does not: parameters, AdamW state, the codec residuals, the anchors the
+  store cannot give back (never the global base: it names each fragment's version), counters,
+  the next sequence number and the data cursor. Its LATEST.json is committed only after every
+  publish its meta counts. A restarted island resumes from it and then adopts the newest global
+  version: it loses at most the steps since that checkpoint (the bound: `CheckpointConfig`), and
   a sequence number already committed is never published twice (the store returns the first).
+
+Off the critical path (`background=True`, what `diloco island` runs): the pseudo-gradient, its
+quantization and the error-feedback residual are one jitted computation on the island's devices
+(training/device_codec.py, bit-identical to the numpy codec on CPU); only the encoded payload is
+fetched, by a background thread that uploads it (a second publish of the same fragment waits for
+the first). Heartbeats, budget and stop checks, and the store reads of an adopt (applied at the
+first step boundary after they are in) run in that thread too; checkpoints in another,
+from a device copy of the state taken between steps. Losses stay on the device (no per-step host
+sync: the host runs at most `RUN_AHEAD` steps ahead of the device) and are fetched when a publish
+or heartbeat needs them. `background=False` (the default: simulators, tests) does the same work
+inline, in the same order, with the same results.
 """
 
 from __future__ import annotations
@@ -35,34 +49,51 @@ import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
 
 import jax
 import numpy as np
 
-from training import codecs, inner, rounds
+from training import checkpointing, codecs, rounds
+from training.background import Background
 from training.chaos import IslandChaos
 from training.config import ExperimentConfig
 from training.data import BatchLoader, shard_tokens
-from training.faults import fault_point
+from training.device_codec import DeviceEncoder
+from training.faults import FaultPlan
 from training.fragments import fragments_due
 from training.goodput import GoodputAccountant
-from training.pseudograd import pseudo_gradient
 from training.runtime import corpus_for, fragment_names, loop_for, shared
 from training.store.experiment import ExperimentStore
+from training.store.layout import pseudograd_id
 
 __all__ = ["Island", "StepResult", "corpus_for", "fragment_names", "loop_for", "shared"]
 
 log = logging.getLogger("diloco.island")
 
+RUN_AHEAD = 2
+"""Steps the host may dispatch ahead of the device before it waits (for a step's loss)."""
+
 
 @dataclass
 class StepResult:
-    loss: float
+    loss_array: Any  # the step's loss as a device scalar (not fetched)
     published: list[str] = field(default_factory=list)
+
+    @property
+    def loss(self) -> float:
+        """The loss as a float (waits for the device)."""
+        return float(self.loss_array)
 
 
 class Island:
-    """One island's training state and loop; the same code runs as a process and in benches."""
+    """One island's training state and loop; the same code runs as a process and in benches.
+
+    `background`: do the store I/O and the checkpoint writes in background threads (see the
+    module docstring); the entry point that runs an island as a process turns it on. `faults`:
+    the process's fault points (training/faults.py), handed over by the entry point.
+    """
 
     def __init__(
         self,
@@ -70,11 +101,14 @@ class Island:
         name: str,
         store: ExperimentStore,
         clock: Callable[[], float] = time.time,
+        background: bool = False,
+        faults: FaultPlan | None = None,
     ):
         self.cfg = cfg
         self.name = name
         self.store = store
         self.clock = clock
+        self.faults = faults
         self.spec = cfg.island(name)
         self.H = cfg.inner_steps(name) if cfg.outer.method != "sync" else cfg.inner.H
         self.P = cfg.fragments.count
@@ -86,6 +120,7 @@ class Island:
         self.bytes_received = 0
         self.publishes = 0
         self._stop = False
+        self._stop_marker = False  # a stop marker seen by the background stop check
         self._budget_reached = False
         self._rate = 0.0  # tokens/s of the last heartbeat (kept by the publish-round heartbeat)
         self.since: list[dict] = [{} for _ in range(self.P)]  # per fragment, since its publish
@@ -93,6 +128,12 @@ class Island:
         self.chaos = IslandChaos.for_island(cfg, name, store)
         self.round_clock: rounds.RoundClock | None = None  # clock rounds, once learnt
         self._next_at: list[float] = []  # clock rounds: each fragment's pending boundary
+        self.encoder = shared(("encoder", cfg.codec), lambda: DeviceEncoder(cfg.codec))
+        self.io = Background(f"island-{name}-io", background)
+        self.ckpt_io = Background(f"island-{name}-ckpt", background)
+        self._uploads: dict[int, Any] = {}  # fragment -> future of its last upload
+        self._ckpt_future: Any = None
+        self._losses: list[tuple[int, Any]] = []  # (step, device loss) since the oldest publish
 
     # -- state ------------------------------------------------------------------------------
 
@@ -102,6 +143,8 @@ class Island:
         t = self.goodput.now()
         ckpt = self.store.load_checkpoint(self.name)
         self.resumed = ckpt is not None
+        self.anchor_from = ["version"] * self.P  # per fragment: version / published / blended
+        self.published_at = [-1] * self.P
         if ckpt is None:
             heads = self.store.heads(range(self.P))
             if any(h is None for h in heads):
@@ -112,31 +155,18 @@ class Island:
                 self.bytes_received += sum(int(v.nbytes) for v in fv.params.values())
             self.params = self.loop.put_params(params)
             self.opt_state = self.loop.init_opt_state(self.params)
-            self.anchor = dict(params)
+            self.anchor = self.loop.copy(self.params)
             self.base_version = [h.version for h in heads]
-            self.residual: dict[str, np.ndarray] = {}
+            self.residual: dict[str, jax.Array] = {}
             self.seq = 0
             self.step_count = 0
             self.tokens = 0
             cursor = None
-            self._reset_counters(range(self.P))
         else:
-            tensors, meta = ckpt
-            self.params = self.loop.put_params(_prefixed(tensors, "param/"))
-            self.opt_state = self.loop.opt_state_from_host(_prefixed(tensors, "opt/"))
-            self.anchor = _prefixed(tensors, "anchor/")
-            self.residual = _prefixed(tensors, "resid/")
-            self.base_version = list(meta["base_version"])
-            self.seq = int(meta["seq"])
-            self.step_count = int(meta["step"])
-            self.tokens = int(meta["tokens"])
-            self.bytes_sent = int(meta.get("bytes_sent", 0))
-            self.bytes_received = int(meta.get("bytes_received", 0))
-            self.publishes = int(meta.get("publishes", 0))
-            cursor = meta["cursor"]
-            self._reset_counters(range(self.P))
+            cursor = self._restore(*ckpt)
             self._adopt(range(self.P))
             self.goodput.charge("checkpoint_restore", t)
+        self._reset_counters(range(self.P))
         beat = self.store.heartbeats().get(self.name) or {}
         self.lost_steps = self.goodput.resume(
             ckpt[1].get("goodput") if ckpt else None,
@@ -152,27 +182,76 @@ class Island:
             cursor=cursor,
         )
         self.pending_adopt: dict[int, int] = {}
+        self._fetches: list[Any] = []  # adopts whose store reads are in flight (I/O thread)
         self.awaiting: dict[int, str] = {}
         self._last_step_at = self.clock()
         self._timed = False  # the first step after a start (the compile) is not timed
         self._learn_round_clock()
+        self._ckpt_rounds, self._ckpt_at = 0, self._now_if_timed()
+        self.checkpointed_step = self.step_count  # the step of the last checkpoint taken
+
+    def _restore(self, tensors: dict[str, np.ndarray], meta: dict[str, Any]) -> dict:
+        """Take the state of a checkpoint (checked by checkpointing.parse_state); returns the
+        data cursor."""
+        state = checkpointing.parse_state(
+            tensors, meta, self.loop.param_shapes, self.loop.opt_leaf_shapes, self.frags
+        )
+        self.params = self.loop.put_params(state.params)
+        self.opt_state = self.loop.opt_state_from_host(state.opt)
+        self.base_version = list(meta["base_version"])
+        anchors = dict(state.anchors)
+        for p, kind in enumerate(state.kinds):
+            if kind == "version":
+                head = self.store.find_version(p, self.base_version[p])
+                anchors.update(self.store.load_fragment(head).params)
+            elif kind == "params":
+                anchors.update({n: state.params[n] for n in self.frags[p]})
+                self.anchor_from[p] = "published"
+            else:
+                self.anchor_from[p] = "blended"  # saved: not a version, not the parameters
+        self.anchor = self.loop.put_params(anchors)
+        self.residual = self.loop.put_params(state.residual)
+        self.seq = int(meta["seq"])
+        self.step_count = int(meta["step"])
+        self.tokens = int(meta["tokens"])
+        self.bytes_sent = int(meta.get("bytes_sent", 0))
+        self.bytes_received = int(meta.get("bytes_received", 0))
+        self.publishes = int(meta.get("publishes", 0))
+        self.published_at = [self.step_count if k == "params" else -1 for k in state.kinds]
+        return meta["cursor"]
 
     def _reset_counters(self, fragments) -> None:
         for p in fragments:
-            self.since[p] = dict(steps=0, tokens=0, loss=0.0, seconds=0.0, timed=0)
+            self.since[p] = dict(steps=0, tokens=0, seconds=0.0, timed=0, first=self.step_count)
 
-    def checkpoint(self) -> None:
-        host = inner.to_host(self.params)
-        tensors = {f"param/{k}": v for k, v in host.items()}
-        tensors.update(
-            {f"opt/{k}": v for k, v in self.loop.opt_state_to_host(self.opt_state).items()}
-        )
-        tensors.update({f"anchor/{k}": v for k, v in self.anchor.items()})
+    def _now_if_timed(self) -> float:
+        return self.clock() if self.cfg.checkpoint.every_s is not None else 0.0
+
+    def checkpoint(self, wait: bool = False) -> None:
+        """Snapshot the state between two steps and write it (in the background thread when
+        there is one; a checkpoint still in flight is waited for first, so at most one is).
+        `wait`: return only once it is committed."""
+        if self._ckpt_future is not None:
+            self._ckpt_future.result()
+        step = self.step_count
+        kinds = [
+            checkpointing.anchor_kind(self.anchor_from[p], self.published_at[p], step)
+            for p in range(self.P)
+        ]
+        params, opt = self.params, self.loop.opt_state_named(self.opt_state)
+        if self.ckpt_io.threaded:  # the next steps donate these buffers: write from a copy
+            params, opt = self.loop.copy((params, opt))
+        tensors: dict[str, Any] = {f"param/{k}": v for k, v in params.items()}
+        tensors.update({f"opt/{k}": v for k, v in opt.items()})
+        for p, kind in enumerate(kinds):
+            if kind == "saved":
+                tensors.update({f"anchor/{n}": self.anchor[n] for n in self.frags[p]})
         tensors.update({f"resid/{k}": v for k, v in self.residual.items()})
         meta = dict(
-            base_version=self.base_version,
+            base_version=list(self.base_version),
+            anchor=kinds,
             seq=self.seq,
-            step=self.step_count,
+            step=step,
             tokens=self.tokens,
             bytes_sent=self.bytes_sent,
             bytes_received=self.bytes_received,
@@ -180,43 +259,62 @@ class Island:
             cursor=self.loader.state(),
             goodput=self.goodput.state(),
         )
-        self.store.save_checkpoint(self.name, self.step_count, tensors, meta)
+        published = self.io.last()  # the publishes this meta counts: committed before LATEST
+
+        def write() -> None:
+            before = None if published is None else published.result
+            self.store.save_checkpoint(self.name, step, tensors, meta, before_commit=before)
+
+        self._ckpt_future = self.ckpt_io.submit(write)
+        self._ckpt_rounds, self._ckpt_at = 0, self._now_if_timed()
+        self.checkpointed_step = step
+        if wait:
+            self._ckpt_future.result()
+            self.ckpt_io.check()
 
     # -- global versions --------------------------------------------------------------------
 
     def _adopt(self, fragments) -> int:
         """Take each fragment's newest version if it is newer than the one this island has;
-        returns how many fragments moved.
+        returns how many fragments moved (`_fetch`, then `_apply`)."""
+        return self._apply(self._fetch(fragments))
+
+    def _fetch(self, fragments) -> list[tuple[int, Any, dict[str, np.ndarray]]]:
+        """(fragment, head, verified params) of each fragment whose newest version is newer
+        than this island's: store reads only (the I/O thread's part of an adopt)."""
+        wanted = list(fragments)
+        out = []
+        for p, head in zip(wanted, self.store.heads(wanted), strict=True):
+            if head is not None and head.version > self.base_version[p]:
+                out.append((p, head, self.store.load_fragment(head).params))
+        return out
+
+    def _apply(self, fetched) -> int:
+        """Adopt fetched versions still newer than this island's.
 
         With `inner.keep_overlap` the steps trained since the fragment was published are kept on
         top of it (`theta <- Theta + (theta - anchor)`): they are in no pseudo-gradient yet, so
-        nothing is counted twice and the overlap steps are not wasted. Else the fragment is
-        overwritten, or blended with `inner.alpha`. The anchor moves to the adopted version (for
-        a blend, to the blended point less its unpublished steps).
+        nothing is counted twice and the overlap steps are not wasted (whenever the version
+        arrives). Else the fragment is overwritten, or blended with `inner.alpha`. The anchor
+        moves to the adopted version (for a blend, to the blended point less its unpublished
+        steps). Computed on the devices.
         """
-        wanted = list(fragments)
-        heads = self.store.heads(wanted)
         moved = 0
-        alpha = self.cfg.inner.alpha
-        for p, head in zip(wanted, heads, strict=True):
-            if head is None or head.version <= self.base_version[p]:
+        mode = "keep" if self.cfg.inner.keep_overlap else "blend" if self.cfg.inner.alpha else "set"
+        for p, head, fresh in fetched:
+            if head.version <= self.base_version[p]:
                 continue  # nothing newer: keep training on our own parameters
-            fresh = self.store.load_fragment(head).params
             self.bytes_received += sum(int(v.nbytes) for v in fresh.values())
-            for n in self.frags[p]:
-                local = np.asarray(jax.device_get(self.params[n]), np.float32)
-                unpublished = local - self.anchor[n]
-                if self.cfg.inner.keep_overlap:
-                    new, anchor = fresh[n] + unpublished, fresh[n]
-                elif alpha:
-                    new = alpha * local + (1 - alpha) * fresh[n]
-                    anchor = new - alpha * unpublished
-                else:
-                    new, anchor = fresh[n], fresh[n]
-                self.params[n] = jax.device_put(
-                    np.asarray(new, np.float32), self.loop.param_sharding[n]
-                )
-                self.anchor[n] = np.asarray(anchor, np.float32)
+            names = self.frags[p]
+            new, anchor = _adopt_fn(mode)(
+                list(self.loop.put_params({n: fresh[n] for n in names}).values()),
+                [self.params[n] for n in names],
+                [self.anchor[n] for n in names],
+                np.float32(self.cfg.inner.alpha),
+            )
+            self.params.update(zip(names, new, strict=True))
+            self.anchor.update(zip(names, anchor, strict=True))
+            self.anchor_from[p] = "blended" if mode == "blend" else "version"
             self.base_version[p] = head.version
             moved += 1
         return moved
@@ -238,33 +336,42 @@ class Island:
         return False
 
     def step(self) -> StepResult:
-        """Adopt merges that are due, run one AdamW step, publish fragments that are due."""
+        """Adopt merges that are due, run one AdamW step, publish fragments that are due,
+        checkpoint if due."""
         gp = self.goodput
         t = gp.now()
+        self.io.check()
+        self.ckpt_io.check()
         due_adopt = [p for p, at in self.pending_adopt.items() if at <= self.step_count]
-        if due_adopt:
-            self._adopt(due_adopt)
+        if due_adopt:  # the reads go to the I/O thread; applied once they are in
             for p in due_adopt:
                 del self.pending_adopt[p]
+            self._fetches.append(self.io.submit(self._fetch, due_adopt))
+        if self._fetches and self._fetches[0].done():
+            while self._fetches and self._fetches[0].done():
+                self._apply(self._fetches.pop(0).result())
             t = gp.charge("waiting_for_global", t)
         inputs, targets = self.loader.next_batch()
         t = gp.charge("data_loading", t)
         self.params, self.opt_state, loss = self.loop.step(
             self.params, self.opt_state, inputs, targets
         )
-        loss = float(loss)
+        self._losses.append((self.step_count + 1, loss))
+        if len(self._losses) > RUN_AHEAD:  # bounded run-ahead, no sync on this step
+            self._losses[-RUN_AHEAD - 1][1].block_until_ready()
         if self.chaos is not None:
+            loss.block_until_ready()
             self.chaos.after_step(gp.now() - t)
         t = gp.step(t)
         now = self.clock()
         elapsed, self._last_step_at = now - self._last_step_at, now
         self.step_count += 1
         self.tokens += inputs.size
-        fault_point("island.step")
+        if self.faults is not None:
+            self.faults.hit("island.step")
         for s in self.since:
             s["steps"] += 1
             s["tokens"] += inputs.size
-            s["loss"] += loss
             if self._timed:
                 s["seconds"] += elapsed
                 s["timed"] += 1
@@ -276,10 +383,16 @@ class Island:
             if self.round_clock is None:
                 self._learn_round_clock()
             t = gp.charge("waiting_for_global", t)
+            self._ckpt_rounds += 1
+        seconds = self.clock() - self._ckpt_at if self.cfg.checkpoint.every_s else 0.0
+        if checkpointing.checkpoint_due(self.cfg.checkpoint, self._ckpt_rounds, seconds):
             self.checkpoint()
             t = gp.charge("checkpoint_save", t)
+        if result.published:
             self._check_budget(loss)
             gp.charge("waiting_for_global", t)
+        first = min(s["first"] for s in self.since)
+        self._losses = [(i, v) for i, v in self._losses if i > first]
         return result
 
     def _due(self, now: float) -> list[int]:
@@ -309,36 +422,49 @@ class Island:
             self.round_clock.period_s,
         )
 
-    def _check_budget(self, loss: float) -> None:
+    def _check_budget(self, loss) -> None:
         """After a publish round: heartbeat, then finish if all islands together have trained
-        `token_budget` tokens (so the budget holds even when the syncer lags)."""
-        self.heartbeat(loss, None)
-        beats = self.store.heartbeats()
-        trained = self.tokens + sum(
-            int(b.get("tokens", 0))
-            for island, b in beats.items()
-            if island != self.name and isinstance(b.get("tokens", 0), int)
-        )
-        if trained >= self.cfg.token_budget:
-            self._budget_reached = True
+        `token_budget` tokens (so the budget holds even when the syncer lags). In the I/O
+        thread when there is one: the flag is seen a step or two later."""
+        record = self._heartbeat_record(loss, None)
+
+        def check() -> None:
+            self._write_heartbeat(record)
+            beats = self.store.heartbeats()
+            trained = record["tokens"] + sum(
+                int(b.get("tokens", 0))
+                for island, b in beats.items()
+                if island != self.name and isinstance(b.get("tokens", 0), int)
+            )
+            if trained >= self.cfg.token_budget:
+                self._budget_reached = True
+
+        self.io.submit(check)
 
     def publish(self, p: int, final: bool = False) -> str:
         """Publish fragment p's pseudo-gradient (from its anchor); returns its id. `final`:
-        the island's last, partial interval."""
+        the island's last, partial interval. The encoding is dispatched to the devices; the
+        upload is the I/O thread's (after the previous upload of this fragment)."""
+        previous = self._uploads.get(p)
+        if previous is not None:
+            previous.exception()  # a second publish of a fragment waits for the first
         names = self.frags[p]
-        local = {n: np.asarray(jax.device_get(self.params[n]), np.float32) for n in names}
-        delta = pseudo_gradient({n: self.anchor[n] for n in names}, local)
-        self.anchor.update(local)
-        residual = {n: self.residual[n] for n in names if n in self.residual}
-        payload, new_residual = codecs.encode(delta, self.cfg.codec, residual)
+        residual = None
+        if self.cfg.error_feedback and all(n in self.residual for n in names):
+            residual = {n: self.residual[n] for n in names}
+        payload, new_residual, new_anchor, finite = self.encoder.encode(
+            {n: self.anchor[n] for n in names}, {n: self.params[n] for n in names}, residual
+        )
+        self.anchor.update(new_anchor)
+        self.anchor_from[p], self.published_at[p] = "published", self.step_count
         if self.cfg.error_feedback:
             self.residual.update(new_residual)
         s = self.since[p]
+        losses = [v for i, v in self._losses if i > s["first"]]
         manifest = dict(
             base_version=self.base_version[p],
             steps=s["steps"],
             tokens=s["tokens"],
-            loss=s["loss"] / max(s["steps"], 1),
             codec=self.cfg.codec,
             step_time_s=s["seconds"] / s["timed"] if s["timed"] else 0.0,
             published_at=self.clock(),
@@ -346,40 +472,63 @@ class Island:
             island_tokens=self.tokens,
             final=final,
         )
-        ref = self.store.publish_pseudograd(self.name, self.seq, p, payload, manifest)
+        seq = self.seq
+        shapes = {n: self.loop.param_shapes[n] for n in names}
+
+        def upload() -> None:
+            host = self.encoder.host_payload(payload, finite, shapes)
+            total = 0.0
+            for value in jax.device_get(losses):
+                total += float(value)
+            manifest["loss"] = total / max(s["steps"], 1)
+            self.store.publish_pseudograd(self.name, seq, p, host, manifest)
+            self.bytes_sent += codecs.payload_nbytes(host)
+
+        self._uploads[p] = self.io.submit(upload)
         self.seq += 1
         self.publishes += 1
-        self.bytes_sent += codecs.payload_nbytes(payload)
         self._reset_counters([p])
+        pg_id = pseudograd_id(self.name, seq, p)
         if self.cfg.outer.method == "sync":
-            self.awaiting[p] = ref.id
+            self.awaiting[p] = pg_id
         else:
             self.pending_adopt[p] = self.step_count + self.cfg.inner.tau
-        return ref.id
+        return pg_id
 
-    def heartbeat(self, loss: float | None, tokens_per_s: float | None) -> None:
-        """Overwrite this island's heartbeat (`tokens_per_s` None: keep the last rate)."""
+    def _heartbeat_record(self, loss, tokens_per_s: float | None) -> dict[str, Any]:
         if tokens_per_s is None:
             tokens_per_s = self._rate
         self._rate = tokens_per_s
         goodput = self.goodput.state()
-        self.store.write_heartbeat(
-            self.name,
-            dict(
-                step=self.step_count,
-                tokens=self.tokens,
-                tokens_per_s=tokens_per_s,
-                loss=loss,
-                seq=self.seq,
-                base_version=list(self.base_version),
-                bytes_sent=self.bytes_sent,
-                bytes_received=self.bytes_received,
-                pid=os.getpid(),
-                time=self.clock(),
-                goodput=goodput["goodput"],
-                goodput_state=goodput,
-            ),
+        return dict(
+            step=self.step_count,
+            tokens=self.tokens,
+            tokens_per_s=tokens_per_s,
+            loss=loss,
+            seq=self.seq,
+            base_version=list(self.base_version),
+            bytes_sent=self.bytes_sent,
+            bytes_received=self.bytes_received,
+            pid=os.getpid(),
+            time=self.clock(),
+            goodput=goodput["goodput"],
+            goodput_state=goodput,
         )
+
+    def _write_heartbeat(self, record: dict[str, Any]) -> None:
+        loss = record["loss"]
+        self.store.write_heartbeat(
+            self.name, {**record, "loss": None if loss is None else float(loss)}
+        )
+
+    def heartbeat(self, loss, tokens_per_s: float | None) -> None:
+        """Overwrite this island's heartbeat (`tokens_per_s` None: keep the last rate); `loss`
+        may be a device scalar (fetched by the I/O thread)."""
+        self.io.submit(self._write_heartbeat, self._heartbeat_record(loss, tokens_per_s))
+
+    def _poll_stop(self) -> None:
+        if self.store.stop_requested(self.name):
+            self._stop_marker = True
 
     def should_stop(self) -> bool:
         return self._stop or self.finished()
@@ -392,9 +541,25 @@ class Island:
             return True
         return self.spec.max_tokens is not None and self.tokens >= self.spec.max_tokens
 
+    def _done_by_flags(self) -> bool:
+        """`finished()` from what the I/O thread last saw (no store call on this thread)."""
+        limit = self.spec.max_tokens
+        return (
+            self._budget_reached
+            or self._stop_marker
+            or (limit is not None and self.tokens >= limit)
+        )
+
     def run(self, max_steps: int | None = None) -> dict:
         """The island process: train until a stop marker, the token budget or SIGTERM."""
         signal.signal(signal.SIGTERM, lambda *_: setattr(self, "_stop", True))
+        try:
+            return self._run(max_steps)
+        finally:
+            self.io.close()
+            self.ckpt_io.close()
+
+    def _run(self, max_steps: int | None) -> dict:
         self.start()
         log.info(
             "island %s: %s at step %d",
@@ -412,8 +577,9 @@ class Island:
             if now - last_beat >= self.cfg.heartbeat_s:
                 rate = (self.tokens - beat_tokens) / (now - last_beat) if last_beat else 0.0
                 self.heartbeat(loss, rate)
+                self.io.submit(self._poll_stop)
                 last_beat, beat_tokens = now, self.tokens
-                if self.should_stop():
+                if self._stop or self._done_by_flags():
                     break
             if self.blocked():
                 t = self.goodput.now()
@@ -421,22 +587,23 @@ class Island:
                     time.sleep(0.2)
                 self.goodput.charge("waiting_for_global", t)
                 continue
-            loss = self.step().loss
+            loss = self.step().loss_array
             steps += 1
             if max_steps is not None and steps >= max_steps:
                 break
-            if self._budget_reached or (
-                self.spec.max_tokens is not None and self.tokens >= self.spec.max_tokens
-            ):
+            if self._done_by_flags():
                 break
+        self.io.drain()
         done = not self._stop and self.finished()
         if done and not self.blocked():
             self.publish_remainder()
         t = self.goodput.now()
-        self.checkpoint()
+        self.io.drain()
+        self.checkpoint(wait=True)
         self.goodput.charge("checkpoint_save", t)
         self.goodput.closed = True  # a clean exit: the time until a restart is not downtime
         self.heartbeat(loss, 0.0)
+        self.io.drain()
         info = dict(
             step=self.step_count,
             tokens=self.tokens,
@@ -454,5 +621,19 @@ class Island:
         return [self.publish(p, final=True) for p in range(self.P) if self.since[p]["steps"] > 0]
 
 
-def _prefixed(tensors: dict[str, np.ndarray], prefix: str) -> dict[str, np.ndarray]:
-    return {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
+def _adopt_fn(mode: str):
+    """The jitted adopt of one fragment (cached per mode; compiled per list of shapes):
+    (fresh, local, anchor, alpha) as lists of arrays -> (new parameters, new anchor), as
+    distinct buffers (the train step donates parameters)."""
+    return shared(("adopt", mode), lambda: jax.jit(partial(_adopt, mode)))
+
+
+def _adopt(mode, fresh, local, anchor, alpha):
+    import jax.numpy as jnp
+
+    if mode == "keep":
+        return [f + (x - a) for f, x, a in zip(fresh, local, anchor, strict=True)], fresh
+    if mode == "set":
+        return [jnp.copy(f) for f in fresh], fresh
+    new = [alpha * x + (1 - alpha) * f for f, x in zip(fresh, local, strict=True)]
+    return new, [n - alpha * (x - a) for n, x, a in zip(new, local, anchor, strict=True)]

@@ -216,8 +216,9 @@ def run_one(cfg: ExperimentConfig, rate: float, p: BenchParams, trace_every: int
             result = isl.step()
             acct[n]["productive"] += pace[n]
             next_t[n] += pace[n]
-            if result.published:
+            if isl.checkpointed_step == isl.step_count:  # as its checkpoint policy says
                 ckpt_tokens[n] = isl.tokens
+            if result.published:
                 if isl.blocked():
                     blocked_since[n] = clock.t
                 merge()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from contextlib import suppress
 from typing import Any, TypeVar
 
@@ -15,6 +15,7 @@ from google.api_core import exceptions as gexc
 from google.auth import exceptions as auth_exc
 
 from training.store.objectstore import (
+    Chunk,
     Generation,
     ObjectNotFound,
     ObjectStore,
@@ -48,6 +49,7 @@ register_transient(
 
 _DEFAULT_TIMEOUT = (10.0, 120.0)  # (connect, read) seconds per HTTP request
 _CHECK_TIMEOUT = (3.0, 5.0)
+STREAM_CHUNK = 16 * 2**20  # bytes per request of a streamed (resumable) upload
 _GCS_SCOPES = ("https://www.googleapis.com/auth/devstorage.read_write",)
 
 
@@ -214,6 +216,26 @@ class GCSStore(ObjectStore):
 
     def write(self, key: str, data: bytes) -> None:
         self._run("write", key, lambda: self._upload(key, data, None))
+
+    def write_stream(self, key: str, chunks: Callable[[], Iterable[Chunk]]) -> None:
+        """A resumable upload fed chunk by chunk: at most STREAM_CHUNK bytes are buffered.
+        Unconditional (streamed objects are payloads under unique names); the object appears
+        only when the upload is finalized, so a failed attempt leaves nothing behind."""
+
+        def attempt() -> None:
+            blob = self._blob(key)
+            with blob.open(
+                "wb",
+                chunk_size=STREAM_CHUNK,
+                ignore_flush=True,
+                content_type=self._content_type(key),
+                retry=None,
+                timeout=self.timeout,
+            ) as f:
+                for chunk in chunks():
+                    f.write(chunk)
+
+        self._run("write", key, attempt)
 
     def create(self, key: str, data: bytes) -> bool:
         return self.compare_and_swap_generation(key, data, None) is not None

@@ -5,7 +5,8 @@ supplies the I/O helpers.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import hashlib
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -21,7 +22,7 @@ from training.store.layout import (
     iso,
 )
 from training.store.objectstore import CorruptObject, ObjectNotFound
-from training.store.tensors import encode_tensors, sha256
+from training.store.tensors import stream_tensors
 
 
 def with_iso(record: Mapping[str, Any], key: str = "at") -> dict[str, Any]:
@@ -74,20 +75,43 @@ class IslandObjects:
 
     # checkpoints ---------------------------------------------------------------------------
     def save_checkpoint(
-        self, island: str, step: int, tensors: Mapping[str, np.ndarray], meta: Mapping[str, Any]
+        self,
+        island: str,
+        step: int,
+        tensors: Mapping[str, Any],
+        meta: Mapping[str, Any],
+        before_commit: Callable[[], None] | None = None,
     ) -> None:
         """Write checkpoints/{island}/c{step:010d}-{uuid8}/ (state, then meta.json), then point
-        LATEST.json at it (written last). Older checkpoint directories are kept."""
+        LATEST.json at it (written last). Older checkpoint directories are kept.
+
+        The state is streamed tensor by tensor (`tensors.stream_tensors`: values may be device
+        arrays, fetched one at a time) through the backend's `write_stream`, hashed as it goes:
+        no bytes object of the whole checkpoint is ever built. `before_commit` (if given) runs
+        after the state and meta are written and before LATEST.json: the island waits there
+        for the publishes its meta counts (if it raises, nothing is committed).
+        """
         validate_name("island", island)
         if not _is_int(step) or step < 0:
             raise ValueError(f"invalid step {step!r}")
         directory = checkpoint_dir(island, step, _uuid8())
-        data = encode_tensors(tensors)
-        digest = sha256(data)
-        self.store.write(self._key(f"{directory}/state.safetensors"), data)
+        written: dict[str, Any] = {}
+
+        def chunks() -> Iterator[Any]:  # one attempt of the streamed write, hashed as it goes
+            digest, nbytes = hashlib.sha256(), 0
+            for chunk in stream_tensors(tensors):
+                digest.update(chunk)
+                nbytes += len(chunk) if isinstance(chunk, bytes) else chunk.nbytes
+                yield chunk
+            written.update(sha256=digest.hexdigest(), nbytes=nbytes)
+
+        self.store.write_stream(self._key(f"{directory}/state.safetensors"), chunks)
+        digest, nbytes = written["sha256"], written["nbytes"]
         fixed = {"island": island, "step": step, "created_at": _now()}
         self._write_json(f"{directory}/meta.json", {**meta, **fixed, "sha256": digest})
-        latest = {"step": step, "dir": directory, "sha256": digest, "nbytes": len(data)}
+        if before_commit is not None:
+            before_commit()
+        latest = {"step": step, "dir": directory, "sha256": digest, "nbytes": nbytes}
         self._write_json(f"checkpoints/{island}/LATEST.json", latest)
 
     def load_checkpoint(self, island: str) -> tuple[dict[str, np.ndarray], dict[str, Any]] | None:

@@ -7,7 +7,7 @@ import errno
 import fcntl
 import os
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from training.store.objectstore import (
+    Chunk,
     CorruptObject,
     Generation,
     ObjectNotFound,
@@ -80,8 +81,9 @@ class LocalStore(ObjectStore):
             raise StoreError(f"{op} {self._where(key)}: {exc.strerror or exc}") from exc
 
     @staticmethod
-    def _write_temp(path: Path, data: bytes | Sequence[Any]) -> Path:
-        """A new temp file beside `path` holding `data` (bytes, or parts written in order)."""
+    def _write_temp(path: Path, data: bytes | Iterable[Chunk]) -> Path:
+        """A fsynced temp file next to `path` holding `data` (bytes, or chunks written one by
+        one as they come)."""
         path.parent.mkdir(parents=True, exist_ok=True)
         temp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex}")
         parts = [data] if isinstance(data, bytes | bytearray | memoryview) else data
@@ -165,14 +167,21 @@ class LocalStore(ObjectStore):
         return self._run("read", key, attempt)
 
     def write(self, key: str, data: bytes) -> None:
-        self.write_parts(key, [data])
+        self._replace_with(key, lambda: data)
+
+    def write_stream(self, key: str, chunks: Callable[[], Iterable[Chunk]]) -> None:
+        self._replace_with(key, chunks)
 
     def write_parts(self, key: str, parts: Sequence[Any]) -> None:
+        parts = list(parts)
+        self._replace_with(key, lambda: parts)
+
+    def _replace_with(self, key: str, data: Callable[[], bytes | Iterable[Chunk]]) -> None:
+        """Write `data()` (fresh on every attempt) to a temp file, then replace the object."""
         path = self._path(key)
-        data = list(parts)
 
         def attempt() -> None:
-            temp = self._write_temp(path, data)
+            temp = self._write_temp(path, data())
             try:
                 with self._locked_generation(path) as fd:
                     self._write_counter(fd, self._read_counter(fd) + 1)

@@ -16,12 +16,14 @@ import os
 import random
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+Chunk = bytes | bytearray | memoryview
+"""One piece of a streamed write."""
 Generation = int | str
 """Opaque token naming one version of one object: compare it, pass it back to compare_and_swap."""
 
@@ -200,6 +202,15 @@ class ObjectStore(ABC):
         bytes once for a writable one, never for a read-only one)."""
         data = self.read(key, max_bytes)
         return memoryview(bytearray(data)) if writable else memoryview(data)
+
+    def write_stream(self, key: str, chunks: Callable[[], Iterable[Chunk]]) -> None:
+        """Create or overwrite the object with the concatenation of `chunks()`, streamed: the
+        backend never holds the whole object (LocalStore writes a temp file chunk by chunk,
+        GCSStore a resumable upload; this default joins them, for backends that hold whole
+        objects anyway). `chunks` is a factory: a retried attempt calls it again and streams
+        from the start, so the object is all of one attempt's bytes or absent/unchanged, as
+        with `write`. The chunks may be any bytes-like objects (memoryviews of arrays)."""
+        self.write(key, b"".join(bytes(c) for c in chunks()))
 
     @abstractmethod
     def create(self, key: str, data: bytes) -> bool:

@@ -508,9 +508,16 @@ def parse_checkpoint_pointer(data: Any, island: str) -> CheckpointPointer:
     return CheckpointPointer(directory, step, f.str("sha256", SHA256), f.int("nbytes"))
 
 
+ANCHOR_KINDS = ("version", "params", "saved")
+"""How a checkpoint holds each fragment's anchor (training/checkpointing.py): `version`, the
+fragment's base version in the store (not in the checkpoint); `params`, equal to the
+checkpointed parameters; `saved`, its own tensors `anchor/<name>` in the checkpoint."""
+
+
 def parse_checkpoint_meta(data: Any, island: str, step: int | None = None) -> dict[str, Any]:
     """A checkpoint's meta.json: names `island` and `step`; if present, base_version an int or
-    a list of ints >= 0, seq and tokens ints >= 0. BadCheckpoint."""
+    a list of ints >= 0, seq and tokens ints >= 0, anchor a list (as long as base_version)
+    of ANCHOR_KINDS, publishes, bytes_sent and bytes_received ints >= 0. BadCheckpoint."""
     m = _obj(data, safejson.CHECKPOINT_META, BadCheckpoint, f"checkpoint meta of {island}")
     f = Fields(m, BadCheckpoint, f"checkpoint meta of {island}")
     if m.get("island") != island:
@@ -524,6 +531,15 @@ def parse_checkpoint_meta(data: Any, island: str, step: int | None = None) -> di
         f.fail(f"base_version {show(base)} is not a version or a list of versions")
     f.int("seq", 0, MAX_SEQ + 1, optional=True)
     f.int("tokens", optional=True)
+    for key in ("publishes", "bytes_sent", "bytes_received"):
+        f.int(key, optional=True)
+    anchor = m.get("anchor")
+    if anchor is not None and not (
+        isinstance(anchor, list)
+        and len(anchor) == len(bases)
+        and all(isinstance(k, str) and k in ANCHOR_KINDS for k in anchor)
+    ):
+        f.fail(f"anchor {show(anchor)} is not one of {ANCHOR_KINDS} per fragment")
     return m
 
 

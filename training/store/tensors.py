@@ -6,7 +6,7 @@ import hashlib
 import json
 import math
 import struct
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import google_crc32c
@@ -27,6 +27,7 @@ __all__ = [
     "flatten",
     "read_tensor",
     "sha256",
+    "stream_tensors",
     "tensor_parts",
     "unflatten",
 ]
@@ -219,6 +220,48 @@ def tensor_parts(tensors: Mapping[str, np.ndarray]) -> list[Any]:
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
     return [struct.pack("<Q", len(text)) + text, *arrays]
+
+
+def stream_tensors(tensors: Mapping[str, Any]) -> Iterator[memoryview | bytes]:
+    """The safetensors bytes of `tensors`, as chunks: the header, then one tensor at a time.
+
+    Values are anything with `shape`, `dtype` and `__array__` (numpy arrays, jax arrays: the
+    header is built from shapes and dtypes alone, and each tensor is converted with
+    `np.asarray` only when its turn comes, so a device array crosses to the host one tensor at
+    a time and the host never holds more than one). The bytes decode with `decode_tensors`
+    (and the safetensors library): a JSON header padded with spaces to 8 bytes, tensors in
+    the order given, no gaps. Dtypes as in `encode_tensors`.
+    """
+    header: dict[str, Any] = {}
+    offset = 0
+    for name, value in tensors.items():
+        if not isinstance(name, str) or not name or name == "__metadata__":
+            raise ValueError(f"invalid tensor name {name!r}")
+        dtype = np.dtype(value.dtype)
+        if dtype.newbyteorder("<") not in _CODES:
+            raise TypeError(f"tensor {name!r}: unsupported dtype {dtype}")
+        shape = [int(d) for d in value.shape]
+        size = math.prod(shape) * dtype.itemsize
+        header[name] = {
+            "dtype": _CODES[dtype.newbyteorder("<")],
+            "shape": shape,
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    yield struct.pack("<Q", len(text)) + text
+    for name, value in tensors.items():
+        array = np.asarray(value)
+        if array.dtype.byteorder == ">":
+            array = array.astype(array.dtype.newbyteorder("<"))
+        if (list(array.shape), _CODES.get(array.dtype)) != (
+            header[name]["shape"],
+            header[name]["dtype"],
+        ):
+            raise ValueError(f"tensor {name!r} changed shape or dtype while streaming")
+        if array.nbytes:
+            yield memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
 
 
 def _parse_header(data: bytes, max_header: int = MAX_HEADER_BYTES) -> tuple[dict[str, Any], int]:

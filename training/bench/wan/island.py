@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from training.config import parse_config
+from training.faults import FaultPlan
 from training.island import Island
 from training.store.experiment import ExperimentStore
 from training.store.objectstore import open_store
@@ -94,7 +95,14 @@ def main(argv: list[str] | None = None) -> int:
         estore = RegionalCheckpoints(
             estore, ExperimentStore(open_store(args.checkpoints), args.experiment)
         )
-    island = LoggedIsland(cfg, args.island, estore, step_log=Path(args.step_log))
+    island = LoggedIsland(
+        cfg,
+        args.island,
+        estore,
+        step_log=Path(args.step_log),
+        background=True,
+        faults=FaultPlan.from_env(),
+    )
     print(json.dumps(island.run(max_steps=args.max_steps)), flush=True)
     return 0
 

@@ -1,0 +1,144 @@
+"""Island checkpoints: the policy, what they hold (never the global base), exact resume, and a
+strict reader of what comes back."""
+
+import numpy as np
+import pytest
+
+from tests.helpers import new_store, small_config
+from training import checkpointing, inner
+from training.config import CheckpointConfig
+from training.island import Island
+from training.store.records import BadCheckpoint, parse_checkpoint_meta
+from training.store.safejson import dump_json
+
+
+def _cfg(**sections):
+    base = dict(outer={"method": "nesterov"}, codec="int8", islands=("a",))
+    return small_config(**{**base, **sections})
+
+
+def _state(island: Island) -> dict[str, np.ndarray]:
+    """Everything a resume must restore, on the host."""
+    out = {f"param/{k}": v for k, v in inner.to_host(island.params).items()}
+    out.update({f"opt/{k}": v for k, v in island.loop.opt_state_to_host(island.opt_state).items()})
+    out.update({f"anchor/{k}": np.asarray(v) for k, v in island.anchor.items()})
+    out.update({f"resid/{k}": np.asarray(v) for k, v in island.residual.items()})
+    return out
+
+
+def _saved_steps(store) -> list[int]:
+    return sorted({int(k.split("/c")[1][:10]) for k in store._list("checkpoints/a/c")})
+
+
+def test_the_policy_is_every_k_rounds_or_every_t_seconds():
+    due = checkpointing.checkpoint_due
+    assert due(CheckpointConfig(every_rounds=2), 2, 0.0)
+    assert not due(CheckpointConfig(every_rounds=2), 1, 1e9)
+    assert due(CheckpointConfig(every_rounds=0, every_s=10.0), 0, 10.0)
+    assert not due(CheckpointConfig(every_rounds=0, every_s=10.0), 5, 9.9)
+    assert not due(CheckpointConfig(every_rounds=0), 100, 1e9)
+
+
+def test_an_island_checkpoints_every_k_publish_rounds():
+    cfg = _cfg(checkpoint={"every_rounds": 2})  # H = 4, P = 1: a round every 4 steps
+    store = new_store(cfg)
+    island = Island(cfg, "a", store)
+    island.start()
+    for _ in range(20):
+        island.step()
+    assert _saved_steps(store) == [8, 16]
+
+
+def test_a_checkpoint_names_the_global_versions_instead_of_holding_them():
+    cfg = _cfg(fragments={"count": 2}, inner={"H": 4, "tau": 10})
+    store = new_store(cfg)
+    island = Island(cfg, "a", store)
+    island.start()
+    for _ in range(4):  # fragment 0 publishes at step 4; fragment 1 (offset 2) not yet
+        island.step()
+    tensors, meta = store.load_checkpoint("a")
+    assert meta["step"] == 4 and meta["anchor"] == ["params", "version"]
+    assert not [k for k in tensors if k.startswith("anchor/")]
+    for _ in range(2):  # fragment 1 publishes at step 6: fragment 0's anchor is now saved
+        island.step()
+    tensors, meta = store.load_checkpoint("a")
+    assert meta["anchor"] == ["saved", "params"]
+    assert {k.removeprefix("anchor/") for k in tensors if k.startswith("anchor/")} == set(
+        island.frags[0]
+    )
+
+
+@pytest.mark.parametrize("threaded", [False, True])
+def test_resume_restores_the_saved_state_exactly(threaded):
+    cfg = _cfg(fragments={"count": 2}, inner={"H": 4, "tau": 10})
+    store = new_store(cfg)
+    island = Island(cfg, "a", store, background=threaded)
+    island.start()
+    for _ in range(6):  # anchors: f0 saved, f1 params; int8 residuals of both
+        island.step()
+    saved = _state(island)
+    island.step()  # the next step donates the buffers the background write reads
+    island.ckpt_io.drain()
+    island.io.drain()
+    restored = Island(cfg, "a", store)
+    restored.start()
+    assert (restored.step_count, restored.seq) == (6, 2)
+    got = _state(restored)
+    assert sorted(got) == sorted(saved)
+    for key, value in saved.items():
+        assert got[key].tobytes() == value.tobytes(), key
+    island.io.close()
+    island.ckpt_io.close()
+
+
+def test_the_checkpoint_reader_refuses_state_that_does_not_fit_the_model():
+    cfg = _cfg(fragments={"count": 2}, inner={"H": 4, "tau": 10})
+    store = new_store(cfg)
+    island = Island(cfg, "a", store)
+    island.start()
+    for _ in range(6):
+        island.step()
+    tensors, meta = store.load_checkpoint("a")
+    loop = island.loop
+
+    def parse(t, m=meta):
+        return checkpointing.parse_state(
+            t, m, loop.param_shapes, loop.opt_leaf_shapes, island.frags
+        )
+
+    parse(tensors)  # the real one is fine
+    name = island.frags[0][0]
+    cases = [
+        {**tensors, "evil/x": np.zeros(1, np.float32)},
+        {k: v for k, v in tensors.items() if k != f"param/{name}"},
+        {**tensors, f"param/{name}": np.zeros(3, np.float32)},
+        {**tensors, f"param/{name}": tensors[f"param/{name}"].astype(np.float16)},
+        {k: v for k, v in tensors.items() if k != f"anchor/{name}"},
+        {**tensors, f"anchor/{island.frags[1][0]}": tensors[f"param/{island.frags[1][0]}"]},
+        {**tensors, "resid/nope": np.zeros(1, np.float32)},
+        {k: v for k, v in tensors.items() if not k.startswith("opt/0000")},
+    ]
+    for bad in cases:
+        with pytest.raises(BadCheckpoint):
+            parse(bad)
+    with pytest.raises(BadCheckpoint):
+        parse(tensors, {**meta, "anchor": ["version", "params"]})  # f0's anchor is saved
+    with pytest.raises(BadCheckpoint):
+        parse(tensors, {**meta, "base_version": [0]})
+    for anchor in (["params"], ["x", "params"], "saved", [["saved"], "params"]):
+        with pytest.raises(BadCheckpoint):
+            parse_checkpoint_meta(dump_json({**meta, "anchor": anchor}), "a", meta["step"])
+
+
+def test_a_background_snapshot_is_a_copy_the_next_step_cannot_donate():
+    cfg = _cfg()
+    store = new_store(cfg)
+    island = Island(cfg, "a", store)
+    island.start()
+    params = island.params
+    copied = island.loop.copy(params)
+    assert all(
+        copied[k].unsafe_buffer_pointer() != v.unsafe_buffer_pointer() for k, v in params.items()
+    )
+    island.step()  # donates `params`
+    assert all(not v.is_deleted() for v in copied.values())
