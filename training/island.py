@@ -39,6 +39,10 @@ from a device copy of the state taken between steps. Losses stay on the device (
 sync: the host runs at most `RUN_AHEAD` steps ahead of the device) and are fetched when a publish
 or heartbeat needs them. `background=False` (the default: simulators, tests) does the same work
 inline, in the same order, with the same results.
+
+Length: past 500 lines because the island's three concerns (the training loop with its
+adoption and anchors, publishing through the device encoder and the I/O thread, checkpoints)
+share one state; splitting it waits for the typed island state (issue 11 item 6).
 """
 
 from __future__ import annotations

@@ -19,6 +19,9 @@ makes, for each owned fragment with work, at most one new version:
 So a contribution is applied at most once (only a version that won the CAS counts, and its
 cursors and `applied` list are what the next attempt reads) and at least once (it stays pending
 until a version of its fragment names it). Fragments are independent: two shards never contend.
+
+Length: just past 500 lines; the decisions are in merge_rules.py and merge_stream.py, what is
+left is the I/O of one merge round in order.
 """
 
 from __future__ import annotations

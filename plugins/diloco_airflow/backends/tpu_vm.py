@@ -25,6 +25,9 @@ Queued-resource state -> island state: CREATING / ACCEPTED / WAITING_FOR_RESOURC
 -> PROVISIONING; ACTIVE -> RUNNING (or PREEMPTED if the node is, or SUCCEEDED / FAILED once every
 host has published its exit code); FAILED -> FAILED with the cloud's message; SUSPENDING /
 SUSPENDED -> PREEMPTED (spot); DELETING or not found -> GONE.
+
+Length: just past 500 lines: the queued-resource lifecycle in one place (its startup script is
+in tpu_startup.py, the shared retry rules in common.py).
 """
 
 from __future__ import annotations
