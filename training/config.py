@@ -18,6 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from training.names import validate_name
 
+MAX_ROUND_S = 86400.0  # the longest clock-round period (outer.round_s, control/rounds.json)
+
 OuterMethod = Literal["sync", "nesterov", "delayed_nesterov", "decoupled"]
 """The merger's methods (`training.merge_rules`). Data-parallel is no merge method: the benchmarks'
 ``dp`` is `training.baseline`, which uses no merger."""
@@ -184,7 +186,7 @@ class OuterConfig(_Frozen):
     round_s: float | None = Field(
         None,
         gt=0,
-        le=86400,
+        le=MAX_ROUND_S,
         description="clock rounds: the round period in seconds; default H x the first "
         "contributor's measured step time (DyLU sizes every island's H_m to it)",
     )

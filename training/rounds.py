@@ -31,6 +31,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from training.config import MAX_ROUND_S
 from training.fragments import fragment_offsets
 
 MIN_SHARE_DIV = 2  # an interval shorter than H_m // 2 steps rolls over to the next boundary
@@ -112,4 +113,4 @@ def clock_from_first(
         period = cfg.inner_steps(island) * float(step_time_s)
     else:
         return None
-    return min(published_at, now), float(min(period, 86400.0))
+    return min(published_at, now), float(min(period, MAX_ROUND_S))

@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NoReturn, get_args
 
-from training.config import Codec
+from training.config import MAX_ROUND_S, Codec
 from training.store import safejson
 from training.store.keys import (
     CHECKPOINT_DIR,
@@ -613,9 +613,6 @@ def parse_done(data: Any, island: str) -> dict[str, Any]:
     for key in ("step", "tokens", "publishes", "bytes_sent"):
         f.int(key, optional=True)
     return m
-
-
-MAX_ROUND_S = 86400.0  # one day: a longer period is refused (islands also cap a round at 2 H_m)
 
 
 def parse_round_clock(data: Any) -> tuple[float, float]:
