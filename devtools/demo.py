@@ -13,8 +13,6 @@ budget, bytes, anything applied twice), and stops every process it started.
 from __future__ import annotations
 
 import json
-import os
-import signal
 import sys
 import time
 from pathlib import Path
@@ -99,17 +97,13 @@ def airflow_env(runs: Path) -> dict[str, str]:
     }
 
 
-def kill_island(runs: Path, experiment: str, island: str) -> int | None:
-    record = runs / "islands" / experiment / island / "process.json"
-    try:
-        pgid = int(json.loads(record.read_text())["pgid"])
-    except (OSError, ValueError, KeyError):
-        return None
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:
-        return None
-    return pgid
+def kill_island(runs: Path, experiment: str, island: str, store_url: str) -> int | None:
+    """SIGKILL a running demo island's process group (LocalBackend.kill_running)."""
+    from diloco_airflow.backends.base import IslandSpec
+    from diloco_airflow.backends.local import LocalBackend
+
+    spec = IslandSpec(experiment=experiment, island=island, store_url=store_url, command=["-"])
+    return LocalBackend(runs_root=runs / "islands").kill_running(spec)
 
 
 def retries(af: LocalAirflow, run_id: str) -> dict[str, int]:
@@ -284,7 +278,7 @@ def main() -> int:
                 print(f"[{t:5.0f}s] {line}", flush=True)
                 last_line, last_print = line, now
             if not killed and KILL in alive and tokens >= TOKEN_BUDGET // 4:
-                pgid = kill_island(runs, name, KILL)
+                pgid = kill_island(runs, name, KILL, store_url)
                 if pgid:
                     killed = True
                     print(f"[{t:5.0f}s] SIGKILL {KILL} (process group {pgid})", flush=True)

@@ -320,6 +320,18 @@ class LocalBackend(IslandBackend):
             return None
         return int(record.get("pgid") or pid)
 
+    def kill_running(self, spec: IslandSpec) -> int | None:
+        """SIGKILL the process group of the island's current launch (a chaos kill: its wait
+        task then retries and relaunches it); the pgid, or None if it does not run."""
+        pgid = self.running_group(spec)
+        if pgid is None:
+            return None
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            return None
+        return pgid
+
     # ------------------------------------------------------------------ helpers
     @staticmethod
     def _exit_code(record: dict) -> int | None:

@@ -176,18 +176,8 @@ def create_app(source: StaticSource | None = None) -> FastAPI:
 def kill_local_island(store_url: str, experiment: str, island: str) -> int | None:
     """SIGKILL the process group of a running local island (what the chaos monkey does);
     its wait task then retries and relaunches it. The pgid, or None if it does not run."""
-    import os
-    import signal
-
     from diloco_airflow.backends.base import IslandSpec
     from diloco_airflow.backends.local import LocalBackend
 
     spec = IslandSpec(experiment=experiment, island=island, store_url=store_url, command=["-"])
-    pgid = LocalBackend().running_group(spec)
-    if pgid is None:
-        return None
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:
-        return None
-    return pgid
+    return LocalBackend().kill_running(spec)
