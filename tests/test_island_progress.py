@@ -64,6 +64,43 @@ def test_an_island_adopts_only_a_version_newer_than_its_own():
     assert any(not np.array_equal(local[n], v) for n, v in store.load_params().items())
 
 
+def test_a_merge_that_lands_after_tau_steps_is_adopted_at_the_next_step():
+    """tau = 1, but the syncer merges the publish only two steps after it: the island looks
+    again every step until HEAD holds its publish, then adopts it (the overlap steps kept), so
+    it does not train a whole interval on a stale base. Before, one look at step H + 1 found
+    nothing and the island kept version 0 until its next publish."""
+    cfg = _cfg(inner={"H": 8, "tau": 1})
+    store = new_store(cfg)
+    island = Island(cfg, "a", store)
+    island.start()
+    for _ in range(cfg.inner.H + 2):  # publish at step H, nothing merged at H + 1 or H + 2
+        island.step()
+    assert island.base_version == [0]
+    Merger(cfg, store).merge_once()
+    island.step()  # its look at this step finds version 1 holding seq 0
+    assert island.base_version == [1]
+    assert island.bytes_received == 2 * _model_bytes(store)  # version 0 at start, version 1
+
+
+def test_a_version_without_the_islands_publish_is_not_downloaded_while_it_waits():
+    """Island b's publish is merged first (version 1 without a's seq 0): a reads HEAD's
+    manifest, skips version 1's parameters, and downloads only version 2, which holds its own
+    publish: one fragment read per adopted merge of its own."""
+    cfg = small_config(islands=("a", "b"), outer={"method": "nesterov"}, inner={"H": 8, "tau": 1})
+    store = new_store(cfg)
+    a, b = (Island(cfg, n, store) for n in ("a", "b"))
+    a.start(), b.start()
+    for _ in range(cfg.inner.H):
+        b.step()
+    Merger(cfg, store).merge_once()  # version 1: b's seq 0 only
+    for _ in range(cfg.inner.H + 2):
+        a.step()  # publishes at step H; looks at H + 1 and H + 2: version 1 lacks its publish
+    assert a.base_version == [0] and a.bytes_received == _model_bytes(store)
+    Merger(cfg, store).merge_once()  # version 2: a's seq 0
+    a.step()
+    assert a.base_version == [2] and a.bytes_received == 2 * _model_bytes(store)
+
+
 def test_islands_stop_at_the_budget_without_a_syncer():
     """No merger runs at all: the two islands still stop within one publish interval each of
     the token budget (heartbeats after every publish round carry their trained tokens)."""

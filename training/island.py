@@ -5,6 +5,10 @@ The island never waits for other islands (except under the synchronous baseline,
 H_m inner steps on its staggered offset; `tau` steps later the island adopts fragment p's newest
 version *if it is newer than the one it has* (`theta <- alpha * theta + (1 - alpha) * Theta`, or
 the overlap steps kept on top), reading only that fragment's parameters, never the outer state.
+A merge that lands later than `tau` steps is looked for again at every step, for up to H_m // 2
+steps, and only a version holding the island's publish is taken (`_rearm_adopt`): a real syncer
+is some hundreds of milliseconds behind, and one look that misses left the island training a
+whole interval on a stale base (the demo's staleness of 2 to 4 versions).
 
 Nothing is counted twice and nothing is lost while the syncer lags: each fragment has an
 *anchor*, the point its next pseudo-gradient is measured from (`delta = anchor - theta`). A
@@ -149,6 +153,10 @@ class Island:
         self.resumed = ckpt is not None
         self.anchor_from = ["version"] * self.P  # per fragment: version / published / blended
         self.published_at = [-1] * self.P
+        self.pending_adopt: dict[int, int] = {}
+        # fragment -> (seq of this island's last publish of it, the step until which only a
+        # version holding that publish is adopted): see `_rearm_adopt`
+        self.adopt_wait: dict[int, tuple[int, int]] = {}
         if ckpt is None:
             heads = self.store.heads(range(self.P))
             if any(h is None for h in heads):
@@ -185,7 +193,6 @@ class Island:
             seed=cfg.seed * 1000 + cfg.shard_of(self.name),
             cursor=cursor,
         )
-        self.pending_adopt: dict[int, int] = {}
         self._fetches: list[Any] = []  # adopts whose store reads are in flight (I/O thread)
         self.awaiting: dict[int, str] = {}
         self._last_step_at = self.clock()
@@ -281,16 +288,26 @@ class Island:
     def _adopt(self, fragments) -> int:
         """Take each fragment's newest version if it is newer than the one this island has;
         returns how many fragments moved (`_fetch`, then `_apply`)."""
-        return self._apply(self._fetch(fragments))
+        return self._apply(self._fetch({p: None for p in fragments}))
 
-    def _fetch(self, fragments) -> list[tuple[int, Any, dict[str, np.ndarray]]]:
-        """(fragment, head, verified params) of each fragment whose newest version is newer
-        than this island's: store reads only (the I/O thread's part of an adopt)."""
-        wanted = list(fragments)
+    def _fetch(self, wants: dict[int, int | None]) -> list[tuple[int, Any, Any]]:
+        """(fragment, head, verified params or None) per fragment of `wants` whose newest
+        version is newer than this island's: store reads only (the I/O thread's part of an
+        adopt). `wants[p]`, when not None, is a sequence number of this island's: a version
+        whose merge cursors do not reach it yet is not downloaded (params None; `_apply`
+        tries again a step later), so an island waiting for the merge of its own publish reads
+        the fragment once, when it holds it."""
+        wanted = list(wants)
         out = []
         for p, head in zip(wanted, self.store.heads(wanted), strict=True):
-            if head is not None and head.version > self.base_version[p]:
-                out.append((p, head, self.store.load_fragment(head).params))
+            if head is None or head.version <= self.base_version[p]:
+                out.append((p, None, None))
+                continue
+            manifest = self.store.fragment_manifest(head)
+            if wants[p] is not None and merged_seq(manifest, self.name) < wants[p]:
+                out.append((p, head, None))
+                continue
+            out.append((p, head, self.store.load_fragment(head, manifest=manifest).params))
         return out
 
     def _apply(self, fetched) -> int:
@@ -306,8 +323,10 @@ class Island:
         moved = 0
         mode = "keep" if self.cfg.inner.keep_overlap else "blend" if self.cfg.inner.alpha else "set"
         for p, head, fresh in fetched:
-            if head.version <= self.base_version[p]:
-                continue  # nothing newer: keep training on our own parameters
+            if fresh is None or head.version <= self.base_version[p]:
+                self._rearm_adopt(p)  # nothing (of ours) yet: keep training on our parameters
+                continue
+            self.adopt_wait.pop(p, None)
             self.bytes_received += sum(int(v.nbytes) for v in fresh.values())
             names = self.frags[p]
             new, anchor = _adopt_fn(mode)(
@@ -322,6 +341,27 @@ class Island:
             self.base_version[p] = head.version
             moved += 1
         return moved
+
+    def _rearm_adopt(self, p: int) -> None:
+        """Look again for fragment p while this island waits for the merge of its last
+        publish of p (`adopt_wait`): every step for up to H_m // 2 steps after that publish
+        (only a version holding it is taken), then every H_m // 4 steps for any newer version
+        (a syncer that lags this far is stalled: others' merges are still worth having), until
+        the next publish of p replaces the wait."""
+        wait = self.adopt_wait.get(p)
+        if wait is None or p in self.pending_adopt:
+            return
+        _, until = wait
+        later = 1 if self.step_count < until else max(1, self.H // 4)
+        self.pending_adopt[p] = self.step_count + later
+
+    def _adopt_wants(self, fragments) -> dict[int, int | None]:
+        """fragment -> the seq a version must hold to be taken (None: any newer version)."""
+        out: dict[int, int | None] = {}
+        for p in fragments:
+            wait = self.adopt_wait.get(p)
+            out[p] = wait[0] if wait is not None and self.step_count < wait[1] else None
+        return out
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -350,7 +390,7 @@ class Island:
         if due_adopt:  # the reads go to the I/O thread; applied once they are in
             for p in due_adopt:
                 del self.pending_adopt[p]
-            self._fetches.append(self.io.submit(self._fetch, due_adopt))
+            self._fetches.append(self.io.submit(self._fetch, self._adopt_wants(due_adopt)))
         if self._fetches and self._fetches[0].done():
             while self._fetches and self._fetches[0].done():
                 self._apply(self._fetches.pop(0).result())
@@ -497,6 +537,7 @@ class Island:
             self.awaiting[p] = pg_id
         else:
             self.pending_adopt[p] = self.step_count + self.cfg.inner.tau
+            self.adopt_wait[p] = (seq, self.step_count + max(1, self.H // 2))
         return pg_id
 
     def _heartbeat_record(self, loss, tokens_per_s: float | None) -> dict[str, Any]:
@@ -641,3 +682,11 @@ def _adopt(mode, fresh, local, anchor, alpha):
         return [jnp.copy(f) for f in fresh], fresh
     new = [alpha * x + (1 - alpha) * f for f, x in zip(fresh, local, strict=True)]
     return new, [n - alpha * (x - a) for n, x, a in zip(new, local, anchor, strict=True)]
+
+
+def merged_seq(manifest: dict[str, Any], island: str) -> int:
+    """The highest sequence number of `island` that a fragment version's merges hold (-1: none),
+    from its checked manifest's merge cursors."""
+    cursors = manifest.get("merge_state", {}).get("cursors", {})
+    seq = cursors.get(island, -1)
+    return seq if isinstance(seq, int) else -1
