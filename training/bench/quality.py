@@ -109,13 +109,24 @@ def start_offsets(cfg: ExperimentConfig, spread: float) -> dict[str, float]:
 
 
 def run_one(
-    cfg: ExperimentConfig, method: str, eval_dt: float, start_spread: float, progress=None
+    cfg: ExperimentConfig,
+    method: str,
+    eval_dt: float,
+    start_spread: float,
+    progress=None,
+    merge_latency: float = 0.0,
 ) -> dict:
-    """One method at one seed (cfg.seed)."""
+    """One method at one seed (cfg.seed); `merge_latency`: see `sim.run_islands`."""
     mcfg = method_config(cfg, method)
     if method == "dp":
         return run_data_parallel(mcfg, eval_dt, progress)
-    return run_islands(mcfg, eval_dt, progress, offsets=start_offsets(mcfg, start_spread))
+    return run_islands(
+        mcfg,
+        eval_dt,
+        progress,
+        offsets=start_offsets(mcfg, start_spread),
+        merge_latency=merge_latency,
+    )
 
 
 def run(
@@ -127,8 +138,10 @@ def run(
     seeds: int = 1,
     start_spread: float = START_SPREAD_S,
     verbose: bool = False,
+    merge_latency: float = 0.0,
 ) -> dict:
-    """Every method at seeds 0..seeds-1 (seed-major: each seed's set of runs completes together)."""
+    """Every method at seeds 0..seeds-1 (seed-major: each seed's set of runs completes together).
+    `merge_latency`: virtual seconds from a publish to its merge (0: at once)."""
     size = ("quick" if quick else "full") if isinstance(quick, bool) else quick
     cfg = base_config(size, data, token_budget, overrides)
     tokens_per_time = cfg.data.batch_size * cfg.data.seq_len  # dp / sync pace: one batch a second
@@ -147,7 +160,9 @@ def run(
                     flush=True,
                 )
 
-            out = run_one(scfg, method, eval_dt, start_spread, progress if verbose else None)
+            out = run_one(
+                scfg, method, eval_dt, start_spread, progress if verbose else None, merge_latency
+            )
             out["wall_s"] = time.time() - started
             out["seed"] = seed
             results[method].append(out)
@@ -159,7 +174,7 @@ def run(
                 flush=True,
             )
     summary = summarize(cfg, results)
-    summary.update(size=size, start_spread_s=start_spread)
+    summary.update(size=size, start_spread_s=start_spread, merge_latency_s=merge_latency)
     return summary
 
 
@@ -248,6 +263,8 @@ def format_table(summary: dict) -> str:
         f"({summary['params'] / 1e6:.2f}M parameters), {summary['token_budget'] / 1e6:.2f}M "
         f"tokens, data {summary['data']}, seeds {seeds[0]}-{seeds[-1]} (n = {len(seeds)})"
     )
+    if summary.get("merge_latency_s"):
+        head += f", merges {summary['merge_latency_s']:g} virtual s after each publish"
     lines = [
         head,
         "",
@@ -312,6 +329,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument(
         "--start-spread", type=float, default=START_SPREAD_S, help="island start offsets (s)"
     )
+    parser.add_argument(
+        "--merge-latency",
+        type=float,
+        default=0.0,
+        help="virtual seconds from a publish to its merge (a real syncer's delay; default 0)",
+    )
     parser.add_argument("--data", default=None, help="directory, glob or URL (default builtin)")
     parser.add_argument("--tokens", type=int, default=None, help="token budget override")
     parser.add_argument("--methods", default=",".join(METHODS))
@@ -327,6 +350,8 @@ def main(argv: list[str]) -> int:
         parser.error("--seeds must be >= 1")
     if args.start_spread < 0:
         parser.error("--start-spread must be >= 0")
+    if args.merge_latency < 0:
+        parser.error("--merge-latency must be >= 0")
     methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
     unknown = set(methods) - set(METHODS)
     if unknown or not methods:
@@ -334,7 +359,7 @@ def main(argv: list[str]) -> int:
     overrides = parse_sets(args.set, parser)
     summary = run(
         size, args.data, methods, args.tokens, overrides, args.seeds, args.start_spread,
-        args.verbose,
+        args.verbose, args.merge_latency,
     )  # fmt: skip
     print()
     print(format_table(summary))

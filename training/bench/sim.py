@@ -17,6 +17,7 @@ provisioned from 0 to the end) and, with `trace_every` > 0, the per-merge trace
 
 from __future__ import annotations
 
+import heapq
 import json
 import math
 import uuid
@@ -59,8 +60,13 @@ def run_islands(
     offsets: dict[str, float] | None = None,
     jitter: float = 0.0,
     trace_every: int = 0,
+    merge_latency: float = 0.0,
 ) -> dict:
-    """The production Island and Merger classes on a virtual clock over a memory:// store."""
+    """The production Island and Merger classes on a virtual clock over a memory:// store.
+
+    `merge_latency` (virtual seconds): each publish wakes the merger that long after it (a real
+    syncer's upload, poll and merge time), which then merges whatever is committed (0: at once,
+    before the island's next step)."""
     clock = VirtualClock()
     store = fresh_store(cfg)
     islands = [Island(cfg, i.name, store, clock=clock) for i in cfg.islands]
@@ -88,6 +94,7 @@ def run_islands(
         next_t[isl.name] = offsets.get(isl.name, 0.0) + took[isl.name]
     stepping = 0.0
     wake: float | None = None
+    due: list[float] = []  # merges scheduled by publishes (merge_latency > 0)
     curve = Curve()
     seen_version = -1
     merges = quarantined = merged_tokens = 0
@@ -123,6 +130,10 @@ def run_islands(
     while merged_tokens < cfg.token_budget:
         ready = [i for i in islands if not i.blocked()]
         t_island = min((next_t[i.name] for i in ready), default=None)
+        if due and (t_island is None or due[0] <= t_island):
+            clock.t = max(clock.t, heapq.heappop(due))
+            merge()
+            continue
         if wake is not None and (t_island is None or wake <= t_island):
             clock.t = max(clock.t, wake)
             wake = None
@@ -139,7 +150,9 @@ def run_islands(
         stepping += took[isl.name]
         took[isl.name] = pace(isl.name)
         next_t[isl.name] += took[isl.name]
-        if result.published:
+        if result.published and merge_latency > 0:
+            heapq.heappush(due, clock.t + merge_latency)
+        elif result.published:
             merge()
         if clock.t >= next_eval:
             evaluate()
