@@ -60,6 +60,21 @@ HEARTBEAT_TIMEOUT_S = Knob(
 EXPERIMENT_SCHEDULE = Knob(
     "DILOCO_EXPERIMENT_SCHEDULE", None, str, "cron or preset of diloco_experiment (default: none)"
 )
+BACKENDS = Knob(
+    "DILOCO_BACKENDS",
+    None,
+    str,
+    "comma-separated island backends diloco_experiment offers (its graph has a task group per "
+    "backend, fixed at parse time; the form's backend choice and init accept only these); "
+    "default: every backend (local, tpu_vm, gke). `make airflow` / `make demo` set local",
+)
+DEFAULT_STORE = Knob(
+    "DILOCO_DEFAULT_STORE",
+    "file:///tmp/diloco/store",
+    str,
+    "the trigger form's default store URL; on Composer set gs://<bucket>/<prefix> (a file:// "
+    "store exists on one machine only: islands on TPU VMs or GKE cannot reach it)",
+)
 MAINTENANCE_SCHEDULE = Knob(
     "DILOCO_MAINTENANCE_SCHEDULE", "*/15 * * * *", str, "cron or preset of diloco_maintenance"
 )
@@ -101,6 +116,8 @@ KNOBS: tuple[Knob, ...] = (
     ISLAND_RETRIES,
     HEARTBEAT_TIMEOUT_S,
     EXPERIMENT_SCHEDULE,
+    BACKENDS,
+    DEFAULT_STORE,
     MAINTENANCE_SCHEDULE,
     GC_KEEP_LAST,
     GC_DRY_RUN,

@@ -19,6 +19,7 @@ from training.store.objectstore import (
     Generation,
     ObjectNotFound,
     ObjectStore,
+    StoreConnectionError,
     StoreError,
     StoreUnreachable,
     TransientStoreError,
@@ -322,7 +323,7 @@ class GCSStore(ObjectStore):
         except (auth_exc.RefreshError, auth_exc.DefaultCredentialsError) as exc:
             raise StoreUnreachable(f"credentials for {self.url}: {one_line(exc)}") from exc
         except (requests.RequestException, auth_exc.TransportError, OSError) as exc:
-            raise StoreUnreachable(
+            raise StoreConnectionError(
                 f"cannot reach {self._endpoint()} for {self.url}: {one_line(exc)}"
             ) from exc
         except gexc.GoogleAPICallError as exc:

@@ -40,6 +40,11 @@ class StoreUnreachable(StoreError):
     """The store cannot be used at all: bad bucket, missing credentials, connection refused."""
 
 
+class StoreConnectionError(StoreUnreachable):
+    """The store's endpoint did not answer (connection refused, timeout): maybe transient, unlike
+    the other `StoreUnreachable` causes (no such bucket, no permission, no credentials)."""
+
+
 class TransientStoreError(StoreError):
     """A transient failure that persisted through every retry; trying again later may work."""
 
