@@ -83,6 +83,13 @@ MAINTENANCE_SCHEDULE = Knob(
 GC_KEEP_LAST = Knob(
     "DILOCO_GC_KEEP_LAST", 5, int, "versions of each fragment's chain garbage collection keeps"
 )
+GC_EVERY_S = Knob(
+    "DILOCO_GC_EVERY_S",
+    60.0,
+    float,
+    "seconds between garbage collections of an experiment by its syncer (shard 0) while it "
+    "merges; 0: only diloco_maintenance and finalize collect",
+)
 GC_DRY_RUN = Knob("DILOCO_GC_DRY_RUN", False, _flag, "1 / true / yes: gc only reports its plan")
 RUNS_ROOT = Knob(
     "DILOCO_RUNS_ROOT", None, str, "local backend: where island run directories go (./runs)"
@@ -120,6 +127,7 @@ KNOBS: tuple[Knob, ...] = (
     DEFAULT_STORE,
     MAINTENANCE_SCHEDULE,
     GC_KEEP_LAST,
+    GC_EVERY_S,
     GC_DRY_RUN,
     RUNS_ROOT,
     TPU_API_ENDPOINT,

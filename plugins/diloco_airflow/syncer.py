@@ -100,6 +100,7 @@ class SyncerShardOperator(BaseOperator):
             lambda: store.pending_pseudograds(estore),
             run_id=self.run_id,
             on_merge=on_merge,
+            **self._housekeeping(),
         )
         out = syncer.drain()
         self.log.info(
@@ -126,6 +127,18 @@ class SyncerShardOperator(BaseOperator):
             ),
             method_name="execute_complete",
         )
+
+    def _housekeeping(self) -> dict[str, Any]:
+        """Shard 0 collects the experiment's garbage while it merges (`knobs.GC_EVERY_S`)."""
+        if self.shard != 0:
+            return {}
+        from diloco_airflow import knobs, retention
+
+        plain = store.open_experiment(self.store_url, self.experiment)  # no chaos faults
+        return {
+            "housekeeping": lambda: retention.collect(plain),
+            "housekeeping_every_s": knobs.GC_EVERY_S.get(),
+        }
 
 
 class EvaluatorOperator(BaseOperator):

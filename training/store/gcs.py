@@ -290,6 +290,20 @@ class GCSStore(ObjectStore):
 
         return self._run("list", prefix, attempt)
 
+    def sizes(self, prefix: str) -> dict[str, int]:
+        validate_prefix(prefix)
+        root = f"{self.prefix}/" if self.prefix else ""
+
+        def attempt() -> dict[str, int]:
+            blobs = self._client().list_blobs(
+                self.bucket, prefix=root + prefix, retry=None, timeout=self.timeout
+            )
+            return {
+                b.name[len(root) :]: int(b.size or 0) for b in blobs if not b.name.endswith("/")
+            }
+
+        return self._run("list", prefix, attempt)
+
     def delete(self, key: str) -> None:
         blob = self._blob(key)
 

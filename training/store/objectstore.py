@@ -258,6 +258,11 @@ class ObjectStore(ABC):
         `start_offset`, so a poller that remembers where it stopped never re-lists the history.
         """
 
+    def sizes(self, prefix: str) -> dict[str, int]:
+        """Key -> size in bytes of every object under `prefix` (as `list`). This default
+        reads each object; the backends answer from their listing or file metadata."""
+        return {k: len(self.read(k)) for k in self.list(prefix)}
+
     @abstractmethod
     def delete(self, key: str) -> None:
         """Remove the object; a missing object is fine."""
