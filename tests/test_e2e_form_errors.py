@@ -4,6 +4,8 @@ A store URL that cannot work (``s3://nope/x``) is refused by the form's schema (
 answers 400, no run starts). A budget under one batch per island passes the schema and fails
 `init` in one attempt, with the reason in its log; `islands_ended` fails at once after it,
 `finalize` never runs, and the run is failed within seconds (not the 5 minutes of retries).
+That run is triggered without a note, as the form does: the page plugin's listener gives it one
+naming its experiment.
 
     .venv/bin/python -m pytest -m slow tests/test_e2e_form_errors.py
 """
@@ -41,7 +43,8 @@ def test_bad_input_fails_at_once_with_one_attempt(tmp_path, gcs_bucket):  # noqa
             af.trigger(DAG, demo_conf(name, "s3://nope/x"))
 
         conf = demo_conf(name, f"file://{tmp_path}/store", budget=100)
-        run_id = af.trigger(DAG, conf)
+        body = {"logical_date": None, "conf": conf}  # as the form: no note
+        run_id = af.request("POST", f"/api/v2/dags/{DAG}/dagRuns", body)["dag_run_id"]
         assert af.wait_run(DAG, run_id, 180) == "failed"
         run = af.dag_run(DAG, run_id)
         tis = {(t["task_id"], t["map_index"]): t for t in af.task_instances(DAG, run_id)}
@@ -53,3 +56,4 @@ def test_bad_input_fails_at_once_with_one_attempt(tmp_path, gcs_bucket):  # noqa
         assert "is less than one batch per island" in str(log)
         assert _seconds(run) < FAIL_WITHIN_S, f"failed after {_seconds(run):.0f}s"
         assert not (tmp_path / "store").exists(), "init created nothing"
+        assert run["note"] == f"experiment {name} in file://{tmp_path}/store"

@@ -129,3 +129,19 @@ def test_every_backend_reports_the_sizes_of_what_it_holds(exp):
     exp.store.write("ret/b/c.bin", b"x" * 1000)
     exp.store.write("other/d", b"zz")
     assert exp.sizes() == {"a.json": 5, "b/c.bin": 1000}
+
+
+def test_the_merge_tasks_line_names_versions_contributions_and_tokens():
+    from training.syncer import merge_line
+
+    result = MergeResult(
+        versions={0: 7},
+        applied=["a/00000003-f000"],
+        tokens_merged=12345,
+        contributions=[
+            {"island": "a", "fragment": 0, "weight": 0.5, "staleness": 1, "published_at": 98.0}
+        ],
+    )
+    assert merge_line(0, result, 100.0) == (
+        "shard 0: merged 1 -> f0 v7; tokens 12,345; a f0 w 0.50 stale 1 2.0s"
+    )

@@ -238,3 +238,18 @@ def test_the_page_link_opens_the_run_and_only_on_diloco_runs():
         "/diloco/?run_id=manual__2026-01-01T00%3A00%3A00%2B00%3A00"
     )
     assert link.get_link(None, ti_key=other) == ""
+
+
+def test_a_runs_note_names_its_experiment_unless_it_has_one():
+    from types import SimpleNamespace
+
+    from diloco_airflow.ui.run_notes import note_for, on_dag_run_running
+
+    conf = {"experiment_name": "e1", "store_url": "gs://b/p"}
+    run = SimpleNamespace(dag_id="diloco_experiment", note=None, conf=conf)
+    on_dag_run_running(dag_run=run, msg="started")
+    assert run.note == "experiment e1 in gs://b/p"
+    kept = SimpleNamespace(dag_id="diloco_experiment", note="mine", conf=conf)
+    on_dag_run_running(dag_run=kept, msg="started")
+    assert kept.note == "mine"
+    assert note_for({}) is None and note_for(None) is None

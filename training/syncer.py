@@ -233,6 +233,32 @@ class ShardView:
         return None if data is None else Lease.parse(data[0])
 
 
+def merge_line(shard: int, result: Any, now: float) -> str:
+    """The merge task's log line for one merge (`training.merge.MergeResult`): the versions
+    published, each contribution (island, fragment, weight, staleness, publish-to-merge
+    latency), the tokens merged and what was quarantined."""
+    parts = []
+    for c in result.contributions or []:
+        latency = (
+            now - c["published_at"] if isinstance(c.get("published_at"), int | float) else None
+        )
+        weight, stale = c.get("weight"), c.get("staleness")
+        parts.append(
+            f"{c.get('island')} f{c.get('fragment')}"
+            + (f" w {weight:.2f}" if isinstance(weight, int | float) else "")
+            + (f" stale {stale}" if stale is not None else "")
+            + (f" {latency:.1f}s" if latency is not None else "")
+        )
+    versions = ", ".join(f"f{p} v{v}" for p, v in sorted(result.versions.items())) or "-"
+    tokens = f"{result.tokens_merged:,}" if result.tokens_merged is not None else "?"
+    line = f"shard {shard}: merged {len(result.applied)} -> {versions}; tokens {tokens}"
+    if parts:
+        line += "; " + ", ".join(parts)
+    if result.quarantined:
+        line += f"; quarantined {len(result.quarantined)}"
+    return line
+
+
 def housekeeping_due(now: float, last_at: float | None, every_s: float) -> bool:
     """Run the housekeeping now: it is on (`every_s` > 0) and has not run for `every_s`
     seconds (or never ran in this drain)."""

@@ -77,21 +77,15 @@ class SyncerShardOperator(BaseOperator):
         return self._drain(context)
 
     def _drain(self, context):
-        from training.syncer import ShardSyncer
+        from training.syncer import ShardSyncer, merge_line
 
         context["shard_label"] = f"shard {self.shard}"
         estore = _open(self.store_url, self.experiment, chaos=True, arm_kill=self.shard == 0)
         owner = self.run_id  # a retry of this task takes its own lease back at once
         started = time.monotonic()
 
-        def on_merge(r) -> None:
-            self.log.info(
-                "shard %d: version %s, applied %d, tokens merged %s",
-                self.shard,
-                r.version,
-                len(r.applied),
-                r.tokens_merged,
-            )
+        def on_merge(r) -> None:  # one line per merge in this task's log
+            self.log.info("%s", merge_line(self.shard, r, time.time()))
 
         syncer = ShardSyncer(
             estore,

@@ -5,6 +5,7 @@
 - "DiLoCo" in the navigation bar (Browse menu) shows it inside the Airflow UI, and every
   `diloco_experiment` run gets a "DiLoCo" tab showing its experiment.
 - Extra links on its tasks: "DiLoCo page", and "Island in bucket" on island tasks (links.py).
+- A listener (run_notes.py): every run's note names its experiment.
 
 Airflow loads it from `$AIRFLOW_HOME/plugins/diloco_page.py` (`local_airflow` writes that
 one-line shim, `diloco_airflow.ui.install_shim`: the project's plugins/ is on PYTHONPATH, not
@@ -31,9 +32,16 @@ def _links() -> list:
     return [DilocoPageLink(), IslandBucketLink()]
 
 
+def _listeners() -> list:
+    from diloco_airflow.ui import run_notes
+
+    return [run_notes]
+
+
 class DilocoPagePlugin(AirflowPlugin):
     name = "diloco"
     global_operator_extra_links = _links()
+    listeners = _listeners()
     fastapi_apps = [{"app": _app(), "url_prefix": URL_PREFIX, "name": "DiLoCo page"}]
     external_views = [
         {
