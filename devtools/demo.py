@@ -24,7 +24,13 @@ for p in (ROOT, ROOT / "plugins"):
 
 from diloco_airflow import knobs, store  # noqa: E402
 
-from devtools.local_airflow import LocalAirflow, stop_islands  # noqa: E402
+from devtools.local_airflow import (  # noqa: E402
+    AirflowError,
+    LocalAirflow,
+    hold_signals,
+    stop_islands,
+    stop_on_signals,
+)
 
 ISLANDS = ["island-a", "island-b", "island-c"]
 KILL = "island-b"
@@ -221,110 +227,128 @@ def single_process_loss(estore, tokens: int) -> float:
 
 
 def main() -> int:
+    """The demo; refuses to start (one line on stderr, exit 1) when the Airflow home or the
+    port is in use, and stops everything it started on SIGINT and SIGTERM alike."""
     started = time.time()
     runs = ROOT / "runs"
-    runs.mkdir(exist_ok=True)
+    af = LocalAirflow(env=airflow_env(runs))
+    ours = False  # whether this demo holds the home (started its Airflow)
+    with stop_on_signals():
+        try:
+            print(f"[demo] starting Airflow in {af.home} (logs in {af.home / 'logs'})", flush=True)
+            af.start()
+            ours = True
+            runs.mkdir(exist_ok=True)
+            return _demo(af, runs, started)
+        except KeyboardInterrupt:
+            print("[demo] interrupted", file=sys.stderr, flush=True)
+            return 130
+        except AirflowError as err:
+            print(f"error: {err}", file=sys.stderr, flush=True)
+            return 1
+        finally:
+            hold_signals()
+            af.stop()
+            if ours:  # this demo's Airflow: its islands (never another instance's)
+                stop_islands(runs / "islands")
+                print(f"[demo] stopped Airflow and islands after {time.time() - started:.0f}s")
+
+
+def _demo(af: LocalAirflow, runs: Path, started: float) -> int:
+    """Trigger the run, follow it, summarize it (Airflow is up; `main` stops it)."""
     name = time.strftime("demo-%Y%m%d-%H%M%S")
     store_url = f"file://{runs / 'store'}"
-    af = LocalAirflow(env=airflow_env(runs))
-    print(f"[demo] starting Airflow in {af.home} (logs in {af.home / 'logs'})", flush=True)
-    af.start()
-    try:
-        af.wait_healthy()
-        af.ensure_pools()
-        af.wait_dag("diloco_experiment")
-        print(
-            f"[demo] Airflow up after {time.time() - started:.0f}s; UI {af.base} "
-            f"(admin / {af.password()})",
-            flush=True,
-        )
-        run_id = af.trigger(
-            "diloco_experiment", demo_conf(name, store_url, profile=knobs.DEMO_PROFILE.get())
-        )
-        print(f"[demo] triggered diloco_experiment {run_id}: experiment {name}", flush=True)
-        print(f"[demo] watch it: {af.base}/plugin/diloco (Browse -> DiLoCo)", flush=True)
-        estore = store.open_experiment(store_url, name)
-        merges, evals = MetricTail(estore, "merge"), MetricTail(estore, "eval")
-        killed, last_line, last_print = False, "", 0.0
-        deadline = time.monotonic() + TIMEOUT_S
-        state = "running"
-        while time.monotonic() < deadline:
-            af.check_alive()
-            state = af.dag_run("diloco_experiment", run_id)["state"]
-            try:
-                merges.poll()
-                new_evals = evals.poll()
-                info = islands_info(estore)
-                snapshot = estore.current_snapshot()
-            except Exception:  # not initialized yet
-                new_evals, info, snapshot = [], {}, None
-            t = time.time() - started
-            for r in sorted(new_evals, key=lambda r: r.get("at", 0.0)):
-                print(
-                    f"[{t:5.0f}s] eval loss {r['loss']:.4f} at {r.get('tokens_merged', 0):,} "
-                    f"tokens merged (version {r.get('version')})",
-                    flush=True,
-                )
-            tokens = snapshot.tokens_merged if snapshot else 0
-            now = time.time()
-            alive = [i for i, b in info.items() if now - float(b.get("time", 0)) < 10]
-            done = sorted(estore.done()) if info else []
-            line = (
-                f"merges {len(merges.records)}  tokens {tokens:,}/{TOKEN_BUDGET:,}  "
-                f"alive {','.join(sorted(set(alive) - set(done))) or '-'}  "
-                f"done {','.join(done) or '-'}  run {state}"
+    af.wait_healthy()
+    af.ensure_pools()
+    af.wait_dag("diloco_experiment")
+    print(
+        f"[demo] Airflow up after {time.time() - started:.0f}s; UI {af.base} "
+        f"(admin / {af.password()})",
+        flush=True,
+    )
+    run_id = af.trigger(
+        "diloco_experiment", demo_conf(name, store_url, profile=knobs.DEMO_PROFILE.get())
+    )
+    print(f"[demo] triggered diloco_experiment {run_id}: experiment {name}", flush=True)
+    print(f"[demo] watch it: {af.base}/plugin/diloco (Browse -> DiLoCo)", flush=True)
+    estore = store.open_experiment(store_url, name)
+    merges, evals = MetricTail(estore, "merge"), MetricTail(estore, "eval")
+    killed, last_line, last_print = False, "", 0.0
+    deadline = time.monotonic() + TIMEOUT_S
+    state = "running"
+    while time.monotonic() < deadline:
+        af.check_alive()
+        state = af.dag_run("diloco_experiment", run_id)["state"]
+        try:
+            merges.poll()
+            new_evals = evals.poll()
+            info = islands_info(estore)
+            snapshot = estore.current_snapshot()
+        except Exception:  # not initialized yet
+            new_evals, info, snapshot = [], {}, None
+        t = time.time() - started
+        for r in sorted(new_evals, key=lambda r: r.get("at", 0.0)):
+            print(
+                f"[{t:5.0f}s] eval loss {r['loss']:.4f} at {r.get('tokens_merged', 0):,} "
+                f"tokens merged (version {r.get('version')})",
+                flush=True,
             )
-            if line != last_line and (now - last_print >= 10 or state != "running"):
-                print(f"[{t:5.0f}s] {line}", flush=True)
-                last_line, last_print = line, now
-            if not killed and KILL in alive and tokens >= TOKEN_BUDGET // 4:
-                pgid = kill_island(runs, name, KILL, store_url)
-                if pgid:
-                    killed = True
-                    print(f"[{t:5.0f}s] SIGKILL {KILL} (process group {pgid})", flush=True)
-            if state in ("success", "failed"):
-                break
-            time.sleep(2)
-        merges.poll()
-        evals.poll()
-        snapshot = estore.current_snapshot()
-        s = summarize(
-            merges.records,
-            evals.records,
-            islands_info(estore),
-            TOKEN_BUDGET,
-            tokens_merged=snapshot.tokens_merged if snapshot else 0,
+        tokens = snapshot.tokens_merged if snapshot else 0
+        now = time.time()
+        alive = [i for i, b in info.items() if now - float(b.get("time", 0)) < 10]
+        done = sorted(estore.done()) if info else []
+        line = (
+            f"merges {len(merges.records)}  tokens {tokens:,}/{TOKEN_BUDGET:,}  "
+            f"alive {','.join(sorted(set(alive) - set(done))) or '-'}  "
+            f"done {','.join(done) or '-'}  run {state}"
         )
-        s.update(
-            retries=retries(af, run_id),
-            islands_done=sorted(estore.done()),
-            wall_s=round(time.time() - started, 1),
-            dag_run_state=state,
-            experiment=name,
-            store=store_url,
-        )
-        af.stop()  # free the CPU for the single-process comparison
-        stop_islands(runs / "islands")
-        tokens = s["tokens_trained"] or s["tokens_merged"]
-        s["single_process_eval_loss"] = None
-        if tokens:
-            print(f"[demo] single-process run of the same {tokens:,} tokens...", flush=True)
-            s["single_process_eval_loss"] = single_process_loss(estore, tokens)
-        final, single = s["final_eval_loss"], s["single_process_eval_loss"]
-        if final is not None and single:
-            s["final_vs_single_process"] = round(final / single - 1, 4)
-        print("\n[demo] summary")
-        for k, v in s.items():
-            print(f"  {k:34s} {v}")
-        out = runs / f"{name}-summary.json"
-        out.write_text(json.dumps(s, indent=1))
-        ok = state == "success" and final is not None and final < s["initial_eval_loss"]
-        print(f"[demo] {'OK' if ok else 'FAILED'}; summary in {out}", flush=True)
-        return 0 if ok else 1
-    finally:
-        af.stop()
-        stop_islands(runs / "islands")
-        print(f"[demo] stopped Airflow and islands after {time.time() - started:.0f}s", flush=True)
+        if line != last_line and (now - last_print >= 10 or state != "running"):
+            print(f"[{t:5.0f}s] {line}", flush=True)
+            last_line, last_print = line, now
+        if not killed and KILL in alive and tokens >= TOKEN_BUDGET // 4:
+            pgid = kill_island(runs, name, KILL, store_url)
+            if pgid:
+                killed = True
+                print(f"[{t:5.0f}s] SIGKILL {KILL} (process group {pgid})", flush=True)
+        if state in ("success", "failed"):
+            break
+        time.sleep(2)
+    merges.poll()
+    evals.poll()
+    snapshot = estore.current_snapshot()
+    s = summarize(
+        merges.records,
+        evals.records,
+        islands_info(estore),
+        TOKEN_BUDGET,
+        tokens_merged=snapshot.tokens_merged if snapshot else 0,
+    )
+    s.update(
+        retries=retries(af, run_id),
+        islands_done=sorted(estore.done()),
+        wall_s=round(time.time() - started, 1),
+        dag_run_state=state,
+        experiment=name,
+        store=store_url,
+    )
+    af.stop()  # free the CPU for the single-process comparison
+    stop_islands(runs / "islands")
+    tokens = s["tokens_trained"] or s["tokens_merged"]
+    s["single_process_eval_loss"] = None
+    if tokens:
+        print(f"[demo] single-process run of the same {tokens:,} tokens...", flush=True)
+        s["single_process_eval_loss"] = single_process_loss(estore, tokens)
+    final, single = s["final_eval_loss"], s["single_process_eval_loss"]
+    if final is not None and single:
+        s["final_vs_single_process"] = round(final / single - 1, 4)
+    print("\n[demo] summary")
+    for k, v in s.items():
+        print(f"  {k:34s} {v}")
+    out = runs / f"{name}-summary.json"
+    out.write_text(json.dumps(s, indent=1))
+    ok = state == "success" and final is not None and final < s["initial_eval_loss"]
+    print(f"[demo] {'OK' if ok else 'FAILED'}; summary in {out}", flush=True)
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

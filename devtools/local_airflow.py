@@ -1,8 +1,13 @@
 """A real Airflow on this machine: start, wait until healthy, REST API v2 helpers, stop.
 
-    python -m devtools.local_airflow serve      # leaves the UI on localhost:8080
+    python -m devtools.local_airflow serve [--port N] [--home DIR]   # the UI on localhost:8080
 
-The port is `DILOCO_AIRFLOW_PORT` (default 8080) unless given; `start()` refuses a port in use.
+The port is `DILOCO_AIRFLOW_PORT` (default 8080) unless given. Safe to run twice: `start()` first
+takes the home's lock (`HomeLock`: ``$AIRFLOW_HOME/local-airflow.lock`` with the owner's pid; a
+lock whose owner is dead is taken over), then refuses a port in use, each with one line
+(`AirflowError`), before it writes anything in the home; `stop()` touches the home's files
+(pids.json, the lock) only when this instance holds the lock. `serve` and `make demo` stop
+everything they started on SIGINT and SIGTERM alike (`stop_on_signals`).
 
 Runs scheduler, triggerer, dag-processor and api-server (LocalExecutor on SQLite) in a
 project-local AIRFLOW_HOME with the project's dags/ and plugins/. Every component leads its own
@@ -60,6 +65,100 @@ class AirflowError(RuntimeError):
     pass
 
 
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class HomeLock:
+    """One local Airflow per AIRFLOW_HOME: ``local-airflow.lock`` holds the owner's pid and port.
+
+    `acquire` creates it exclusively; a lock whose pid is dead is stale and is replaced (once);
+    a live owner's lock raises AirflowError (one line). `release` removes it only if it is ours.
+    """
+
+    NAME = "local-airflow.lock"
+
+    def __init__(self, home: Path, port: int, pid: int | None = None):
+        self.path = Path(home) / self.NAME
+        self.port = port
+        self.pid = os.getpid() if pid is None else pid
+        self.held = False
+
+    def owner(self) -> dict | None:
+        try:
+            data = json.loads(self.path.read_text())
+            return data if isinstance(data, dict) and isinstance(data.get("pid"), int) else None
+        except (OSError, ValueError):
+            return None
+
+    def acquire(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        record = json.dumps({"pid": self.pid, "port": self.port, "started_at": time.time()})
+        for _ in range(2):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                owner = self.owner()
+                if owner is not None and pid_alive(owner["pid"]):
+                    raise AirflowError(
+                        f"{self.path.parent} is in use by another local Airflow (pid "
+                        f"{owner['pid']}, port {owner.get('port')}): stop it first"
+                    ) from None
+                with contextlib.suppress(FileNotFoundError):  # stale: its owner is gone
+                    self.path.unlink()
+                continue
+            with os.fdopen(fd, "w") as out:
+                out.write(record)
+            self.held = True
+            return
+        raise AirflowError(f"could not take {self.path}: another instance is starting")
+
+    def release(self) -> None:
+        if self.held and (self.owner() or {}).get("pid") == self.pid:
+            with contextlib.suppress(FileNotFoundError):
+                self.path.unlink()
+        self.held = False
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM arrived: stop what was started."""
+
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+@contextlib.contextmanager
+def stop_on_signals():
+    """Within: SIGINT and SIGTERM raise `Interrupted` in the main thread (even where SIGINT was
+    inherited as ignored, as in a background job of a non-interactive shell), and the first
+    one ignores any further ones, so the cleanup it starts runs to the end. After: the
+    default handlers. Cleanup code not started by a signal calls `hold_signals` first."""
+
+    def interrupt(signum, frame):
+        hold_signals()
+        raise Interrupted(signal.Signals(signum).name)
+
+    for s in SIGNALS:
+        signal.signal(s, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def hold_signals() -> None:
+    """Ignore SIGINT and SIGTERM (while stopping what was started)."""
+    for s in SIGNALS:
+        signal.signal(s, signal.SIG_IGN)
+
+
 class LocalAirflow:
     def __init__(
         self,
@@ -77,6 +176,7 @@ class LocalAirflow:
         self.parallelism = parallelism
         self.extra_env = dict(env or {})
         self.procs: dict[str, subprocess.Popen] = {}
+        self.lock = HomeLock(self.home, port)
         self._token: str | None = None
         self.base = f"http://127.0.0.1:{port}"
 
@@ -102,6 +202,8 @@ class LocalAirflow:
             "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
             "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
             "AIRFLOW__CORE__PARALLELISM": str(self.parallelism),
+            # local islands only: no tpu_vm / gke task groups in the graph (unless set)
+            knobs.BACKENDS.name: knobs.BACKENDS.get() or "local",
             "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": f"{USER}:admin",
             "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"{self.base}/execution/",
             "AIRFLOW__API__PORT": str(self.port),
@@ -125,7 +227,13 @@ class LocalAirflow:
         return [str(exe)] if exe.exists() else [sys.executable, "-m", "airflow"]
 
     def start(self) -> None:
+        """Take the home's lock, check the port, migrate the DB, start the components.
+
+        Refuses (AirflowError, one line, nothing in the home touched) when another live
+        instance holds the home or the port is in use."""
+        self.lock.acquire()
         if port_in_use(self.port):
+            self.lock.release()
             raise AirflowError(
                 f"port {self.port} is in use (another Airflow?): set DILOCO_AIRFLOW_PORT"
             )
@@ -156,7 +264,8 @@ class LocalAirflow:
         (self.home / "pids.json").write_text(json.dumps({n: p.pid for n, p in self.procs.items()}))
 
     def stop(self, grace_s: float = 15.0) -> None:
-        """SIGINT then SIGTERM each component's process group; SIGKILL what is left."""
+        """SIGINT then SIGTERM each component's process group; SIGKILL what is left; then
+        pids.json and the lock go, if this instance holds the home (else nothing is touched)."""
         for sig in (signal.SIGINT, signal.SIGTERM):
             for p in self.procs.values():
                 with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -174,8 +283,10 @@ class LocalAirflow:
             with contextlib.suppress(Exception):
                 p.wait(timeout=5)
         self.procs.clear()
-        with contextlib.suppress(FileNotFoundError):
-            (self.home / "pids.json").unlink()
+        if self.lock.held:
+            with contextlib.suppress(FileNotFoundError):
+                (self.home / "pids.json").unlink()
+            self.lock.release()
 
     def check_alive(self) -> None:
         for name, p in self.procs.items():
@@ -321,33 +432,48 @@ def stop_islands(runs_root: str | Path) -> list[int]:
     return killed
 
 
-def serve(port: int | None = None) -> int:
-    af = LocalAirflow(port=port, env={knobs.RUNS_ROOT.name: str(ROOT / "runs")})
+def serve(port: int | None = None, home: str | None = None) -> int:
+    """`make airflow`: start, print where to go, run until SIGINT / SIGTERM, stop it all.
+    Refuses to start (one line on stderr, exit 1) when the home or the port is in use."""
+    af = LocalAirflow(home=home, port=port, env={knobs.RUNS_ROOT.name: str(ROOT / "runs")})
     port = af.port
-    af.start()
-    try:
-        af.wait_healthy()
-        af.ensure_pools()
-        print(f"Airflow UI: http://localhost:{port}  user {USER}  password {af.password()}")
-        print(f"DiLoCo page: http://localhost:{port}/plugin/diloco (Browse -> DiLoCo)")
-        print(f"AIRFLOW_HOME={af.home}; logs in {af.home / 'logs'}. Ctrl-C stops it.", flush=True)
-        while True:
-            af.check_alive()
-            time.sleep(2)
-    except KeyboardInterrupt:
-        return 0
-    finally:
-        af.stop()
-        stop_islands(ROOT / "runs")
+    with stop_on_signals():
+        try:
+            af.start()
+            af.wait_healthy()
+            af.ensure_pools()
+            print(f"Airflow UI: http://localhost:{port}  user {USER}  password {af.password()}")
+            print(f"DiLoCo page: http://localhost:{port}/plugin/diloco (Browse -> DiLoCo)")
+            print(
+                f"AIRFLOW_HOME={af.home}; logs in {af.home / 'logs'}. Ctrl-C stops it.",
+                flush=True,
+            )
+            while True:
+                af.check_alive()
+                time.sleep(2)
+        except KeyboardInterrupt:
+            return 0
+        except AirflowError as err:
+            print(f"error: {err}", file=sys.stderr, flush=True)
+            return 1
+        finally:
+            hold_signals()
+            held = af.lock.held
+            af.stop()
+            if held:  # only the islands of the home this instance held
+                stop_islands(ROOT / "runs")
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] != "serve":
-        print("usage: python -m devtools.local_airflow serve [--port N]", file=sys.stderr)
+        print(
+            "usage: python -m devtools.local_airflow serve [--port N] [--home DIR]", file=sys.stderr
+        )
         return 2
     port = int(argv[argv.index("--port") + 1]) if "--port" in argv else None
-    return serve(port)
+    home = argv[argv.index("--home") + 1] if "--home" in argv else None
+    return serve(port, home)
 
 
 if __name__ == "__main__":

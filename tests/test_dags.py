@@ -119,3 +119,33 @@ def test_bad_params_fail_with_one_line():
     with pytest.raises(ConfigError) as err:
         config_from_params(values)
     assert "\n" not in str(err.value) and "seq_len" in str(err.value)
+
+
+def test_finalize_never_runs_after_a_failed_init(dagbag):
+    """init failed: islands_ended (downstream of init) fails at once and the syncer and evaluator
+    are upstream_failed, so finalize, which needs one successful upstream task, never runs."""
+    dag = dagbag.dags["diloco_experiment"]
+    assert dag.get_task("finalize").trigger_rule == "all_done_min_one_success"
+    assert "init" in dag.get_task("islands_ended").upstream_task_ids
+
+
+def test_unused_backends_are_absent_from_the_graph(tmp_path):
+    """DILOCO_BACKENDS=local (what `make airflow` sets): no tpu_vm / gke task groups, and the
+    form offers only local islands."""
+    code = f"""
+import sys
+sys.path.insert(0, {str(ROOT / "plugins")!r})
+from airflow.dag_processing.dagbag import DagBag
+dag = DagBag(dag_folder={str(DAGS / "diloco_experiment.py")!r}).dags["diloco_experiment"]
+print(sorted({{t.task_id.split(".")[0] for t in dag.tasks}}))
+print(dag.params.get_param("islands").schema["items"]["properties"]["backend"]["enum"])
+"""
+    env = {"AIRFLOW_HOME": str(tmp_path), "PATH": "/usr/bin:/bin", "DILOCO_BACKENDS": "local"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    groups, enum = out.stdout.strip().splitlines()[-2:]
+    assert "islands_local" in groups and "select_local" in groups
+    assert not [g for g in ("tpu_vm", "gke") if g in groups], groups
+    assert enum == "['local']"

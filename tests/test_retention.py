@@ -33,7 +33,8 @@ def exp(request, tmp_path) -> ExperimentStore:
     """Two fragments: f0 at versions 0..8, f1 at 0..7; each version v > 0 of fragment p applies
     a/{v-1}-f{p} and b/{v-1}-f{p}. A lost race on f0 (an orphan directory of version 3); f1's
     version 8 in flight (payload only); an orphan payload; b's heartbeat based on [2, 1]; a's
-    checkpoints at steps 10, 20 (based on [4, 3]) and 30, the latest, based on [3, 2]."""
+    checkpoints at steps 10, 20 (based on [4, 3]; left unpruned) and 30, the latest, based on
+    [3, 2]."""
     store = ExperimentStore(open_backend(request.param, request, tmp_path), "gc")
     store.write_config({"name": "gc", "fragments": {"count": 2}})
     stale = None
@@ -50,6 +51,7 @@ def exp(request, tmp_path) -> ExperimentStore:
     store.store.write(f"gc/{IN_FLIGHT}/params.safetensors", b"in flight")
     store.store.write("gc/pseudograds/a/00000007-f000-deadbeef.safetensors", b"orphan")
     store.write_heartbeat("b", {"base_version": [2, 1], "time": 0.0})
+    store.prune_checkpoints = lambda island, step: 0  # a's process died before it pruned
     for step in (10, 20, 30):
         base = [3, 2] if step == 30 else [4, 3]
         store.save_checkpoint("a", step, {"x": np.zeros(2, np.float32)}, {"base_version": base})

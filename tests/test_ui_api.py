@@ -238,3 +238,41 @@ def test_the_page_link_opens_the_run_and_only_on_diloco_runs():
         "/diloco/?run_id=manual__2026-01-01T00%3A00%3A00%2B00%3A00"
     )
     assert link.get_link(None, ti_key=other) == ""
+
+
+def test_a_runs_note_names_its_experiment_unless_it_has_one():
+    from types import SimpleNamespace
+
+    from diloco_airflow.ui.run_notes import note_for, on_dag_run_running
+
+    conf = {"experiment_name": "e1", "store_url": "gs://b/p"}
+    run = SimpleNamespace(dag_id="diloco_experiment", note=None, conf=conf)
+    on_dag_run_running(dag_run=run, msg="started")
+    assert run.note == "experiment e1 in gs://b/p"
+    kept = SimpleNamespace(dag_id="diloco_experiment", note="mine", conf=conf)
+    on_dag_run_running(dag_run=kept, msg="started")
+    assert kept.note == "mine"
+    assert note_for({}) is None and note_for(None) is None
+
+
+def test_bucket_links_open_the_cloud_console_for_gs_stores_only():
+    from diloco_airflow.ui.links import bucket_link
+
+    run = {"store": "gs://b/p", "experiment": "e"}
+    console = "https://console.cloud.google.com/storage/browser/b/p/e"
+    assert bucket_link(run) == console
+    assert bucket_link(run, "island-a") == f"{console}/pseudograds/island-a"
+    assert bucket_link({"store": "file:///tmp/s", "experiment": "e"}) == ""
+    assert bucket_link(None) == ""
+
+
+def test_the_experiment_bucket_link_is_on_the_merge_tasks_not_the_island_tasks(monkeypatch):
+    from airflow.models.taskinstancekey import TaskInstanceKey
+    from diloco_airflow.ui import links
+
+    link, run = links.ExperimentBucketLink(), {"store": "gs://b", "experiment": "e"}
+    monkeypatch.setattr(links, "_run_of", lambda ti_key: run)  # the metadata DB's answer
+    syncer = TaskInstanceKey("diloco_experiment", "syncer", "r", 1, 0)
+    island = TaskInstanceKey("diloco_experiment", "islands_local.wait", "r", 1, 0)
+    assert link.get_link(None, ti_key=syncer).endswith("/storage/browser/b/e")
+    assert link.get_link(None, ti_key=island) == ""

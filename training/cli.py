@@ -117,19 +117,23 @@ def _all_done(cfg: ExperimentConfig, estore) -> bool:
 
 def cmd_eval(args) -> int:
     from training.evaluate import evaluate_snapshot
+    from training.progress import Progress
 
-    cfg, estore = _load(args)
-    snapshot = None
-    if args.version is not None:
-        snapshot = estore.snapshot_of(
-            {
-                "versions": [args.version] * cfg.fragments.count,
-                "dirs": [
-                    estore.find_version(p, args.version).dir for p in range(cfg.fragments.count)
-                ],
-            }
-        )
-    out = evaluate_snapshot(cfg, estore, snapshot, record=args.record)
+    with Progress("eval", total=2) as bar:
+        bar.step("reading the snapshot")
+        cfg, estore = _load(args)
+        snapshot = None
+        if args.version is not None:
+            snapshot = estore.snapshot_of(
+                {
+                    "versions": [args.version] * cfg.fragments.count,
+                    "dirs": [
+                        estore.find_version(p, args.version).dir for p in range(cfg.fragments.count)
+                    ],
+                }
+            )
+        bar.step(f"evaluating {cfg.data.eval_batches} batches")
+        out = evaluate_snapshot(cfg, estore, snapshot, record=args.record)
     print(json.dumps(out))
     return 0
 
@@ -172,10 +176,15 @@ def cmd_history(args) -> int:
 
 def cmd_report(args) -> int:
     from training.dashboard import experiment_view
+    from training.progress import Progress
     from training.report import write_report
 
-    cfg, estore = _load(args)
-    written = write_report(experiment_view(cfg, estore), args.out)
+    with Progress("report", total=2) as bar:
+        bar.step("reading the store")
+        cfg, estore = _load(args)
+        view = experiment_view(cfg, estore)
+        bar.step("drawing the charts")
+        written = write_report(view, args.out)
     print(f"wrote {', '.join(written['charts'])} and {written['html']}")
     return 0
 

@@ -581,3 +581,16 @@ def join_islands(existing: dict[str, Any], islands: list[dict[str, Any]]) -> dic
     joined = {**existing, "islands": out}
     parse_config(joined)  # still a valid config (names unique, ...)
     return joined
+
+
+def check_budget(cfg: ExperimentConfig) -> None:
+    """Raise ConfigError unless the token budget holds at least one batch per island (a
+    smaller budget ends the run before any island has published)."""
+    batch = cfg.data.batch_size * cfg.data.seq_len
+    need = batch * len(cfg.islands)
+    if cfg.token_budget < need:
+        raise ConfigError(
+            f"invalid config: token_budget {cfg.token_budget:,} is less than one batch per "
+            f"island ({len(cfg.islands)} x {cfg.data.batch_size} x {cfg.data.seq_len} = "
+            f"{need:,} tokens)"
+        )

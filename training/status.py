@@ -1,4 +1,5 @@
-"""What `diloco status` shows: versions, islands, staleness, throughput, last losses."""
+"""What `diloco status` shows: versions, islands, staleness, throughput, last losses, and the
+bytes the experiment holds in the store by kind."""
 
 from __future__ import annotations
 
@@ -6,6 +7,33 @@ import time
 
 from training.config import ExperimentConfig
 from training.goodput import BADPUT, experiment_goodput
+
+STORAGE_KINDS = {
+    "checkpoints": "checkpoints",
+    "pseudograds": "pseudo-gradients",
+    "fragments": "versions",
+    "snapshots": "snapshots",
+}
+"""Top-level folder of the experiment -> the kind `diloco status` names it; the rest (ledger,
+metrics, heartbeats, control, config, ...) is "records"."""
+
+
+def bytes_by_kind(sizes: dict[str, int]) -> dict[str, int]:
+    """Bytes per kind (`STORAGE_KINDS`, then "records" and "total") of keys relative to the
+    experiment root."""
+    out = dict.fromkeys([*STORAGE_KINDS.values(), "records"], 0)
+    for key, size in sizes.items():
+        out[STORAGE_KINDS.get(key.split("/", 1)[0], "records")] += int(size)
+    out["total"] = sum(out.values())
+    return out
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "kB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    raise AssertionError("unreachable")
 
 
 def collect_status(cfg: ExperimentConfig, store, now: float | None = None) -> dict:
@@ -62,6 +90,7 @@ def collect_status(cfg: ExperimentConfig, store, now: float | None = None) -> di
         warning=report["warning"],
         goodput=experiment_goodput(cfg, {n: hb.get("goodput_state") for n, hb in beats.items()}),
         stop_requested=store.stop_requested(None),
+        storage=bytes_by_kind(store.sizes()),
         islands=islands,
         skipped=dict(
             count=store.skipped.count - skipped_before, examples=store.skipped.examples[:5]
@@ -98,6 +127,10 @@ def format_status(s: dict) -> str:
             f"goodput {g['goodput']:.1%} (chip-weighted, {g['islands']} islands, {g['chips']} chips)"
             f"  badput: {badput}"
         )
+    storage = s.get("storage")
+    if storage:
+        kinds = ", ".join(f"{k} {_human(v)}" for k, v in storage.items() if k != "total")
+        lines.append(f"store holds {_human(storage['total'])}: {kinds}")
     skipped = s.get("skipped") or {}
     if skipped.get("count"):
         example = skipped["examples"][0] if skipped.get("examples") else ""

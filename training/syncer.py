@@ -18,10 +18,15 @@ runs this in mapped tasks of the experiment's own DAG run):
 - **Finished** = every island of the config is done (or asked to leave), or the DAG run that
   started this syncer has marked its islands ended (`mark_run_ended`: its island tasks are over,
   successful or not). A STOP alone does not finish: islands publish their remainders first.
+- **Housekeeping** (optional, shard 0 on Airflow): a `housekeeping()` callable (garbage
+  collection of the store, `plugins/diloco_airflow/retention.py`) runs after a merge once
+  `housekeeping_every_s` have passed since the last run, so the bucket does not fill up during a
+  run; its failure is logged, never a merge's.
 - **Evaluation** (`Evaluator.run`) evaluates the current model at most every `eval_every_s`
   seconds while merges happen, in a process of its own, so it never delays a merge.
 
-Pure decisions: `shard_fragments`, `owned`, `lease_action`, `is_finished`, `eval_due`. The rest is
+Pure decisions: `shard_fragments`, `owned`, `lease_action`, `is_finished`, `eval_due`,
+`housekeeping_due`. The rest is
 thin I/O over `ExperimentStore` (and `training.merge.Merger`, imported lazily: this module is
 imported by Airflow triggers, which must not import jax).
 """
@@ -228,6 +233,38 @@ class ShardView:
         return None if data is None else Lease.parse(data[0])
 
 
+def merge_line(shard: int, result: Any, now: float) -> str:
+    """The merge task's log line for one merge (`training.merge.MergeResult`): the versions
+    published, each contribution (island, fragment, weight, staleness, publish-to-merge
+    latency), the tokens merged and what was quarantined."""
+    parts = []
+    for c in result.contributions or []:
+        latency = (
+            now - c["published_at"] if isinstance(c.get("published_at"), int | float) else None
+        )
+        weight, stale = c.get("weight"), c.get("staleness")
+        parts.append(
+            f"{c.get('island')} f{c.get('fragment')}"
+            + (f" w {weight:.2f}" if isinstance(weight, int | float) else "")
+            + (f" stale {stale}" if stale is not None else "")
+            + (f" {latency:.1f}s" if latency is not None else "")
+        )
+    versions = ", ".join(f"f{p} v{v}" for p, v in sorted(result.versions.items())) or "-"
+    tokens = f"{result.tokens_merged:,}" if result.tokens_merged is not None else "?"
+    line = f"shard {shard}: merged {len(result.applied)} -> {versions}; tokens {tokens}"
+    if parts:
+        line += "; " + ", ".join(parts)
+    if result.quarantined:
+        line += f"; quarantined {len(result.quarantined)}"
+    return line
+
+
+def housekeeping_due(now: float, last_at: float | None, every_s: float) -> bool:
+    """Run the housekeeping now: it is on (`every_s` > 0) and has not run for `every_s`
+    seconds (or never ran in this drain)."""
+    return every_s > 0 and (last_at is None or now - last_at >= every_s)
+
+
 # -- the draining loop -----------------------------------------------------------------------
 @dataclass
 class DrainOutcome:
@@ -256,8 +293,13 @@ class ShardSyncer:
         sleep: Callable[[float], None] = time.sleep,
         merger_for: Callable[[ExperimentConfig, list[int]], Any] | None = None,
         on_merge: Callable[[Any], None] | None = None,
+        housekeeping: Callable[[], Any] | None = None,
+        housekeeping_every_s: float = 0.0,
     ):
         self.estore = estore
+        self.housekeeping = housekeeping
+        self.housekeeping_every_s = housekeeping_every_s if housekeeping else 0.0
+        self.housekept_at: float | None = None
         self.view = ShardView(estore, shard, run_id)
         self.shard = shard
         self.pending_ids = pending_ids
@@ -290,7 +332,18 @@ class ShardSyncer:
             self.outcome.merges += 1
             self.outcome.applied += len(result.applied)
             self.on_merge(result)
+            self._housekeep()
         return result
+
+    def _housekeep(self) -> None:
+        now = self.clock()
+        if not housekeeping_due(now, self.housekept_at, self.housekeeping_every_s):
+            return
+        self.housekept_at = now
+        try:
+            self.housekeeping()
+        except Exception as exc:  # the bucket's retention must never stop a merge
+            log.warning("shard %d: housekeeping failed: %s", self.shard, exc)
 
     def drain(self) -> DrainOutcome:
         """Merge until idle for `idle_s`, finished (after a last drain), or standing by."""

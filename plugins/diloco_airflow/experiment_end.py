@@ -68,8 +68,8 @@ def islands_ended(store_url: str, experiment: str, run_id: str, islands: list[st
 
 def finalize_experiment(store_url: str, experiment: str) -> dict[str, Any]:
     """After the islands and the syncer: a last merge of anything a failed shard left (a no-op
-    normally), a final eval of the current model, and drop the experiment from the registry
-    once every island of its config is done."""
+    normally), a final eval of the current model, a garbage collection, and drop the
+    experiment from the registry once every island of its config is done."""
     from training.config import parse_config
     from training.evaluate import end_of_run_report, evaluate_current, finish_at_best
 
@@ -95,6 +95,12 @@ def finalize_experiment(store_url: str, experiment: str) -> dict[str, Any]:
                 finish["final"]["loss"],
             )
             record = finish["final"]
+    from diloco_airflow import retention
+
+    try:  # what the run left beyond the retention rules (its islands pruned their checkpoints)
+        retention.collect(store.open_experiment(store_url, experiment))
+    except Exception as exc:  # the maintenance DAG collects later
+        log.warning("%s: garbage collection failed: %s", experiment, exc)
     report = end_of_run_report(estore)
     if report["warning"]:
         log.warning("%s: %s", experiment, report["warning"])

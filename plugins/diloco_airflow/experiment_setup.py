@@ -1,6 +1,9 @@
 """The `init` task: validate the form, create the experiment or join it, hand out the islands.
 
-Heavy imports (the training package, jax) happen inside the function, at task run time.
+`run_init` is the task: a permanent error (`permanent_reason`: a bad config or budget, a
+backend this DAG does not offer, a store URL that cannot work, a store that refuses us) fails it
+at once, without retries, with one line; anything else (a store that did not answer) is
+retried. Heavy imports (the training package, jax) happen inside the functions, at run time.
 """
 
 from __future__ import annotations
@@ -9,12 +12,53 @@ import json
 import logging
 from typing import Any
 
-from diloco_airflow import store
-from diloco_airflow.backends import BACKENDS
+from diloco_airflow import knobs, store
+from diloco_airflow.backends.registry import enabled_backends
 from diloco_airflow.experiment_registry import register_experiment
 from diloco_airflow.island_entry import island_entry
 
 log = logging.getLogger(__name__)
+
+
+def permanent_reason(exc: BaseException) -> str | None:
+    """The one-line reason when `exc` is an error no retry can fix, else None (retry it):
+    `ConfigError`, a bad store URL (ValueError from `open_store`), and `StoreUnreachable` but
+    for `StoreConnectionError` (the endpoint did not answer)."""
+    from training.config import ConfigError
+    from training.store.objectstore import StoreConnectionError, StoreUnreachable
+
+    if isinstance(exc, StoreConnectionError):
+        return None
+    if isinstance(exc, ConfigError | StoreUnreachable | ValueError):
+        lines = str(exc).strip().splitlines()
+        return lines[0][:500] if lines else type(exc).__name__
+    return None
+
+
+def run_init(params: dict[str, Any]) -> dict[str, list]:
+    """`init_experiment`, with permanent errors raised as `AirflowFailException` (no retry)."""
+    try:
+        return init_experiment(params)
+    except Exception as exc:
+        reason = permanent_reason(exc)
+        if reason is None:
+            raise
+        from airflow.sdk.exceptions import AirflowFailException
+
+        log.error("init: %s", reason)
+        raise AirflowFailException(reason) from None
+
+
+def check_backends(cfg, offered: tuple[str, ...]) -> None:
+    """ConfigError naming the first island whose backend this DAG does not offer."""
+    from training.config import ConfigError
+
+    for isl in cfg.islands:
+        if isl.backend not in offered:
+            raise ConfigError(
+                f"island {isl.name!r}: backend {isl.backend!r} is not offered here "
+                f"({knobs.BACKENDS.name}={','.join(offered)})"
+            )
 
 
 def init_experiment(params: dict[str, Any]) -> dict[str, list]:
@@ -28,11 +72,13 @@ def init_experiment(params: dict[str, Any]) -> dict[str, list]:
     docs/STORE.md); islands already in it must be asked for with the same settings.
     """
     from diloco_airflow.params import config_from_params
-    from training.config import check_same_settings, parse_config
+    from training.config import check_budget, check_same_settings, parse_config
     from training.store.experiment import ExperimentExists
     from training.store.objectstore import ObjectNotFound
 
     cfg = config_from_params(params)
+    check_budget(cfg)
+    check_backends(cfg, enabled_backends())
     hook = store.DilocoStoreHook(store_url=cfg.store_url)
     hook.check()  # unreachable bucket / missing credentials: fail now, with the store's message
     estore = hook.experiment(cfg.name)
@@ -72,7 +118,7 @@ def init_experiment(params: dict[str, Any]) -> dict[str, list]:
     # only the islands of this trigger run here; islands of earlier runs keep running there
     entries = [island_entry(cfg_all, cfg_all.island(i.name)) for i in cfg.islands]
     register_experiment(cfg.store_url, cfg.name, entries)
-    out: dict[str, list] = {b: [] for b in BACKENDS}
+    out: dict[str, list] = {b: [] for b in enabled_backends()}
     for e in entries:
         out[e.backend].append(e.to_dict())
     out["shards"] = list(range(cfg_all.syncer.shards))

@@ -60,6 +60,21 @@ HEARTBEAT_TIMEOUT_S = Knob(
 EXPERIMENT_SCHEDULE = Knob(
     "DILOCO_EXPERIMENT_SCHEDULE", None, str, "cron or preset of diloco_experiment (default: none)"
 )
+BACKENDS = Knob(
+    "DILOCO_BACKENDS",
+    None,
+    str,
+    "comma-separated island backends diloco_experiment offers (its graph has a task group per "
+    "backend, fixed at parse time; the form's backend choice and init accept only these); "
+    "default: every backend (local, tpu_vm, gke). `make airflow` / `make demo` set local",
+)
+DEFAULT_STORE = Knob(
+    "DILOCO_DEFAULT_STORE",
+    "file:///tmp/diloco/store",
+    str,
+    "the trigger form's default store URL; on Composer set gs://<bucket>/<prefix> (a file:// "
+    "store exists on one machine only: islands on TPU VMs or GKE cannot reach it)",
+)
 MAINTENANCE_SCHEDULE = Knob(
     "DILOCO_MAINTENANCE_SCHEDULE", "*/15 * * * *", str, "cron or preset of diloco_maintenance"
 )
@@ -67,6 +82,13 @@ MAINTENANCE_SCHEDULE = Knob(
 # -- tasks (read when they run) -----------------------------------------------------------------
 GC_KEEP_LAST = Knob(
     "DILOCO_GC_KEEP_LAST", 5, int, "versions of each fragment's chain garbage collection keeps"
+)
+GC_EVERY_S = Knob(
+    "DILOCO_GC_EVERY_S",
+    60.0,
+    float,
+    "seconds between garbage collections of an experiment by its syncer (shard 0) while it "
+    "merges; 0: only diloco_maintenance and finalize collect",
 )
 GC_DRY_RUN = Knob("DILOCO_GC_DRY_RUN", False, _flag, "1 / true / yes: gc only reports its plan")
 RUNS_ROOT = Knob(
@@ -101,8 +123,11 @@ KNOBS: tuple[Knob, ...] = (
     ISLAND_RETRIES,
     HEARTBEAT_TIMEOUT_S,
     EXPERIMENT_SCHEDULE,
+    BACKENDS,
+    DEFAULT_STORE,
     MAINTENANCE_SCHEDULE,
     GC_KEEP_LAST,
+    GC_EVERY_S,
     GC_DRY_RUN,
     RUNS_ROOT,
     TPU_API_ENDPOINT,

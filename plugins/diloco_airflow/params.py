@@ -17,8 +17,20 @@ from typing import Any, get_args
 
 from airflow.sdk import Param
 from annotated_types import Gt
+from pydantic import BaseModel
 
-from training.config import Backend, Codec, ModelConfig, OuterMethod, SyncerConfig, field_docs
+from diloco_airflow import knobs
+from diloco_airflow.backends.base import HARDWARE_KEYS
+from diloco_airflow.backends.registry import enabled_backends
+from training.config import (
+    ChaosConfig,
+    Codec,
+    ExperimentConfig,
+    ModelConfig,
+    OuterMethod,
+    SyncerConfig,
+    field_docs,
+)
 from training.names import NAME_PATTERN as _NAME_RE
 
 # the form's enums are the config's types: they cannot drift
@@ -26,11 +38,13 @@ NAME_PATTERN = _NAME_RE.pattern
 PRESETS = list(get_args(ModelConfig.model_fields["preset"].annotation))
 CODECS = list(get_args(Codec))
 OUTER_METHODS = ["decoupled", *(m for m in get_args(OuterMethod) if m != "decoupled")]
-BACKENDS = list(get_args(Backend))
+BACKENDS = list(enabled_backends())  # DILOCO_BACKENDS: the backends this DAG offers
+STORE_PATTERN = r"^(file:///.+|gs://[a-z0-9][a-z0-9._-]{1,220}[a-z0-9](/.*)?)$"
+"""The store URLs a run can use: a local directory (this machine only) or a GCS bucket."""
 
 DEFAULT_ISLANDS = [
-    {"name": "island-0", "speed": 1.0, "backend": "local", "hardware": {}},
-    {"name": "island-1", "speed": 1.0, "backend": "local", "hardware": {}},
+    {"name": "island-0", "speed": 1.0, "backend": BACKENDS[0], "hardware": {}},
+    {"name": "island-1", "speed": 1.0, "backend": BACKENDS[0], "hardware": {}},
 ]
 
 ISLAND_SCHEMA = {
@@ -46,6 +60,8 @@ ISLAND_SCHEMA = {
     },
     "additionalProperties": False,
 }
+for _name, _prop in ISLAND_SCHEMA["properties"].items():
+    _prop["description"] = field_docs().get(f"islands[].{_name}", "")
 
 # Param name -> dotted config field
 FIELD_MAP: dict[str, str] = {
@@ -65,6 +81,25 @@ FIELD_MAP: dict[str, str] = {
     "heartbeat_s": "heartbeat_s",
     "chaos": "chaos",
 }
+FORM_DEFAULTS = {"experiment_name": "diloco-demo", "store_url": None, "islands": None}
+"""Params whose default is the form's own, not the config's: the config has no default name;
+its store default is a relative path (`DILOCO_DEFAULT_STORE` instead) and its islands default
+has no backend choice (the form's: two islands on the first backend offered)."""
+
+
+def config_default(dotted: str) -> Any:
+    """The library's default of config field `dotted` (``inner.H``), JSON-shaped."""
+    model: type[BaseModel] = ExperimentConfig
+    *parents, leaf = dotted.split(".")
+    for name in parents:
+        model = model.model_fields[name].annotation
+    info = model.model_fields[leaf]
+    value = info.get_default(call_default_factory=True)
+    return (
+        value.model_dump(mode="json", exclude_defaults=True)
+        if isinstance(value, BaseModel)
+        else value
+    )
 
 
 def _syncer_params() -> dict[str, Param]:
@@ -87,63 +122,128 @@ def _syncer_params() -> dict[str, Param]:
 FIELD_MAP.update({f"syncer_{name}": f"syncer.{name}" for name in SyncerConfig.model_fields})
 
 
+def _keys(fields: dict[str, str]) -> str:
+    return "; ".join(f"{k}: {v}" for k, v in fields.items())
+
+
+def chaos_description() -> str:
+    """Every `ChaosConfig` key with its meaning (the form's chaos field)."""
+    keys = {n: f.description or "" for n, f in ChaosConfig.model_fields.items()}
+    return f"Fault injection, off when empty. Keys: {_keys(keys)}."
+
+
+def hardware_description() -> str:
+    """The island field's text: its keys and, per backend offered, its ``hardware`` keys."""
+    out = [
+        'A list of {"name", "speed", "backend", "hardware", "shard", "max_tokens"}: '
+        + _keys({k: v["description"] for k, v in ISLAND_SCHEMA["properties"].items()})
+        + f". Backends offered here: {', '.join(BACKENDS)}."
+    ]
+    for backend in BACKENDS:
+        keys = HARDWARE_KEYS.get(backend) or {}
+        out.append(f"hardware for {backend}: " + (_keys(keys) if keys else "{} (none)") + ".")
+    return " ".join(out)
+
+
 def experiment_params() -> dict[str, Param]:
     """The trigger form. Defaults form a valid config, so the DAG also runs on a schedule.
 
-    A Param without a description of its own shows its config field's
-    (`training.config.field_docs`)."""
+    Every Param mapped onto a config field has that field's default (`_field`; except
+    `FORM_DEFAULTS`) and its description, after the form's own text where it has one."""
     docs = field_docs()
     params = _form()
     for name, param in params.items():
-        if not param.description and docs.get(FIELD_MAP.get(name, "")):
-            params[name] = Param(param.value, description=docs[FIELD_MAP[name]], **param.schema)
+        doc = docs.get(FIELD_MAP.get(name, ""), "")
+        own = param.description or ""
+        description = f"{own} ({doc})" if own and doc and doc not in own else (own or doc)
+        params[name] = Param(param.value, description=description, **param.schema)
     return params
 
 
+def _field(name: str, **schema: Any) -> Param:
+    """The Param `name` with its config field's default (`config_default`)."""
+    return Param(config_default(FIELD_MAP[name]), **schema)
+
+
 def _form() -> dict[str, Param]:
+    """The form's layout, titles and checks; defaults and descriptions: `experiment_params`."""
     return {
         "experiment_name": Param(
-            "diloco-demo",
+            FORM_DEFAULTS["experiment_name"],
             type="string",
             pattern=NAME_PATTERN,
             title="Experiment name",
-            description="Lowercase letters, digits, '-'. Same name again = join the experiment.",
+            description="Lowercase letters, digits, '-' (the store's prefix and the run's "
+            "note). The same name again = join that experiment with the islands listed here.",
         ),
         "store_url": Param(
-            "file:///tmp/diloco/store",
+            knobs.DEFAULT_STORE.get(),
             type="string",
-            minLength=1,
+            pattern=STORE_PATTERN,
             title="Store URL",
-            description="file:///abs/path or gs://bucket/prefix",
+            description="Where the experiment lives: file:///abs/path (this machine only) or "
+            "gs://bucket/prefix. On Cloud Composer, or with islands on TPU VMs or GKE, use a "
+            "gs:// bucket that the workers and islands can write to (the deployment's default "
+            f"is {knobs.DEFAULT_STORE.name}).",
         ),
-        "model_preset": Param("tiny", type="string", enum=PRESETS, title="Model preset"),
+        "model_preset": _field("model_preset", type="string", enum=PRESETS, title="Model preset"),
         "islands": Param(
             copy.deepcopy(DEFAULT_ISLANDS),
             type="array",
             minItems=1,
             items=ISLAND_SCHEMA,
             title="Islands",
-            description='[{"name", "speed", "backend": local|tpu_vm|gke, "hardware": {...}}]',
+            description=hardware_description(),
         ),
-        "H": Param(30, type="integer", minimum=1, title="H: inner steps per publish"),
-        "fragments": Param(1, type="integer", minimum=1, title="Fragments (P)"),
-        "codec": Param("int8", type="string", enum=CODECS, title="Pseudo-gradient codec"),
-        "outer_method": Param("decoupled", type="string", enum=OUTER_METHODS, title="Outer method"),
-        "outer_lr": Param(0.7, type="number", exclusiveMinimum=0, title="Outer learning rate"),
-        "outer_momentum": Param(0.9, type="number", minimum=0, exclusiveMaximum=1),
-        "quorum": Param(1, type="integer", minimum=1, title="Quorum K"),
-        "token_budget": Param(2_000_000, type="integer", minimum=1, title="Token budget"),
-        "eval_every_versions": Param(5, type="integer", minimum=1),
-        "heartbeat_s": Param(5.0, type="number", exclusiveMinimum=0),
+        "H": _field("H", type="integer", minimum=1, title="H: inner steps per publish"),
+        "fragments": _field("fragments", type="integer", minimum=1, title="Fragments (P)"),
+        "codec": _field("codec", type="string", enum=CODECS, title="Pseudo-gradient codec"),
+        "outer_method": _field(
+            "outer_method", type="string", enum=OUTER_METHODS, title="Outer method"
+        ),
+        "outer_lr": _field(
+            "outer_lr", type="number", exclusiveMinimum=0, title="Outer learning rate"
+        ),
+        "outer_momentum": _field(
+            "outer_momentum", type="number", minimum=0, exclusiveMaximum=1, title="Outer momentum"
+        ),
+        "quorum": _field("quorum", type="integer", minimum=1, title="Quorum K"),
+        "token_budget": _field(
+            "token_budget",
+            type="integer",
+            minimum=1,
+            title="Token budget (total)",
+            description="Tokens merged into the global model, all islands together; the run "
+            "ends there. At least one batch per island (data.batch_size x data.seq_len each).",
+        ),
+        "eval_every_versions": _field(
+            "eval_every_versions", type="integer", minimum=1, title="Eval every versions"
+        ),
+        "heartbeat_s": _field(
+            "heartbeat_s", type="number", exclusiveMinimum=0, title="Heartbeat (s)"
+        ),
         **_syncer_params(),
-        "chaos": Param({}, type="object", title="Chaos settings (training.config.ChaosConfig)"),
+        "chaos": _field(
+            "chaos",
+            type="object",
+            title="Chaos (fault injection)",
+            description=chaos_description(),
+            properties=_chaos_properties(),
+            additionalProperties=False,
+        ),
         "overrides": Param(
             {},
             type="object",
             title="Other config fields",
-            description='Dotted overrides, e.g. {"data.batch_size": 8, "inner.lr": 0.003}',
+            description='Dotted overrides of any other config field, e.g. {"data.batch_size": '
+            '8, "inner.lr": 0.003}; `diloco init --help` lists them all.',
         ),
     }
+
+
+def _chaos_properties() -> dict[str, Any]:
+    schema = ChaosConfig.model_json_schema()
+    return {k: {**v, "title": k} for k, v in schema["properties"].items()}
 
 
 def config_dict_from_params(params: dict[str, Any]) -> dict[str, Any]:

@@ -77,21 +77,15 @@ class SyncerShardOperator(BaseOperator):
         return self._drain(context)
 
     def _drain(self, context):
-        from training.syncer import ShardSyncer
+        from training.syncer import ShardSyncer, merge_line
 
         context["shard_label"] = f"shard {self.shard}"
         estore = _open(self.store_url, self.experiment, chaos=True, arm_kill=self.shard == 0)
         owner = self.run_id  # a retry of this task takes its own lease back at once
         started = time.monotonic()
 
-        def on_merge(r) -> None:
-            self.log.info(
-                "shard %d: version %s, applied %d, tokens merged %s",
-                self.shard,
-                r.version,
-                len(r.applied),
-                r.tokens_merged,
-            )
+        def on_merge(r) -> None:  # one line per merge in this task's log
+            self.log.info("%s", merge_line(self.shard, r, time.time()))
 
         syncer = ShardSyncer(
             estore,
@@ -100,6 +94,7 @@ class SyncerShardOperator(BaseOperator):
             lambda: store.pending_pseudograds(estore),
             run_id=self.run_id,
             on_merge=on_merge,
+            **self._housekeeping(),
         )
         out = syncer.drain()
         self.log.info(
@@ -126,6 +121,18 @@ class SyncerShardOperator(BaseOperator):
             ),
             method_name="execute_complete",
         )
+
+    def _housekeeping(self) -> dict[str, Any]:
+        """Shard 0 collects the experiment's garbage while it merges (`knobs.GC_EVERY_S`)."""
+        if self.shard != 0:
+            return {}
+        from diloco_airflow import knobs, retention
+
+        plain = store.open_experiment(self.store_url, self.experiment)  # no chaos faults
+        return {
+            "housekeeping": lambda: retention.collect(plain),
+            "housekeeping_every_s": knobs.GC_EVERY_S.get(),
+        }
 
 
 class EvaluatorOperator(BaseOperator):

@@ -154,6 +154,12 @@ class ExperimentStore(FragmentVersions, GarbageCollection, IslandObjects):
     def _create_json(self, relative: str, obj: Any) -> bool:
         return self.store.create(self._key(relative), dump_json(obj))
 
+    def sizes(self) -> dict[str, int]:
+        """Key relative to the experiment root -> bytes, for every object of the experiment
+        (one listing with sizes: `ObjectStore.sizes`)."""
+        root = self._key("")
+        return {k[len(root) :]: n for k, n in self.store.sizes(root).items()}
+
     def _list(self, relative_prefix: str, start_after: str | None = None) -> list[str]:
         """Keys under `relative_prefix` (after `start_after`), relative to the experiment root."""
         root = self._key("")
@@ -468,14 +474,15 @@ class ExperimentStore(FragmentVersions, GarbageCollection, IslandObjects):
         parse_pseudograd_id(pg_id)
         return self.store.exists(self._key(f"ledger/{pg_id}.json"))
 
-    def applied(self) -> dict[str, int]:
-        """pseudo-gradient id -> the version that applied it, from the ledger.
+    def applied(self, among: Iterable[str] | None = None) -> dict[str, int]:
+        """pseudo-gradient id -> the version that applied it, from the ledger (only the ids
+        `among`, when given: their entries alone are read, whatever the history).
 
         Only the merger writes the ledger. An entry whose content is unreadable still names an
         applied id (it is never applied again: at most once wins over at least once); it maps
         to version -1 and is skipped and counted. Junk names are skipped and counted.
         """
-        ids = sorted(self.applied_ids())
+        ids = sorted(self.applied_ids() if among is None else set(among) & self.applied_ids())
         result: dict[str, int] = {}
         entries = self._read_many([f"ledger/{i}.json" for i in ids], safejson.POINTER.max_bytes)
         for pg_id, data in zip(ids, entries, strict=True):

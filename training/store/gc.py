@@ -163,7 +163,6 @@ class GarbageCollection:
                     if found and directory not in on_chain and found[1] <= head:
                         plan.orphan_dirs.append(directory)
 
-        applied = self.applied()
         quarantined = set(self.quarantined())
         markers: set[str] = set()
         payload_keys: dict[str, list[str]] = {}
@@ -173,6 +172,9 @@ class GarbageCollection:
                 markers.add(name.id)
             elif name is not None and name.kind == "pseudograd-payload":
                 payload_keys.setdefault(name.id, []).append(key)
+        # the ledger entries of the pseudo-gradients still in the store only (a run's whole
+        # history would be read on every collection otherwise)
+        applied = self.applied(markers | set(payload_keys))
         for pg_id in sorted(markers | set(payload_keys)):
             version = applied.get(pg_id)
             head = plan.heads.get(parse_pseudograd_id(pg_id)[2])

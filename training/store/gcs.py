@@ -19,6 +19,7 @@ from training.store.objectstore import (
     Generation,
     ObjectNotFound,
     ObjectStore,
+    StoreConnectionError,
     StoreError,
     StoreUnreachable,
     TransientStoreError,
@@ -289,6 +290,20 @@ class GCSStore(ObjectStore):
 
         return self._run("list", prefix, attempt)
 
+    def sizes(self, prefix: str) -> dict[str, int]:
+        validate_prefix(prefix)
+        root = f"{self.prefix}/" if self.prefix else ""
+
+        def attempt() -> dict[str, int]:
+            blobs = self._client().list_blobs(
+                self.bucket, prefix=root + prefix, retry=None, timeout=self.timeout
+            )
+            return {
+                b.name[len(root) :]: int(b.size or 0) for b in blobs if not b.name.endswith("/")
+            }
+
+        return self._run("list", prefix, attempt)
+
     def delete(self, key: str) -> None:
         blob = self._blob(key)
 
@@ -322,7 +337,7 @@ class GCSStore(ObjectStore):
         except (auth_exc.RefreshError, auth_exc.DefaultCredentialsError) as exc:
             raise StoreUnreachable(f"credentials for {self.url}: {one_line(exc)}") from exc
         except (requests.RequestException, auth_exc.TransportError, OSError) as exc:
-            raise StoreUnreachable(
+            raise StoreConnectionError(
                 f"cannot reach {self._endpoint()} for {self.url}: {one_line(exc)}"
             ) from exc
         except gexc.GoogleAPICallError as exc:

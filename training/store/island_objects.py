@@ -83,7 +83,8 @@ class IslandObjects:
         before_commit: Callable[[], None] | None = None,
     ) -> None:
         """Write checkpoints/{island}/c{step:010d}-{uuid8}/ (state, then meta.json), then point
-        LATEST.json at it (written last). Older checkpoint directories are kept.
+        LATEST.json at it (written last), then delete the island's checkpoints it supersedes
+        (`prune_checkpoints`: the garbage collection's rule, applied at once).
 
         The state is streamed tensor by tensor (`tensors.stream_tensors`: values may be device
         arrays, fetched one at a time) through the backend's `write_stream`, hashed as it goes:
@@ -113,6 +114,18 @@ class IslandObjects:
             before_commit()
         latest = {"step": step, "dir": directory, "sha256": digest, "nbytes": nbytes}
         self._write_json(f"checkpoints/{island}/LATEST.json", latest)
+        self.prune_checkpoints(island, step)
+
+    def prune_checkpoints(self, island: str, latest_step: int) -> int:
+        """Delete `island`'s checkpoint directories older than step `latest_step` (that of its
+        committed LATEST.json): none can be restored any more, as garbage collection would
+        decide (`plan_gc`'s checkpoint rule). Returns the directories deleted."""
+        validate_name("island", island)
+        names = self._named(f"checkpoints/{island}/", "checkpoint-file")
+        old = sorted({n.dir for n in names if n.island == island and n.step < latest_step})
+        for directory in old:
+            self._delete_prefix(f"{directory}/")
+        return len(old)
 
     def load_checkpoint(self, island: str) -> tuple[dict[str, np.ndarray], dict[str, Any]] | None:
         """(tensors, meta) of the checkpoint LATEST.json points to, or None if there is none.

@@ -8,7 +8,7 @@ import fcntl
 import os
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -324,6 +324,13 @@ class LocalStore(ObjectStore):
                 if not name.startswith(".") and (base + name).startswith(prefix)
             )
         return sorted(k for k in keys if start_after is None or k > start_after)
+
+    def sizes(self, prefix: str) -> dict[str, int]:
+        out = {}
+        for key in self.list(prefix):
+            with suppress(FileNotFoundError):  # deleted since the listing
+                out[key] = self._path(key).stat().st_size
+        return out
 
     def delete(self, key: str) -> None:
         path = self._path(key)

@@ -96,6 +96,11 @@ class MemoryStore(ObjectStore):
             keys = [k for k in self._bucket.objects if k.startswith(prefix)]
         return sorted(k for k in keys if start_after is None or k > start_after)
 
+    def sizes(self, prefix: str) -> dict[str, int]:
+        validate_prefix(prefix)
+        with self._bucket.lock:
+            return {k: len(v[0]) for k, v in self._bucket.objects.items() if k.startswith(prefix)}
+
     def delete(self, key: str) -> None:
         validate_key(key)
         with self._bucket.lock:

@@ -40,6 +40,11 @@ class StoreUnreachable(StoreError):
     """The store cannot be used at all: bad bucket, missing credentials, connection refused."""
 
 
+class StoreConnectionError(StoreUnreachable):
+    """The store's endpoint did not answer (connection refused, timeout): maybe transient, unlike
+    the other `StoreUnreachable` causes (no such bucket, no permission, no credentials)."""
+
+
 class TransientStoreError(StoreError):
     """A transient failure that persisted through every retry; trying again later may work."""
 
@@ -252,6 +257,11 @@ class ObjectStore(ABC):
         `start_after` (a full key): only keys sorting after it. On GCS this is a server-side
         `start_offset`, so a poller that remembers where it stopped never re-lists the history.
         """
+
+    def sizes(self, prefix: str) -> dict[str, int]:
+        """Key -> size in bytes of every object under `prefix` (as `list`). This default
+        reads each object; the backends answer from their listing or file metadata."""
+        return {k: len(self.read(k)) for k in self.list(prefix)}
 
     @abstractmethod
     def delete(self, key: str) -> None:

@@ -68,6 +68,47 @@ def _check_name(kind: str, value: str) -> None:
         raise ValueError(f"{kind} name {value!r} must match {NAME_RE.pattern}")
 
 
+HARDWARE_KEYS: dict[str, dict[str, str]] = {
+    "local": {},
+    "tpu_vm": {
+        "accelerator_type": "required: e.g. v5litepod-8, v5p-64",
+        "runtime_version": "required: the TPU VM image, e.g. v2-alpha-tpuv5-lite",
+        "project": "GCP project (default: the backend's)",
+        "zone": "e.g. us-west4-a (default: the backend's)",
+        "spot": "true: a spot slice",
+        "reserved": "true: use a reservation",
+        "reservation_name": "that reservation",
+        "valid_until_hours": "the queued resource expires after this",
+        "network": "VPC network",
+        "subnetwork": "subnetwork",
+        "external_ips": "false: no external IPs",
+        "service_account": "the nodes' service account email",
+        "tags": "network tags",
+        "labels": "extra cloud labels",
+        "metadata": "extra node metadata",
+        "hosts": "hosts of the slice (default: from accelerator_type)",
+        "install": "a pip requirement spec the startup script installs first",
+        "coordinator_flags": "true: pass --coordinator/--num-processes/--process-id",
+        "workdir": "directory the island command runs in",
+    },
+    "gke": {
+        "image": "required: a container image with the project",
+        "accelerator": "GKE TPU accelerator, e.g. tpu-v5-lite-podslice",
+        "topology": "e.g. 2x4",
+        "chips_per_host": "chips per node (default: the accelerator's)",
+        "hosts": "nodes of the slice (default: from the topology)",
+        "namespace": "Kubernetes namespace",
+        "kind": "auto | pod | jobset",
+        "spot": "true: spot nodes",
+        "service_account": "Kubernetes service account",
+        "image_pull_policy": "the container's imagePullPolicy",
+        "termination_grace_s": "seconds between SIGTERM and SIGKILL (default 30)",
+        "ttl_after_finished_s": "a JobSet is deleted this long after it ends (default 3600)",
+    },
+}
+"""The ``hardware`` keys each backend reads (what the trigger form's island field lists)."""
+
+
 @dataclass(frozen=True)
 class IslandSpec:
     """Everything a backend needs to run one island.

@@ -24,6 +24,26 @@ _CLASSES = {
 }
 
 
+def enabled_backends(setting: str | None = None) -> tuple[str, ...]:
+    """The backends `diloco_experiment` offers: ``DILOCO_BACKENDS`` (`knobs.BACKENDS`, read
+    now; `setting` instead when given), in the config's order; every backend when unset.
+
+    Raises ValueError naming an unknown backend (the DAG then fails to parse, with that line)."""
+    from diloco_airflow import knobs
+
+    text = knobs.BACKENDS.get() if setting is None else setting
+    if not text:
+        return BACKENDS
+    wanted = {b.strip() for b in text.split(",") if b.strip()}
+    unknown = sorted(wanted - set(BACKENDS))
+    if unknown or not wanted:
+        raise ValueError(
+            f"{knobs.BACKENDS.name}={text!r}: unknown backend(s) {unknown}; choose from "
+            f"{', '.join(BACKENDS)}"
+        )
+    return tuple(b for b in BACKENDS if b in wanted)
+
+
 def get_backend(name: str, **kwargs: Any) -> IslandBackend:
     """Build a backend by name: ``local``, ``tpu_vm`` or ``gke`` (imports the module lazily)."""
     if name not in _CLASSES:

@@ -1,6 +1,8 @@
 """Extra links on the tasks of `diloco_experiment` runs (global links of the page plugin):
-"DiLoCo page" (the page showing the run's experiment) on every task, and "Island in bucket" (the
-island's pseudo-gradients in the Cloud console, gs:// stores only) on the island tasks.
+"DiLoCo page" (the page showing the run's experiment) on every task, "Island in bucket" (the
+island's pseudo-gradients in the Cloud console) on the island tasks, and "Experiment in bucket"
+(the experiment's prefix) on the others: the merge shards, the evaluator, init, finalize. The
+bucket links exist for gs:// stores only (`bucket_link`): a file:// store has no page to open.
 
 Global links are computed by the api-server when a task's links are asked for (it has the
 metadata DB); on tasks of other DAGs, and where no URL applies, they are empty (the UI shows
@@ -58,17 +60,36 @@ def _island_of(ti_key) -> str | None:
     return label.split(" (")[0] if label else None
 
 
+def bucket_link(run: dict | None, island: str | None = None) -> str:
+    """The Cloud console URL of run `run`'s experiment ({"store", "experiment"}), or of
+    `island`'s pseudo-gradients in it; "" without a run or for a store that is not gs://."""
+    from training.dashboard import bucket_url
+
+    if not run or not str(run.get("store", "")).startswith("gs://"):
+        return ""
+    return bucket_url(run["store"], run["experiment"], f"pseudograds/{island}" if island else "")
+
+
+def _run_of(ti_key) -> dict | None:
+    from diloco_airflow.ui.sources import AirflowSource
+
+    return AirflowSource().resolve_run(ti_key.run_id)
+
+
 class IslandBucketLink(BaseOperatorLink):
     name = "Island in bucket"
 
     def get_link(self, operator, *, ti_key) -> str:
         if ti_key.dag_id != DAG_ID or not ti_key.task_id.startswith("islands_"):
             return ""
-        from diloco_airflow.ui.sources import AirflowSource
-        from training.dashboard import bucket_url
-
-        run = AirflowSource().resolve_run(ti_key.run_id)
         island = _island_of(ti_key)
-        if not run or not island or not str(run["store"]).startswith("gs://"):
+        return bucket_link(_run_of(ti_key), island) if island else ""
+
+
+class ExperimentBucketLink(BaseOperatorLink):
+    name = "Experiment in bucket"
+
+    def get_link(self, operator, *, ti_key) -> str:
+        if ti_key.dag_id != DAG_ID or ti_key.task_id.startswith("islands_"):
             return ""
-        return bucket_url(run["store"], run["experiment"], f"pseudograds/{island}")
+        return bucket_link(_run_of(ti_key))

@@ -4,7 +4,9 @@
 - `/diloco/`: the page and its API (api.py), mounted in the api-server.
 - "DiLoCo" in the navigation bar (Browse menu) shows it inside the Airflow UI, and every
   `diloco_experiment` run gets a "DiLoCo" tab showing its experiment.
-- Extra links on its tasks: "DiLoCo page", and "Island in bucket" on island tasks (links.py).
+- Extra links on its tasks: "DiLoCo page", "Island in bucket" on island tasks, "Experiment in
+  bucket" on the merge shards and the other tasks (links.py).
+- A listener (run_notes.py): every run's note names its experiment.
 
 Airflow loads it from `$AIRFLOW_HOME/plugins/diloco_page.py` (`local_airflow` writes that
 one-line shim, `diloco_airflow.ui.install_shim`: the project's plugins/ is on PYTHONPATH, not
@@ -26,14 +28,21 @@ def _app():
 
 
 def _links() -> list:
-    from diloco_airflow.ui.links import DilocoPageLink, IslandBucketLink
+    from diloco_airflow.ui.links import DilocoPageLink, ExperimentBucketLink, IslandBucketLink
 
-    return [DilocoPageLink(), IslandBucketLink()]
+    return [DilocoPageLink(), IslandBucketLink(), ExperimentBucketLink()]
+
+
+def _listeners() -> list:
+    from diloco_airflow.ui import run_notes
+
+    return [run_notes]
 
 
 class DilocoPagePlugin(AirflowPlugin):
     name = "diloco"
     global_operator_extra_links = _links()
+    listeners = _listeners()
     fastapi_apps = [{"app": _app(), "url_prefix": URL_PREFIX, "name": "DiLoCo page"}]
     external_views = [
         {

@@ -1,0 +1,116 @@
+"""The trigger form explains itself and refuses what cannot work (issue 12, items 3 and 4):
+titles and descriptions on every field, the library's defaults, the chaos and hardware keys
+listed, store URLs and chaos keys checked by the schema; the offered backends (DILOCO_BACKENDS)."""
+
+from __future__ import annotations
+
+import inspect
+import re
+from pathlib import Path
+
+import pytest
+from airflow.sdk.definitions.param import ParamValidationError
+from diloco_airflow import params as form
+from diloco_airflow.backends.base import HARDWARE_KEYS
+from diloco_airflow.backends.registry import BACKENDS, enabled_backends
+
+from training.config import ChaosConfig, ExperimentConfig, IslandConfig
+from training.hardware import gke_tpu_slice
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def params():
+    return form.experiment_params()
+
+
+def test_every_field_has_a_title_and_a_description(params):
+    missing = [n for n, p in params.items() if not p.schema.get("title") or not p.description]
+    assert missing == []
+
+
+def test_the_forms_defaults_are_the_librarys(params):
+    """The form's defaults make exactly the config the library makes by default (H 32, ...),
+    but for the name, the store and the islands' backend (the form's own, FORM_DEFAULTS)."""
+    values = {k: p.value for k, p in params.items()}
+    cfg = form.config_from_params(values)
+    library = ExperimentConfig(
+        name=cfg.name,
+        store_url=cfg.store_url,
+        islands=[IslandConfig(name=i.name, backend=i.backend) for i in cfg.islands],
+    )
+    assert cfg == library
+
+
+def test_the_h_default_is_the_librarys(params):
+    assert params["H"].value == ExperimentConfig.model_fields["inner"].default.H == 32
+
+
+def test_chaos_lists_every_chaos_key(params):
+    text = params["chaos"].description
+    assert [k for k in ChaosConfig.model_fields if f"{k}:" not in text] == []
+
+
+def test_islands_list_every_hardware_key_of_the_offered_backends(params):
+    text = params["islands"].description
+    missing = [f"{b}.{k}" for b in form.BACKENDS for k in HARDWARE_KEYS[b] if f"{k}:" not in text]
+    assert missing == []
+
+
+def test_the_documented_hardware_keys_are_the_ones_the_backends_read():
+    """HARDWARE_KEYS cannot drift from the code: every key read from `hw` / `hardware` in the
+    backends is listed for its backend, and every listed key is read."""
+    read = re.compile(
+        r"""(?:hw|hardware)(?:\.get\(|\[)\s*["']([a-z_]+)["']|["']([a-z_]+)["'] in hw"""
+    )
+    sources = {
+        "tpu_vm": ["backends/tpu_vm.py", "backends/tpu_startup.py"],
+        "gke": ["backends/gke.py", "backends/k8s_manifests.py"],
+    }
+    shared = inspect.getsource(gke_tpu_slice)  # the gke slice's shape, read in training/
+    for backend, files in sources.items():
+        text = "".join((ROOT / "plugins/diloco_airflow" / f).read_text() for f in files)
+        keys = {a or b for a, b in read.findall(text)}
+        if backend == "gke":  # gke_tpu_slice (training.hardware) reads the slice's shape
+            keys |= {a or b for a, b in read.findall(shared)}
+        assert keys - set(HARDWARE_KEYS[backend]) == set(), backend
+        assert set(HARDWARE_KEYS[backend]) - keys == set(), backend
+
+
+@pytest.mark.parametrize(
+    "url", ["s3://nope/x", "file://relative/path", "http://x", "/abs/path", "gs://", ""]
+)
+def test_the_schema_refuses_a_store_url_that_cannot_work(params, url):
+    with pytest.raises(ParamValidationError):
+        params["store_url"].resolve(url)
+
+
+@pytest.mark.parametrize("url", ["file:///tmp/store", "gs://my-bucket", "gs://my-bucket/a/b"])
+def test_the_schema_accepts_file_and_gs_urls(params, url):
+    assert params["store_url"].resolve(url) == url
+
+
+def test_the_store_default_says_what_to_change_for_composer(params):
+    assert "Composer" in params["store_url"].description
+    assert "gs://" in params["store_url"].description
+
+
+def test_the_schema_refuses_an_unknown_chaos_key_and_a_bad_value(params):
+    with pytest.raises(ParamValidationError):
+        params["chaos"].resolve({"kill_every": 3})
+    with pytest.raises(ParamValidationError):
+        params["chaos"].resolve({"kill_mtbi_s": -1})
+    assert params["chaos"].resolve({"kill_mtbi_s": 20, "max_kills": 2})["max_kills"] == 2
+
+
+def test_the_schema_refuses_a_negative_budget(params):
+    with pytest.raises(ParamValidationError):
+        params["token_budget"].resolve(-5)
+
+
+def test_enabled_backends_reads_the_setting_in_the_configs_order():
+    assert enabled_backends("") == BACKENDS
+    assert enabled_backends("gke, local") == ("local", "gke")
+    with pytest.raises(ValueError, match="DILOCO_BACKENDS"):
+        enabled_backends("local,slurm")

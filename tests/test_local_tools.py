@@ -1,0 +1,113 @@
+"""`make airflow` and `make demo` are safe to run twice (issue 12, item 5): one instance per
+Airflow home (a lock with the owner's pid), a second refuses with one line and touches nothing,
+and SIGTERM stops every component as SIGINT does.
+
+The last test starts a real Airflow (`python -m devtools.local_airflow serve`): slow."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from devtools.local_airflow import AirflowError, HomeLock, LocalAirflow, group_alive
+from tests.airflow_fixture import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
+def test_a_second_lock_on_a_live_owners_home_is_refused_with_one_line(tmp_path):
+    first = HomeLock(tmp_path, 8080)
+    first.acquire()
+    with pytest.raises(AirflowError) as err:
+        HomeLock(tmp_path, 9090, pid=os.getpid() + 1).acquire()
+    assert "in use" in str(err.value) and "\n" not in str(err.value)
+    assert json.loads(first.path.read_text())["pid"] == os.getpid()
+
+
+def test_a_dead_owners_lock_is_taken_over(tmp_path):
+    HomeLock(tmp_path, 8080, pid=_dead_pid()).acquire()
+    lock = HomeLock(tmp_path, 8081)
+    lock.acquire()
+    assert lock.held and lock.owner()["pid"] == os.getpid()
+
+
+def test_release_leaves_another_owners_lock_alone(tmp_path):
+    ours = HomeLock(tmp_path, 8080)
+    ours.acquire()
+    ours.path.write_text(json.dumps({"pid": 1, "port": 1}))  # someone else's now
+    ours.release()
+    assert ours.path.exists()
+
+
+def test_a_refused_start_touches_none_of_the_other_instances_files(tmp_path):
+    home = tmp_path / "home"
+    HomeLock(home, 8080).acquire()  # "another instance": this live process
+    (home / "pids.json").write_text('{"scheduler": 1}')
+    af = LocalAirflow(home=home, port=free_port())
+    af.lock.pid = os.getpid() + 1  # a different owner than the live holder
+    with pytest.raises(AirflowError, match="in use"):
+        af.start()
+    af.stop()
+    assert sorted(p.name for p in home.iterdir()) == ["local-airflow.lock", "pids.json"]
+    assert (home / "pids.json").read_text() == '{"scheduler": 1}'
+
+
+def _serve(home: Path, port: int) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'plugins'}"}
+    return subprocess.Popen(
+        [sys.executable, "-m", "devtools.local_airflow", "serve", "--port", str(port)]
+        + ["--home", str(home)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_serve_refuses_a_second_instance_and_stops_everything_on_sigterm(tmp_path):
+    home, port = tmp_path / "home", free_port()
+    first = _serve(home, port)
+    try:
+        deadline = time.monotonic() + 180
+        while not (home / "pids.json").exists():  # the four components are started
+            assert first.poll() is None, first.stderr.read()[-2000:]
+            assert time.monotonic() < deadline, "components never started"
+            time.sleep(0.5)
+        pids = json.loads((home / "pids.json").read_text())
+        assert len(pids) == 4
+
+        second = _serve(home, free_port())
+        out, err = second.communicate(timeout=120)
+        assert second.returncode == 1
+        assert err.strip().count("\n") == 0 and "in use" in err, err
+        assert json.loads((home / "pids.json").read_text()) == pids, "pids.json was touched"
+
+        first.send_signal(signal.SIGTERM)
+        first.wait(timeout=120)
+        alive = {name: pgid for name, pgid in pids.items() if group_alive(pgid)}
+        assert alive == {}, f"process groups left after SIGTERM: {alive}"
+        assert not (home / HomeLock.NAME).exists() and not (home / "pids.json").exists()
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+        leftover = home / "pids.json"
+        for pgid in json.loads(leftover.read_text()).values() if leftover.exists() else []:
+            if group_alive(pgid):
+                os.killpg(pgid, signal.SIGKILL)
