@@ -79,6 +79,34 @@ def test_rows_give_speedup_over_dp_at_each_gbps() -> None:
     }  # fmt: skip
 
 
+def test_a_direct_measurement_replaces_the_composed_time_to_target() -> None:
+    """Decoupled measured on shaped links from the start: its time to target is that run's
+    (not tokens to target / throughput), its bytes those the links carried until then."""
+    per = {"up": 2.0, "down": 3.0}
+    dp = {"bytes_per_token": per, "throughput": {2.0: 1.0}, "line_throughput": {2.0: 2.0}}
+    direct = {
+        "time_to_target_s": 40.0,
+        "tokens_per_s": 8.0,
+        "tokens_trained": 320,
+        "wire": {"up": 11.0, "down": 22.0},
+    }
+    m = {
+        "dp": {**dp, "tokens_to_target": 100.0},
+        "sync": {"tokens_to_target": 200.0, "bytes_per_token": per, "throughput": {2.0: 10.0}},
+        "decoupled": {
+            "tokens_to_target": 50.0,  # composed: 50 / 5 = 10 s, which the direct run refutes
+            "bytes_per_token": per,
+            "throughput": {2.0: 5.0},
+            "direct": {2.0: direct},
+        },
+        "compute_tokens_s": 20.0,
+    }
+    row = {r["method"]: r for r in bench.rows_from(m, (2.0,))}["decoupled"]
+    assert row["time_to_target_s"] == 40.0 and row["measured"] == "direct"
+    assert row["speedup_vs_dp"] == pytest.approx(100.0 / 40.0)  # DP: 100 tokens at 1 token/s
+    assert (row["bytes_up"], row["bytes_down"], row["goodput"]) == (11.0, 22.0, 0.4)
+
+
 def test_run_names_are_valid_experiment_names() -> None:
     from training.names import validate_name
 

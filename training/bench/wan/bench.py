@@ -19,6 +19,13 @@ short shaped runs, one per g, that measure its training throughput over the link
 data-parallel steps (same processes, links reshaped between phases), and for the DiLoCo methods
 the second publish cycle of each island (3 H steps run; from its publish at H to the one at 2 H,
 with the adoption and the publish in it). Time to target at g = tokens to target / throughput at g.
+
+That composition holds for the synchronous methods, whose quality per token does not depend on
+the links. It does not for Decoupled DiLoCo with background transfers: its islands never wait for
+a slow link, they adopt later instead, so its quality per token falls as the link slows while its
+throughput does not. The methods in `BenchParams.direct` (Decoupled) therefore get a fresh run per
+g on links shaped from the start, timed from the islands' first step to the first evaluation at
+the target loss (`Runner.run_direct`); the table's rows say which way each time was measured.
 """
 
 from __future__ import annotations
@@ -58,6 +65,9 @@ class BenchParams:
     target: float | None = None  # default: data-parallel's loss at target_fraction of the budget
     target_fraction: float = 0.5
     regional_checkpoints: bool = True
+    # methods whose time to target is measured by a fresh run per g on shaped links (their
+    # quality per token depends on the links), not composed from an unshaped run
+    direct: tuple[str, ...] = ("decoupled",)
     run_timeout_s: float = 300.0
     assume: model12b.Assumptions = field(default_factory=model12b.Assumptions)
 
@@ -97,7 +107,9 @@ def rows_from(m: dict, gbps: tuple[float, ...]) -> list[dict]:
     `m[method]` holds `tokens_to_target` (None: not reached within the budget),
     `bytes_per_token` (`up`, `down`: per region) and `throughput` {g: tokens/s};
     `m["dp"]["line_throughput"]` {g: tokens/s} is data-parallel at the links' nominal rate
-    (its compute plus its wire bytes at the rate), `m["compute_tokens_s"]` pure compute."""
+    (its compute plus its wire bytes at the rate), `m["compute_tokens_s"]` pure compute.
+    `m[method]["direct"]` {g: `Runner.run_direct`'s result}, where present, gives that g's time
+    to target, throughput and bytes instead (`measured`: "direct", else "composed")."""
     rows = []
     for g in gbps:
         dp = m["dp"]
@@ -111,6 +123,14 @@ def rows_from(m: dict, gbps: tuple[float, ...]) -> list[dict]:
             tokens = r["tokens_to_target"]
             t = tokens / tput if tokens is not None and tput else None
             per = r["bytes_per_token"]
+            up = per["up"] * tokens if tokens is not None else None
+            down = per["down"] * tokens if tokens is not None else None
+            direct = r.get("direct", {}).get(g)
+            if direct is not None:  # measured on shaped links from the start
+                t, tput = direct["time_to_target_s"], direct["tokens_per_s"]
+                tokens = direct["tokens_trained"] if t is not None else None
+                up = direct["wire"]["up"] if t is not None else None
+                down = direct["wire"]["down"] if t is not None else None
             rows.append(
                 dict(
                     method=method,
@@ -119,11 +139,12 @@ def rows_from(m: dict, gbps: tuple[float, ...]) -> list[dict]:
                     speedup_vs_dp=dp_time / t if dp_time and t else None,
                     speedup_vs_dp_line_rate=dp_line / t if dp_line and t else None,
                     throughput_vs_dp=tput / dp["throughput"][g] if tput else None,
-                    bytes_up=per["up"] * tokens if tokens is not None else None,
-                    bytes_down=per["down"] * tokens if tokens is not None else None,
+                    bytes_up=up,
+                    bytes_down=down,
                     goodput=min(1.0, tput / m["compute_tokens_s"]) if tput else None,
                     tokens_per_s=tput,
                     tokens_to_target=tokens,
+                    measured="direct" if direct is not None else "composed",
                 )
             )
     return rows
@@ -135,8 +156,9 @@ def format_table(summary: dict) -> str:
 
     lines = [
         "| method | Gbps-eq | link Mbit/s | tokens/s | goodput | time to target s "
-        "| speed-up vs DP | vs DP at line rate | tokens/s vs DP | up / region | down / region |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| speed-up vs DP | vs DP at line rate | tokens/s vs DP | up / region | down / region "
+        "| time measured |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in summary["rows"]:
         up = r["bytes_up"] and r["bytes_up"] / 2**20
@@ -147,7 +169,7 @@ def format_table(summary: dict) -> str:
             f"| {num(r['time_to_target_s'], '.1f')} | {num(r['speedup_vs_dp'], '.1f', 'x')} "
             f"| {num(r['speedup_vs_dp_line_rate'], '.1f', 'x')} "
             f"| {r['throughput_vs_dp']:.1f}x | {num(up, '.1f', ' MiB')} "
-            f"| {num(down, '.1f', ' MiB')} |"
+            f"| {num(down, '.1f', ' MiB')} | {r.get('measured', 'composed')} |"
         )
     return "\n".join(lines)
 
@@ -199,17 +221,27 @@ def run(p: BenchParams, workdir: str | None = None, log=print) -> dict:
             # the merger's own budget is far away: the bench ends each run itself
             configs = {m: experiment_config(p, m, run_name(m, None), budget_factor=100)
                        for m in diloco}  # fmt: skip
-            runner.init_experiments(list(configs.values()))
+            shaped = {(m, g): experiment_config(p, m, run_name(m, g), budget_factor=100)
+                      for m in p.direct for g in p.gbps}  # fmt: skip
+            runner.init_experiments([*configs.values(), *shaped.values()])
             log(f"[dp] {LABELS['dp']}")
             dp = runner.run_dp(ratios)
+            target = p.target
+            if target is None:
+                target = loss_at(dp["curve"], p.target_fraction * budget)
             measured = {"dp": dp}
             for m in diloco:
                 log(f"[{m}] {LABELS[m]}: unshaped to {budget} tokens, then at each Gbps-eq")
                 measured[m] = runner.run_diloco(configs[m], budget, dp["rates_mbit"])
+            for (m, g), cfg in shaped.items():
+                log(f"[{m}] {LABELS[m]} at {g:g} Gbps-eq from the start, to loss {target:.4f}")
+                r = runner.run_direct(cfg, dp["rates_mbit"][g], target, budget)
+                measured[m].setdefault("direct", {})[g] = r
+                ttt = r["time_to_target_s"]
+                log(f"  {'not reached' if ttt is None else f'{ttt:.1f} s'} to the target")
     finally:
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
-    target = p.target if p.target is not None else loss_at(dp["curve"], p.target_fraction * budget)
     for m in METHODS:
         tokens = tokens_to(measured[m]["curve"], target)
         measured[m]["tokens_to_target"] = (

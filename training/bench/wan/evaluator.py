@@ -1,11 +1,12 @@
 """Held-out loss of the global model while a WAN-bench run trains (runs in the backbone).
 
     python -m training.bench.wan.evaluator --store gs://wan/x --experiment E --out curve.jsonl \\
-        --until-tokens N [--every 1.0]
+        --until-tokens N [--until-loss L] [--every 1.0]
 
 Every `--every` seconds it evaluates the model as it is now in the store and appends
 `{"t", "loss", "tokens_merged"}` to `--out` (skipping an evaluation when the merged-token count
-has not moved); it exits after the first evaluation of a model with N tokens merged or more. Evaluation is
+has not moved); it exits after the first evaluation of a model with N tokens merged or more, or
+(`--until-loss`) with a held-out loss of L or less. Evaluation is
 `training.evaluate` (the fixed held-out batches of `diloco eval`).
 """
 
@@ -37,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--experiment", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--until-tokens", type=int, required=True)
+    p.add_argument("--until-loss", type=float, default=None)
     p.add_argument("--every", type=float, default=1.0)
     args = p.parse_args(argv)
     estore = ExperimentStore(open_store(args.store), args.experiment)
@@ -51,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
                 out.flush()
                 last = rec["tokens_merged"]
             if rec["tokens_merged"] >= args.until_tokens:
+                return 0
+            if args.until_loss is not None and rec["loss"] <= args.until_loss:
                 return 0
             time.sleep(max(0.0, args.every - (time.time() - t)))
 

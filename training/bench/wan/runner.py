@@ -199,27 +199,9 @@ class Runner:
         (throughput over `cycles_per_phase` publish cycles of every island)."""
         p, wan, name = self.p, self.wan, cfg.name
         d = self._dir(name)
-        store = self.bucket.url  # experiment `name` under the bucket's root
-        bb = wan.backbone
         start = wan.counters()
-        argv = [PY, "-m", "training.cli", "merge", "--store", store, "--experiment", name]
-        argv += ["--follow", "--poll", "0.2"]
-        with open(d / "merge.log", "wb") as logf:
-            merger = wan.popen(bb, argv, self.env, stdout=logf, stderr=logf)
-        argv = [PY, "-m", "training.bench.wan.evaluator", "--store", store, "--experiment", name]
-        argv += ["--out", str(d / "curve.jsonl"), "--until-tokens", str(quality_tokens)]
-        with open(d / "eval.log", "wb") as logf:
-            evaluator = wan.popen(bb, argv, self.env, stdout=logf, stderr=logf)
-        islands = []
-        logs = [d / f"{isl.name}.jsonl" for isl in cfg.islands]
-        for i, isl in enumerate(cfg.islands):
-            argv = [PY, "-m", "training.bench.wan.island", "--store", store, "--experiment", name]
-            argv += ["--island", isl.name, "--step-log", str(logs[i])]
-            if p.regional_checkpoints:
-                argv += ["--checkpoints", f"file://{d / f'region-{i}'}"]
-            with open(d / f"{isl.name}.log", "wb") as logf:
-                islands.append(wan.popen(wan.region(i), argv, self.env, stdout=logf, stderr=logf))
-        procs = [merger, evaluator, *islands]
+        procs, logs = self._start(cfg, d, quality_tokens)
+        evaluator = procs[1]
         throughput, phases = {}, []
         try:
             self._wait([evaluator], p.run_timeout_s, f"{name} evaluator")
@@ -251,10 +233,7 @@ class Runner:
                 self.log(f"  {name} at {g:g} Gbps-eq: {throughput[g]:.0f} tokens/s")
         finally:
             wan.shape(None)
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
+            _kill(procs)
         curve = sorted({(r["tokens_merged"], r["loss"]) for r in _lines(d / "curve.jsonl")})
         return dict(
             curve=curve,
@@ -264,6 +243,75 @@ class Runner:
             throughput=throughput,
             phases=phases,
         )
+
+    def _start(self, cfg: ExperimentConfig, d: Path, until_tokens: int, until_loss=None):
+        """The merger and the evaluator in the backbone, one island per region: (processes
+        [merger, evaluator, *islands], the islands' step-log paths)."""
+        p, wan, name = self.p, self.wan, cfg.name
+        store = self.bucket.url  # experiment `name` under the bucket's root
+        bb = wan.backbone
+        argv = [PY, "-m", "training.cli", "merge", "--store", store, "--experiment", name]
+        argv += ["--follow", "--poll", "0.2"]
+        with open(d / "merge.log", "wb") as logf:
+            merger = wan.popen(bb, argv, self.env, stdout=logf, stderr=logf)
+        argv = [PY, "-m", "training.bench.wan.evaluator", "--store", store, "--experiment", name]
+        argv += ["--out", str(d / "curve.jsonl"), "--until-tokens", str(until_tokens)]
+        if until_loss is not None:
+            argv += ["--until-loss", repr(float(until_loss))]
+        with open(d / "eval.log", "wb") as logf:
+            evaluator = wan.popen(bb, argv, self.env, stdout=logf, stderr=logf)
+        islands = []
+        logs = [d / f"{isl.name}.jsonl" for isl in cfg.islands]
+        for i, isl in enumerate(cfg.islands):
+            argv = [PY, "-m", "training.bench.wan.island", "--store", store, "--experiment", name]
+            argv += ["--island", isl.name, "--step-log", str(logs[i])]
+            if p.regional_checkpoints:
+                argv += ["--checkpoints", f"file://{d / f'region-{i}'}"]
+            with open(d / f"{isl.name}.log", "wb") as logf:
+                islands.append(wan.popen(wan.region(i), argv, self.env, stdout=logf, stderr=logf))
+        return [merger, evaluator, *islands], logs
+
+    def run_direct(self, cfg: ExperimentConfig, mbit: float, target: float, budget: int) -> dict:
+        """A fresh run on links shaped to `mbit` from the start, until the held-out loss reaches
+        `target` or `budget` tokens are merged: the time to target measured, not composed.
+
+        For an asynchronous method the quality per token depends on the links (slow downloads
+        mean stale adoptions), so `tokens to target / throughput` from an unshaped run does not
+        hold; this is what it measures instead. The clock starts at the islands' first logged
+        step (after their start-up and compile, as data-parallel's step time leaves them out)
+        and stops at the evaluation that first reaches the target (the evaluator's cadence and
+        its own time count against the method)."""
+        d = self._dir(cfg.name)
+        self.wan.shape(mbit)
+        before = self.wan.counters()
+        procs, logs = self._start(cfg, d, budget, target)
+        try:
+            self._wait([procs[1]], self.p.run_timeout_s, f"{cfg.name} evaluator")
+            wire = _sub(before, self.wan.counters())
+        finally:
+            self.wan.shape(None)
+            _kill(procs)
+        curve = _lines(d / "curve.jsonl")
+        steps = [r for x in logs for r in _lines(x) if "tokens" in r]
+        t0 = min(r["t"] for r in steps)
+        hit = next((r for r in curve if r["loss"] <= target), None)
+        t1 = hit["t"] if hit else max(r["t"] for r in curve)
+        trained = sum(_tokens_at(_lines(x), t1) for x in logs)
+        return dict(
+            time_to_target_s=t1 - t0 if hit else None,
+            final_loss=curve[-1]["loss"],
+            tokens_trained=trained,
+            tokens_per_s=trained / max(t1 - t0, 1e-9),
+            wire=wire,
+            curve=[(r["tokens_merged"], r["loss"]) for r in curve],
+        )
+
+
+def _kill(procs) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def _tokens_at(step_log: list[dict], t: float) -> int:
