@@ -10,7 +10,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 DAGS = ROOT / "dags"
-DAG_IDS = {"diloco_experiment", "diloco_maintenance"}
+DAG_IDS = {"diloco_experiment", "diloco_maintenance", "diloco_scavenge"}
 
 
 @pytest.fixture(scope="module")

@@ -60,6 +60,12 @@ HEARTBEAT_TIMEOUT_S = Knob(
 EXPERIMENT_SCHEDULE = Knob(
     "DILOCO_EXPERIMENT_SCHEDULE", None, str, "cron or preset of diloco_experiment (default: none)"
 )
+SCAVENGE_SCHEDULE = Knob(
+    "DILOCO_SCAVENGE_SCHEDULE",
+    None,
+    str,
+    "cron or preset of diloco_scavenge: when scavenging windows open (default: none)",
+)
 MAINTENANCE_SCHEDULE = Knob(
     "DILOCO_MAINTENANCE_SCHEDULE", "*/15 * * * *", str, "cron or preset of diloco_maintenance"
 )
@@ -101,6 +107,7 @@ KNOBS: tuple[Knob, ...] = (
     ISLAND_RETRIES,
     HEARTBEAT_TIMEOUT_S,
     EXPERIMENT_SCHEDULE,
+    SCAVENGE_SCHEDULE,
     MAINTENANCE_SCHEDULE,
     GC_KEEP_LAST,
     GC_DRY_RUN,
