@@ -29,13 +29,15 @@ def test_dp_with_more_burst_finishes_inside_the_window():
 
 def test_quick_run_writes_every_row(tmp_path):
     path = tmp_path / "scavenge.json"
-    assert sb.main(["--quick", "--bursts", "3.0", "--json", str(path)]) == 0
+    argv = ["--quick", "--bursts", "3.0", "--reclaim-mtbi-h", "24", "--json", str(path)]
+    assert sb.main(argv) == 0  # with reclaims (spot capacity taken back inside the window)
     out = json.loads(path.read_text())
     rows = {r["method"]: r for r in out["rows"]}
     assert set(rows) == {"decoupled", "dp", "dp_failures"}
     for r in rows.values():
         assert set(r) >= {"burst", "time_to_target_rel", "paper", "goodput", "uptime"}
     assert rows["decoupled"]["islands"] == 8  # 2 base islands + 6 scavenged
+    assert rows["decoupled"]["reclaimed"] == rows["dp"]["reclaimed"] >= 1  # the same draws
     assert rows["dp"]["time_to_target_rel"] < 1.0
 
 

@@ -57,6 +57,18 @@ def test_the_syncer_runs_inside_the_experiments_own_run(dagbag):
     assert dag.get_task("islands_ended").trigger_rule == "all_done"
 
 
+def test_scavenge_islands_join_wait_leave_and_always_tear_down(dagbag):
+    dag = dagbag.dags["diloco_scavenge"]
+    assert dag.max_active_runs == 1  # one window at a time: its slots are the next one's
+    for backend in ("local", "tpu_vm", "gke"):
+        g = f"scavenge_{backend}"
+        assert dag.get_task(f"{g}.wait").upstream_task_ids >= {f"{g}.join"}
+        assert dag.get_task(f"{g}.leave").upstream_task_ids >= {f"{g}.wait"}
+        assert dag.get_task(f"{g}.leave").trigger_rule == "all_done"
+        assert dag.get_task(f"{g}.teardown").is_teardown
+        assert type(dag.get_task(f"{g}.wait")).__name__ == "ScavengeWaitOperator"
+
+
 @pytest.mark.parametrize("path", sorted(DAGS.glob("*.py")), ids=lambda p: p.name)
 def test_parse_fast_and_without_jax(path, tmp_path):
     """Each DAG file parses in a fresh interpreter (after airflow is imported) in < 1 s, no jax."""

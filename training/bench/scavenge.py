@@ -13,8 +13,9 @@ for a window (opening ``window_open`` and lasting ``window_len`` of the base run
 ``join_s`` (provisioning, startup), start from the current global model on their own data
 shards and, when the window closes, leave through their stop marker (publishing their last
 partial interval, as `training/island.py` does on a stop). A slot reclaimed before that (spot
-preemption; each slot's reclaim time after its join is Exp(``reclaim_mtbi_h``)) leaves at once:
-its steps since its last publish are lost and it does not come back within the window.
+preemption; with ``--reclaim-mtbi-h H`` each slot's reclaim time after its join is Exp(H);
+default: none, the capacity holds for the window) leaves at once: its steps since its last
+publish are lost and it does not come back within the window.
 
 **Data-parallel** comes from the goodput simulator's job model (training/bench/goodput_sim.py):
 one job whose throughput is proportional to its chips while it trains. Growing the mesh when
@@ -71,7 +72,7 @@ class Assumptions:
     window_open: float = 0.1  # the window opens at this fraction of the base run ...
     window_len: float = 0.5  # ... and lasts this fraction of it
     join_s: float = 600.0  # provisioning + startup of scavenged capacity, seconds
-    reclaim_mtbi_h: float = 24.0  # mean time until a scavenged slot is reclaimed, hours
+    reclaim_mtbi_h: float = 0.0  # mean hours until a slot is reclaimed; 0: never (the window holds)
     recovery_s: float = CALIBRATED_RECOVERY_S  # DP: one restart (re-mesh), seconds
     chips: int = 150_000  # DP with failures: base chips (MTBI 1 year per chip)
     mtbi_chip_years: float = 1.0
@@ -111,7 +112,10 @@ def bench_config(quick: bool, a: Assumptions, burst: float, shards: int) -> Expe
 
 
 def reclaim_offsets(slots: int, a: Assumptions) -> list[float]:
-    """Per slot, seconds from its join until its capacity is reclaimed (common to both)."""
+    """Per slot, seconds from its join until its capacity is reclaimed (common to both
+    methods); infinite when `reclaim_mtbi_h` is 0 (the capacity holds for the window)."""
+    if not a.reclaim_mtbi_h:
+        return [math.inf] * slots
     rng = np.random.default_rng([a.seed, 29])
     return [float(rng.exponential(a.reclaim_mtbi_h * 3600.0)) for _ in range(slots)]
 
