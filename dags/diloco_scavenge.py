@@ -27,7 +27,8 @@ from diloco_airflow.scavenge import (
 
 RETRY_DELAY = timedelta(seconds=knobs.RETRY_DELAY_S.get())
 ISLAND_RETRIES = knobs.ISLAND_RETRIES.get()
-LABEL = "{{ island_label if island_label is defined else ti.map_index }}"
+# always a string (the DAG renders native objects: a bare map index would be an int)
+LABEL = "{{ island_label if island_label is defined else 'island ' ~ ti.map_index }}"
 
 default_args = {
     "retries": 2,

@@ -203,3 +203,16 @@ def test_a_preemptible_tpu_island_asks_for_preemptible_scheduling_and_no_guarant
     qr = build_queued_resource(spec, project="p", zone="z")
     assert qr.tpu.node_spec[0].node.scheduling_config.preemptible
     assert "guaranteed" not in qr and "spot" not in qr
+
+
+def test_a_resumed_wait_labels_its_island_before_it_returns(experiment):
+    """After the trigger fires, Airflow renders map_index_template from the resumed task's
+    context: the label must be there, also on the early return of a window that closed."""
+    cfg, _ = experiment
+    plan = ops.plan_scavenge(_params(cfg))
+    [entry] = plan["local"]
+    op = ops.ScavengeWaitOperator(task_id="wait", island=entry, window=plan["window"])
+    context: dict = {}
+    event = {"status": "window closed", "island": "scav-0"}
+    assert op.execute_complete(context, event) == event
+    assert context["island_label"] == "scav-0 (local)"

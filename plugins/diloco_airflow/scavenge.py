@@ -188,6 +188,8 @@ class ScavengeWaitOperator(IslandWaitOperator):
         )
 
     def execute_complete(self, context, event: dict[str, Any] | None = None):
+        # the label of map_index_template: a resumed task has a fresh context
+        context["island_label"] = IslandEntry.of(self.island).label
         if (event or {}).get("status") in rules.LEAVE_REASONS:
             self.log.info("island %s: %s", event.get("island"), event["status"])
             return event
