@@ -10,7 +10,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 DAGS = ROOT / "dags"
-DAG_IDS = {"diloco_experiment", "diloco_maintenance"}
+DAG_IDS = {"diloco_experiment", "diloco_maintenance", "diloco_scavenge"}
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +55,18 @@ def test_the_syncer_runs_inside_the_experiments_own_run(dagbag):
     assert syncer.upstream_task_ids == {"select_shards"} and evaluate.upstream_task_ids == {"init"}
     assert dag.get_task("finalize").upstream_task_ids == {"syncer", "evaluate", "islands_ended"}
     assert dag.get_task("islands_ended").trigger_rule == "all_done"
+
+
+def test_scavenge_islands_join_wait_leave_and_always_tear_down(dagbag):
+    dag = dagbag.dags["diloco_scavenge"]
+    assert dag.max_active_runs == 1  # one window at a time: its slots are the next one's
+    for backend in ("local", "tpu_vm", "gke"):
+        g = f"scavenge_{backend}"
+        assert dag.get_task(f"{g}.wait").upstream_task_ids >= {f"{g}.join"}
+        assert dag.get_task(f"{g}.leave").upstream_task_ids >= {f"{g}.wait"}
+        assert dag.get_task(f"{g}.leave").trigger_rule == "all_done"
+        assert dag.get_task(f"{g}.teardown").is_teardown
+        assert type(dag.get_task(f"{g}.wait")).__name__ == "ScavengeWaitOperator"
 
 
 @pytest.mark.parametrize("path", sorted(DAGS.glob("*.py")), ids=lambda p: p.name)

@@ -9,7 +9,7 @@
     diloco list    --store URL [--json]
     diloco history --store URL --experiment NAME [--json]
     diloco report  --store URL --experiment NAME --out DIR
-    diloco bench   quality | goodput-sim | chaos | merge | wan | science | island  [...]
+    diloco bench   quality | goodput-sim | chaos | merge | wan | science | island | scavenge  [...]
 
 Every error a user can cause (a bad config, name or URL, an unreachable store, a corrupt object)
 ends with one line on stderr and exit status 2.
@@ -214,6 +214,10 @@ def cmd_bench(args, rest: list[str]) -> int:
         from training.bench import island
 
         return island.main(rest)
+    if args.bench == "scavenge":
+        from training.bench import scavenge
+
+        return scavenge.main(rest)
     if args.bench == "science":
         from training.bench import science
 
@@ -296,7 +300,7 @@ def build_parser() -> argparse.ArgumentParser:
     # no help of its own: `diloco bench NAME --help` reaches the benchmark's parser
     sp = sub.add_parser(
         "bench",
-        help="benchmarks: quality, goodput-sim, chaos, merge, wan, science, island",
+        help="benchmarks: quality, goodput-sim, chaos, merge, wan, science, island, scavenge",
         add_help=False,
     )
     sp.add_argument("bench", nargs="?", choices=BENCHES)
@@ -304,7 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-BENCHES = ["quality", "goodput-sim", "chaos", "merge", "wan", "science", "island"]
+BENCHES = ["quality", "goodput-sim", "chaos", "merge", "wan", "science", "island", "scavenge"]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,6 +20,8 @@ from typing import Any
 
 from training.config import ChaosConfig, ExperimentConfig
 from training.goodput import BADPUT, experiment_goodput
+from training.scavenge import METRIC as SCAVENGE_METRIC
+from training.scavenge import scavenge_view
 from training.store.layout import iso
 
 MAX_POINTS = 1500  # per curve sent to the page (evenly thinned, the last point always kept)
@@ -27,7 +29,16 @@ MERGES_SHOWN = 40  # newest merge records in the table
 QUARANTINE_SHOWN = 50  # newest quarantine entries (by seq) with their reasons
 STALL_BEATS = 3  # a heartbeat older than this many heartbeat periods: stalled
 MIN_STALL_S = 30.0
-ISLAND_STATES = ("not started", "running", "stalled", "stopping", "retrying", "dead", "done")
+ISLAND_STATES = (
+    "not started",
+    "running",
+    "stalled",
+    "stopping",
+    "retrying",
+    "dead",
+    "done",
+    "left",  # a scavenged island after its window (training/scavenge.py)
+)
 
 
 # ------------------------------------------------------------------ small pure helpers
@@ -235,12 +246,16 @@ def island_rows(
     heads: Sequence[int] | None,
     now: float,
     tasks: Mapping[str, Mapping[str, Any]] | None = None,
+    scavenged: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
     """One row per island of the config (state, progress, goodput and badput, bytes, retries).
 
-    `tasks`: island -> {"state", "try_number"} of its Airflow wait task (optional)."""
+    `tasks`: island -> {"state", "try_number"} of its Airflow wait task (optional);
+    `scavenged`: `training.scavenge.scavenge_view` (a scavenged island's row carries it, and
+    one that left says "left")."""
     rows = []
     for isl in cfg.islands:
+        scav = (scavenged or {}).get(isl.name)
         hb = beats.get(isl.name, {})
         task = (tasks or {}).get(isl.name) or {}
         at = hb.get("time", hb.get("at"))
@@ -251,7 +266,9 @@ def island_rows(
                 island=isl.name,
                 backend=isl.backend,
                 hardware=dict(isl.hardware),
-                state=island_state(
+                state="left"
+                if scav and scav.get("state") == "left"
+                else island_state(
                     isl.name in done, age, cfg.heartbeat_s, isl.name in stopped, task.get("state")
                 ),
                 task_state=task.get("state"),
@@ -267,6 +284,7 @@ def island_rows(
                 bytes_up=hb.get("bytes_sent"),
                 bytes_down=hb.get("bytes_received"),
                 stop_requested=isl.name in stopped,
+                scavenged=dict(scav) if scav else None,
                 bucket_url=bucket_url(cfg.store_url, cfg.name, f"pseudograds/{isl.name}"),
             )
         )
@@ -328,7 +346,16 @@ def experiment_view(
         last_eval=evals[-1] if evals else None,
         evals=eval_curve(evals),
         island_losses=island_loss_curves(merges),
-        islands=island_rows(cfg, beats, estore.done(), estore.stopped_islands(), heads, now, tasks),
+        islands=island_rows(
+            cfg,
+            beats,
+            estore.done(),
+            estore.stopped_islands(),
+            heads,
+            now,
+            tasks,
+            scavenge_view(cache.records(estore, SCAVENGE_METRIC)),
+        ),
         goodput=experiment_goodput(cfg, {n: hb.get("goodput_state") for n, hb in beats.items()}),
         merge_count=len(merges),
         merges=[merge_row(m) for m in merges[-MERGES_SHOWN:]][::-1],

@@ -7,6 +7,8 @@ import time
 
 from training.config import ExperimentConfig
 from training.goodput import BADPUT, experiment_goodput
+from training.scavenge import METRIC as SCAVENGE_METRIC
+from training.scavenge import scavenge_view
 
 STORAGE_KINDS = {
     "checkpoints": "checkpoints",
@@ -53,9 +55,11 @@ def collect_status(cfg: ExperimentConfig, store, now: float | None = None) -> di
     pending = sum(len(refs) for refs in store.pending().values()) if heads else 0
     evals = store.read_metrics("eval")
     report = end_of_run_report(store)
+    scavenged = scavenge_view(store.read_metrics(SCAVENGE_METRIC))
     islands = []
     for isl in cfg.islands:
         hb = beats.get(isl.name, {})
+        scav = scavenged.get(isl.name) or {}
         base = hb.get("base_version")
         staleness = None
         if heads and isinstance(base, list) and len(base) == len(heads):
@@ -64,7 +68,7 @@ def collect_status(cfg: ExperimentConfig, store, now: float | None = None) -> di
             dict(
                 island=isl.name,
                 backend=isl.backend,
-                state="done" if isl.name in done else ("alive" if hb else "not started"),
+                state=island_state(isl.name in done, bool(hb), scav.get("state")),
                 step=hb.get("step"),
                 tokens=hb.get("tokens"),
                 tokens_per_s=hb.get("tokens_per_s"),
@@ -74,6 +78,11 @@ def collect_status(cfg: ExperimentConfig, store, now: float | None = None) -> di
                 bytes_received=hb.get("bytes_received"),
                 heartbeat_age_s=(now - hb["time"]) if "time" in hb else None,
                 goodput=hb.get("goodput"),
+                scavenged=bool(scav),
+                joined_at=scav.get("joined_at"),
+                left_at=scav.get("left_at"),
+                left_reason=scav.get("reason"),
+                window_closes_at=scav.get("closes_at"),
             )
         )
     return dict(
@@ -96,6 +105,22 @@ def collect_status(cfg: ExperimentConfig, store, now: float | None = None) -> di
             count=store.skipped.count - skipped_before, examples=store.skipped.examples[:5]
         ),
     )
+
+
+def island_state(done: bool, beating: bool, scavenged: str | None) -> str:
+    """One word: a scavenged island that left says "left" (its reason is beside it), one in
+    its window "scavenged" while it runs; others "done", "alive" or "not started"."""
+    if scavenged == "left":
+        return "left"
+    if done:
+        return "done"
+    if not beating:
+        return "not started"
+    return "scavenged" if scavenged == "joined" else "alive"
+
+
+def _clock(t) -> str:
+    return "-" if not isinstance(t, int | float) else time.strftime("%H:%M:%S", time.localtime(t))
 
 
 def _fmt(value, spec: str = "") -> str:
@@ -144,4 +169,12 @@ def format_status(s: dict) -> str:
             f"{_fmt(i['staleness']):>5s} {_fmt(i['heartbeat_age_s'], '.0f'):>8s} "
             f"{_fmt(i['goodput'], '.0%'):>7s}"
         )
+    scav = [i for i in s["islands"] if i.get("scavenged")]
+    if scav:
+        lines += ["", "scavenged islands (metrics/scavenge):"]
+        for i in scav:
+            until = f"left {_clock(i['left_at'])} ({i['left_reason']})"
+            if i["state"] != "left":
+                until = f"window until {_clock(i['window_closes_at'])}"
+            lines.append(f"  {i['island']:16s} joined {_clock(i['joined_at'])}  {until}")
     return "\n".join(lines)

@@ -75,6 +75,12 @@ DEFAULT_STORE = Knob(
     "the trigger form's default store URL; on Composer set gs://<bucket>/<prefix> (a file:// "
     "store exists on one machine only: islands on TPU VMs or GKE cannot reach it)",
 )
+SCAVENGE_SCHEDULE = Knob(
+    "DILOCO_SCAVENGE_SCHEDULE",
+    None,
+    str,
+    "cron or preset of diloco_scavenge: when scavenging windows open (default: none)",
+)
 MAINTENANCE_SCHEDULE = Knob(
     "DILOCO_MAINTENANCE_SCHEDULE", "*/15 * * * *", str, "cron or preset of diloco_maintenance"
 )
@@ -125,6 +131,7 @@ KNOBS: tuple[Knob, ...] = (
     EXPERIMENT_SCHEDULE,
     BACKENDS,
     DEFAULT_STORE,
+    SCAVENGE_SCHEDULE,
     MAINTENANCE_SCHEDULE,
     GC_KEEP_LAST,
     GC_EVERY_S,

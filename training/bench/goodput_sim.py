@@ -403,6 +403,76 @@ def _quorum_productive(timelines: list[list[tuple[float, float]]], k: int, h: fl
     return float(np.sum(rate[:-1] * np.diff(cuts)))
 
 
+def uptime_from_failures(
+    method: str,
+    chips: int,
+    times: np.ndarray | Sequence[float],
+    slices: np.ndarray | Sequence[int],
+    a: SimAssumptions,
+    horizon_s: float,
+) -> float:
+    """System uptime of ``method`` (the paper's figure next to goodput): the fraction of
+    ``horizon_s`` in which the system advances a step. DP and elastic DP: the job trains.
+    Decoupled: at least ``quorum_k`` islands train (K = 1: any island)."""
+    return goodput_and_uptime(method, chips, times, slices, a, horizon_s)[1]
+
+
+def goodput_and_uptime(
+    method: str,
+    chips: int,
+    times: np.ndarray | Sequence[float],
+    slices: np.ndarray | Sequence[int],
+    a: SimAssumptions,
+    horizon_s: float,
+) -> tuple[float, float]:
+    """(`goodput_from_failures`, `uptime_from_failures`) from one pass over the jobs."""
+    n = n_slices(chips, a)
+    extend = a.overlap == "extend"
+    times_l, slices_l = [float(t) for t in times], [int(s) for s in slices]
+    m = _islands(method)
+    if m == 0:
+        tl = [(0.0, float(n))]
+        if method == "dp":
+            prod = _restart_job(times_l, n, a.recovery_s, horizon_s, extend, tl)
+        else:
+            prod = _elastic_job(
+                times_l, slices_l, n, a.recovery_s, a.reshape_s, horizon_s, extend, tl,
+                a.readmit_wait_s,
+            )  # fmt: skip
+        return prod / (n * horizon_s), _up_fraction([tl], 1, horizon_s)
+    island_times: list[list[float]] = [[] for _ in range(m)]
+    island_slices: list[list[int]] = [[] for _ in range(m)]
+    for t, s in zip(times_l, slices_l, strict=True):  # island i owns slices i, i + m, ...
+        island_times[s % m].append(t)
+        island_slices[s % m].append(s // m)
+    timelines, prod = [], 0.0
+    for i in range(m):
+        size = len(range(i, n, m))
+        tl = [(0.0, float(size))]
+        if a.island_recovery == "elastic":
+            prod += _elastic_job(
+                island_times[i], island_slices[i], size, a.recovery_s, a.reshape_s,
+                horizon_s, extend, tl, a.readmit_wait_s,
+            )  # fmt: skip
+        else:
+            prod += _restart_job(island_times[i], size, a.recovery_s, horizon_s, extend, tl)
+        timelines.append(tl)
+    if a.quorum_k > 1:
+        prod = _quorum_productive(timelines, a.quorum_k, horizon_s)
+    return prod / (n * horizon_s), _up_fraction(timelines, a.quorum_k, horizon_s)
+
+
+def _up_fraction(timelines: list[list[tuple[float, float]]], k: int, h: float) -> float:
+    """Fraction of [0, h] in which at least ``k`` of the timelines are above zero."""
+    arrays = [np.array(tl, dtype=float).reshape(-1, 2) for tl in timelines]
+    cuts = np.unique(np.concatenate([x[:, 0] for x in arrays] + [np.array([h])]))
+    cuts = cuts[cuts <= h]
+    up = np.zeros(len(cuts))
+    for x in arrays:  # change points in time order; a later entry at the same time wins
+        up += x[np.searchsorted(x[:, 0], cuts, side="right") - 1, 1] > 0
+    return float(np.sum((up[:-1] >= k) * np.diff(cuts)) / h)
+
+
 def simulate(method: str, chips: int, a: SimAssumptions | None = None) -> float:
     """Goodput fraction of ``method`` ('dp', 'elastic_dp', 'decoupled_m<M>') at ``chips`` chips."""
     a = a or SimAssumptions()
@@ -417,8 +487,9 @@ def run_table(
     a: SimAssumptions | None = None,
     progress: Callable[[str, list[dict]], None] | None = None,
 ) -> list[dict]:
-    """Rows ``{"method", "chips", "goodput"}`` (goodput a fraction), method-major.
-    ``progress(method, rows_of_that_method)`` is called after each method."""
+    """Rows ``{"method", "chips", "goodput", "uptime"}`` (fractions; uptime:
+    `uptime_from_failures`), method-major. ``progress(method, rows_of_that_method)`` is called
+    after each method."""
     a = a or SimAssumptions()
     chips_list = list(chips_list)
     streams = {c: failure_stream(c, a) for c in chips_list}
@@ -427,8 +498,8 @@ def run_table(
         mrows = []
         for c in chips_list:
             times, slices, h = streams[c]
-            g = goodput_from_failures(method, c, times, slices, a, h)
-            mrows.append({"method": method, "chips": int(c), "goodput": float(g)})
+            g, u = goodput_and_uptime(method, c, times, slices, a, h)
+            mrows.append({"method": method, "chips": int(c), "goodput": float(g), "uptime": u})
         rows.extend(mrows)
         if progress is not None:
             progress(method, mrows)
@@ -517,6 +588,18 @@ def format_table(rows: list[dict]) -> str:
                 errs.append(abs(ours - 100.0 * paper))
         mae = f"{sum(errs) / len(errs):.1f} pp" if errs else ""
         lines.append(f"| {_label(m)} | " + " | ".join(cells) + f" | {mae} |")
+    return "\n".join(lines)
+
+
+def format_uptime(rows: list[dict]) -> str:
+    """Markdown table of system uptime (%), one row per method, one column per chip count."""
+    chips = sorted({r["chips"] for r in rows})
+    u = {(r["method"], r["chips"]): r["uptime"] for r in rows}
+    lines = ["| method | " + " | ".join(_chips_label(c) for c in chips) + " |"]
+    lines.append("|---|" + "---:|" * len(chips))
+    for m in dict.fromkeys(r["method"] for r in rows):
+        cells = [f"{100.0 * u[(m, c)]:.1f}" if (m, c) in u else "" for c in chips]
+        lines.append(f"| {_label(m)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -630,6 +713,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print()
     print("goodput, % — ours (paper, secondary)")
     print(format_table(rows))
+    print("\nsystem uptime, % (the fraction of time the system advances a step)")
+    print(format_uptime(rows))
     print(f"\n{note}. Total {time.perf_counter() - start:.2f} s.")
     if args.json:
         out = Path(args.json)

@@ -73,6 +73,11 @@ class IslandObjects:
         """island -> its done record."""
         return self._per_island("done", "done", records.parse_done, safejson.POINTER.max_bytes)
 
+    def clear_done(self, island: str) -> None:
+        """Remove done/{island}.json (missing is fine): the island rejoins (a scavenged slot's
+        next window, training/scavenge.py); written by the Airflow workers, not the island."""
+        self.store.delete(self._key(f"done/{validate_name('island', island)}.json"))
+
     # checkpoints ---------------------------------------------------------------------------
     def save_checkpoint(
         self,

@@ -116,7 +116,7 @@ class IslandSpec:
     ``hardware`` is backend-specific:
 
     - local: ``{}``
-    - tpu_vm: ``{"project", "zone", "accelerator_type", "runtime_version", "spot": bool,
+    - tpu_vm: ``{"project", "zone", "accelerator_type", "runtime_version", "spot": bool, "preemptible": bool,
       "network", "subnetwork", "service_account", "reserved": bool, "hosts", "install",
       "coordinator_flags": bool, "valid_until_hours"}``
     - gke: ``{"accelerator", "topology", "chips_per_host", "hosts", "image", "namespace",

@@ -136,8 +136,10 @@ def build_queued_resource(spec: IslandSpec, *, project: str, zone: str) -> tpu_v
         )
     if hw.get("tags"):
         node.tags = list(hw["tags"])
-    if hw.get("reserved"):
-        node.scheduling_config = tpu_v2.SchedulingConfig(reserved=True)
+    if hw.get("reserved") or hw.get("preemptible"):
+        node.scheduling_config = tpu_v2.SchedulingConfig(
+            reserved=bool(hw.get("reserved")), preemptible=bool(hw.get("preemptible"))
+        )
     qr = tpu_v2.QueuedResource(
         tpu=tpu_v2.QueuedResource.Tpu(
             node_spec=[
@@ -149,7 +151,7 @@ def build_queued_resource(spec: IslandSpec, *, project: str, zone: str) -> tpu_v
     )
     if hw.get("spot"):
         qr.spot = tpu_v2.QueuedResource.Spot()
-    else:
+    elif not hw.get("preemptible"):  # preemptible: the node's scheduling, no guaranteed tier
         qr.guaranteed = tpu_v2.QueuedResource.Guaranteed()
     if hw.get("reservation_name"):
         qr.reservation_name = hw["reservation_name"]
