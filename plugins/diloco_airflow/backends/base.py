@@ -76,6 +76,7 @@ HARDWARE_KEYS: dict[str, dict[str, str]] = {
         "project": "GCP project (default: the backend's)",
         "zone": "e.g. us-west4-a (default: the backend's)",
         "spot": "true: a spot slice",
+        "preemptible": "true: a preemptible slice (no guaranteed tier; scavenging)",
         "reserved": "true: use a reservation",
         "reservation_name": "that reservation",
         "valid_until_hours": "the queued resource expires after this",
