@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from diloco_airflow.backends import IslandSpec
-from diloco_airflow.backends.k8s_manifests import build_jobset
+from diloco_airflow.backends.k8s_manifests import build_jobset, validate_jobset
 from diloco_airflow.backends.tpu_startup import startup_script
 
 from tests.helpers import SMALL_MODEL
@@ -65,9 +65,11 @@ def test_gke_jobset_command_line_is_accepted_by_diloco_island():
             "coordinator_flags": True,
         },
     )
-    (container,) = build_jobset(spec)["spec"]["replicatedJobs"][0]["template"]["spec"][
-        "template"
-    ]["spec"]["containers"]
+    jobset = build_jobset(spec)
+    validate_jobset(jobset)  # the env's valueFrom (the completion index) is a valid EnvVar
+    (container,) = jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"][
+        "containers"
+    ]
     env = {e["name"]: e.get("value", "2") for e in container["env"]}  # valueFrom: the index
     argv = [re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], a) for a in container["command"]]
     args = _island_args(argv[1:])
@@ -197,5 +199,6 @@ def test_two_processes_of_four_devices_train_as_one_process_of_eight(tmp_path):
         b = codecs.decode(stores["multi"].load_pseudograd(two), "fp32")
         for name in a:
             np.testing.assert_allclose(b[name], a[name], rtol=1e-3, atol=1e-5)
+    assert refs["multi"][-1].manifest["base_version"] == 1  # resumed, then adopted the merge
     assert set(stores["multi"].done()) == {"a"} and stores["multi"].done()["a"]["step"] == STEPS
     assert _objects(tmp_path / "multi") == _objects(tmp_path / "single")

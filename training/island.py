@@ -440,7 +440,7 @@ class Island:
                 s["timed"] += 1
         self._timed = True
         result = StepResult(loss)
-        for p in self.group.agree(lambda: self._due(now)):
+        for p in self.group.agree(lambda: [int(f) for f in self._due(now)]):
             result.published.append(self.publish(p))
         if result.published:
             if self.round_clock is None and self.writer:
@@ -463,7 +463,7 @@ class Island:
 
     def _checkpoint_due(self) -> bool:
         seconds = self.clock() - self._ckpt_at if self.cfg.checkpoint.every_s else 0.0
-        return checkpointing.checkpoint_due(self.cfg.checkpoint, self._ckpt_rounds, seconds)
+        return bool(checkpointing.checkpoint_due(self.cfg.checkpoint, self._ckpt_rounds, seconds))
 
     def _due(self, now: float) -> list[int]:
         """The fragments to publish after the step that just ended (training/rounds.py)."""
