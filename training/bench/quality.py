@@ -221,7 +221,9 @@ def summarize(cfg: ExperimentConfig, results: dict[str, list[dict]]) -> dict:
             goodput=_mean_or_none([r.get("goodput") for r in runs]),
             wall_s=float(sum(r["wall_s"] for r in runs)),
             config_diff=stats.config_diff(
-                json.loads(method_config(cfg, method).to_json()), dp_cfg, ignore=["outer.method"]
+                json.loads(method_config(cfg, method).to_json()),
+                dp_cfg,
+                ignore=["outer.method", "islands"] if method == MIXED_BATCH else ["outer.method"],
             ),
             curves=[r["curve"].to_dict() for r in runs],
         )
