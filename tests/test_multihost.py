@@ -96,6 +96,41 @@ def test_a_single_process_group_decides_itself_and_writes():
     assert group.agree(lambda: [1, 2]) == [1, 2] and group.writer and not group.peer_stopping()
 
 
+class _KV:
+    """The coordination service's key-value store, in memory (one per island)."""
+
+    def __init__(self):
+        self.kv: dict[str, str] = {}
+
+    def key_value_set(self, key, value):
+        assert key not in self.kv, key
+        self.kv[key] = value
+
+    def blocking_key_value_get(self, key, timeout_ms):
+        return self.kv[key]
+
+    def key_value_delete(self, key):
+        del self.kv[key]
+
+    def key_value_dir_get(self, prefix):
+        return [(k, v) for k, v in self.kv.items() if k.startswith(prefix)]
+
+
+def test_followers_get_process_zeros_decision_and_never_decide():
+    kv = _KV()
+    leader, follower = ProcessGroup(0, 2, kv), ProcessGroup(1, 2, kv)
+    assert leader.agree(lambda: (3, [1])) == [3, [1]]  # what every process gets: JSON
+    assert follower.agree(lambda: pytest.fail("a follower decided")) == [3, [1]]
+
+
+def test_a_followers_sigterm_is_seen_by_process_zero():
+    kv = _KV()
+    leader, follower = ProcessGroup(0, 2, kv), ProcessGroup(1, 2, kv)
+    assert not leader.peer_stopping()
+    follower.announce_stop()
+    assert leader.peer_stopping()
+
+
 def test_a_follower_store_refuses_writes_and_passes_reads():
     class Store:
         def heads(self):
