@@ -7,7 +7,8 @@ no store access; the merger gathers the facts):
 
 1. `steps <= 2 * H`: steps count from the fragment's previous publish; fragment p is first due
    at H + its offset (< H), then every H steps (training/fragments.py), and DyLU only lowers H.
-2. `tokens <= steps * batch_size * seq_len`: one step is one batch.
+2. `tokens <= steps * batch_size * seq_len`: one step is one batch (of that island: its
+   `islands[].batch_size`, else `data.batch_size`).
 3. `published_at <= now + skew`: no claim from the future (on the merger's clock).
 4. Since the base version: an island adopts version b only after the merger published it (at
    merger time T_b, its `merged_at`, else `created_at`), and each contribution holds at most
@@ -41,7 +42,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -83,10 +84,11 @@ class Limits:
     """The experiment's numbers the rules need."""
 
     H: int
-    tokens_per_step: int
+    tokens_per_step: int  # an island's not in `island_tokens_per_step` (data.batch_size)
     tau: int = 0
     max_steps_per_s: float = MAX_STEPS_PER_S
     clock_skew_s: float = CLOCK_SKEW_S
+    island_tokens_per_step: Mapping[str, int] = field(default_factory=dict)
 
     @classmethod
     def from_config(cls, cfg: Any, **overrides: float) -> Limits:
@@ -97,8 +99,13 @@ class Limits:
             H=cfg.inner.H,
             tokens_per_step=cfg.data.batch_size * cfg.data.seq_len,
             tau=cfg.inner.tau,
+            island_tokens_per_step={i.name: cfg.tokens_per_step(i.name) for i in cfg.islands},
             **fields,
         )
+
+    def tokens_per_step_of(self, island: str) -> int:
+        """Tokens one inner step of `island` trains (its batch x seq_len)."""
+        return self.island_tokens_per_step.get(island, self.tokens_per_step)
 
     @property
     def max_interval_steps(self) -> int:
@@ -138,8 +145,9 @@ def check_claim(
             f"claims {steps} steps since its last publish of fragment {claim.fragment}; "
             f"at most 2 x H = {limits.max_interval_steps}"
         )
-    if tokens > steps * limits.tokens_per_step:
-        return f"tokens {tokens} exceed {steps} steps x {limits.tokens_per_step} tokens per step"
+    per_step = limits.tokens_per_step_of(claim.island)
+    if tokens > steps * per_step:
+        return f"tokens {tokens} exceed {steps} steps x {per_step} tokens per step"
     skew, rate = limits.clock_skew_s, limits.max_steps_per_s
     if claim.published_at is not None and claim.published_at > now + skew:
         return f"published_at is {claim.published_at - now:.3g} s in the future"

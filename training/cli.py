@@ -2,6 +2,7 @@
 
     diloco init    --store URL --name NAME [--config FILE] [--set key=value ...]
     diloco island  --store URL --experiment NAME --island NAME
+                   [--coordinator HOST:PORT --num-processes N --process-id I]
     diloco merge   --store URL --experiment NAME [--follow]
     diloco eval    --store URL --experiment NAME [--version N] [--record]
     diloco status  --store URL --experiment NAME [--json]
@@ -31,6 +32,7 @@ from training.config import (
     parse_sets,
     with_overrides,
 )
+from training.multihost import flag_defaults
 
 log = logging.getLogger("diloco")
 
@@ -76,6 +78,10 @@ def cmd_init(args) -> int:
 
 
 def cmd_island(args) -> int:
+    from training import multihost
+
+    # before anything touches a device: a multi-host island is one jax.distributed job
+    group = multihost.initialize(args.coordinator, args.num_processes, args.process_id)
     from training.chaos import for_process
     from training.faults import FaultPlan
     from training.island import Island
@@ -83,7 +89,9 @@ def cmd_island(args) -> int:
     cfg, estore = _load(args)
     estore = for_process(cfg, estore, "island")
 
-    island = Island(cfg, args.island, estore, background=True, faults=FaultPlan.from_env())
+    island = Island(
+        cfg, args.island, estore, background=True, faults=FaultPlan.from_env(), group=group
+    )
     info = island.run(max_steps=args.max_steps)
     print(json.dumps(info))
     return 0
@@ -225,6 +233,29 @@ def cmd_bench(args, rest: list[str]) -> int:
     raise ConfigError(f"unknown benchmark {args.bench!r}")
 
 
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a process count, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a process count >= 1, got {value}")
+    return value
+
+
+def _index(text: str) -> int | None:
+    """A process index; empty: unknown (left to jax.distributed to detect)."""
+    if text == "":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a process index, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a process index >= 0, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="diloco", description="Decoupled DiLoCo training pipeline")
     p.add_argument("-v", "--verbose", action="store_true")
@@ -257,6 +288,30 @@ def build_parser() -> argparse.ArgumentParser:
     sp = with_store(sub.add_parser("island", help="run one island until stopped"))
     sp.add_argument("--island", required=True)
     sp.add_argument("--max-steps", type=int, default=None)
+    defaults = flag_defaults()
+    multi = sp.add_argument_group(
+        "multi-host islands (one process per host; training/multihost.py)",
+        "defaults from DILOCO_COORDINATOR, DILOCO_NUM_PROCESSES and DILOCO_PROCESS_ID, which "
+        "the tpu_vm and gke backends set; an empty coordinator or process id is detected by "
+        "jax.distributed (Cloud TPU, GKE)",
+    )
+    multi.add_argument(
+        "--coordinator",
+        default=defaults["coordinator"],
+        help="host:port of process 0's jax.distributed coordinator",
+    )
+    multi.add_argument(
+        "--num-processes",
+        type=_count,
+        default=defaults["num_processes"],  # strings: argparse applies the type
+        help="processes (hosts) of this island; above 1 initializes jax.distributed",
+    )
+    multi.add_argument(
+        "--process-id",
+        type=_index,
+        default=defaults["process_id"],
+        help="this process's index (0 writes the island's objects)",
+    )
     sp.set_defaults(fn=cmd_island)
 
     sp = with_store(sub.add_parser("merge", help="apply committed pseudo-gradients"))

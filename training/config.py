@@ -16,6 +16,7 @@ from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from training.hardware import chips_of_hardware
 from training.names import validate_name
 
 MAX_ROUND_S = 86400.0  # the longest clock-round period (outer.round_s, control/rounds.json)
@@ -265,7 +266,13 @@ class CheckpointConfig(_Frozen):
 
 class IslandConfig(_Frozen):
     name: str = Field(description="the island's name (lowercase letters, digits, '-')")
-    speed: float = Field(1.0, gt=0, description="relative speed (DyLU; virtual clock in benches)")
+    speed: float = Field(
+        1.0,
+        gt=0,
+        description="relative throughput, tokens per unit of time (1: one data.batch_size batch "
+        "per unit); its inner steps per unit are speed x data.batch_size / its batch size "
+        "(DyLU; virtual clock in benches)",
+    )
     backend: Backend = Field("local", description="where it runs: local, tpu_vm or gke")
     hardware: dict[str, Any] = Field(
         default_factory=dict,
@@ -276,6 +283,19 @@ class IslandConfig(_Frozen):
     )
     max_tokens: int | None = Field(
         None, gt=0, description="the island leaves (marks itself done) after this many tokens"
+    )
+    batch_size: int | None = Field(
+        None,
+        gt=0,
+        description="sequences per inner step on this island (over all its devices and hosts); "
+        "default: data.batch_size",
+    )
+    devices: int | None = Field(
+        None,
+        gt=0,
+        description="accelerators the island's data-parallel mesh spans (all its hosts); "
+        "default: the hardware's chip count when it names one, else every device it sees; "
+        "its batch must divide evenly over them",
     )
 
     _name = field_validator("name")(lambda cls, v: validate_name("island", v))
@@ -384,6 +404,8 @@ class ExperimentConfig(_Frozen):
                 f"{dims['n_layers']} transformer blocks (strided; 'balanced' or 'tensors' "
                 "allow more)"
             )
+        for isl in self.islands:
+            _check_island_hardware(isl, self.data.batch_size)
         if self.syncer.shards > self.fragments.count:
             raise ValueError(
                 f"syncer.shards {self.syncer.shards} exceeds fragments.count "
@@ -408,15 +430,58 @@ class ExperimentConfig(_Frozen):
             raise ConfigError(f"island {name!r}: shard {shard} >= num_shards {self.num_shards}")
         return shard
 
+    def batch_size(self, name: str) -> int:
+        """Sequences per inner step of this island (its own, else data.batch_size)."""
+        return self.island(name).batch_size or self.data.batch_size
+
+    def tokens_per_step(self, name: str) -> int:
+        """Tokens one inner step of this island trains: its batch x data.seq_len."""
+        return self.batch_size(name) * self.data.seq_len
+
+    def step_rate(self, name: str) -> float:
+        """Inner steps per unit of time: `speed` is throughput (tokens per unit, 1 = one
+        data.batch_size batch), so an island with twice the batch at the same speed steps at
+        half the rate. Equals `speed` while every island has data.batch_size."""
+        return self.island(name).speed * self.data.batch_size / self.batch_size(name)
+
     def inner_steps(self, name: str) -> int:
-        """H for this island: DyLU scales it with the island's speed."""
+        """H for this island: DyLU scales it with the island's step rate,
+        `H_m = floor(H * rate_m / max_j rate_j)`, so every island's round takes about the same
+        time whatever its hardware and batch (and, with token weighting, an island's vote
+        counts what it trained: tokens = H_m x its batch x seq_len)."""
         if not self.inner.dylu:
             return self.inner.H
-        top = max(i.speed for i in self.islands)
-        return max(1, int(self.inner.H * self.island(name).speed / top))
+        top = max(self.step_rate(i.name) for i in self.islands)
+        return max(1, int(self.inner.H * self.step_rate(name) / top))
 
     def to_json(self) -> str:
         return json.dumps(self.model_dump(mode="json"), indent=2, sort_keys=True)
+
+
+def island_devices(isl: IslandConfig) -> int | None:
+    """The device count an island's batch must divide over: `devices`, else the chips its
+    hardware names (training/hardware.py: one JAX device per chip from TPU v4 on; None when it
+    names none). At run time the island's mesh spans `devices` devices if set, else every
+    device its processes see (training/runtime.py)."""
+    if isl.devices is not None:
+        return isl.devices
+    hw = isl.hardware or {}
+    if any(hw.get(k) for k in ("chips", "topology", "accelerator_type")):
+        return chips_of_hardware(hw)
+    return None
+
+
+def _check_island_hardware(isl: IslandConfig, default_batch: int) -> None:
+    """What an island's hardware forces on its settings: its batch splits evenly over its
+    devices (one slice of the batch per device, training/inner.py)."""
+    devices = island_devices(isl)
+    batch = isl.batch_size or default_batch
+    if devices is not None and batch % devices:
+        where = "batch_size" if isl.batch_size else "data.batch_size"
+        raise ValueError(
+            f"island {isl.name!r}: {where} {batch} does not divide over its {devices} devices "
+            f"(set islands[].batch_size to a multiple of {devices})"
+        )
 
 
 def field_docs(model: type[BaseModel] = None, prefix: str = "") -> dict[str, str]:

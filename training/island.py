@@ -44,6 +44,11 @@ sync: the host runs at most `RUN_AHEAD` steps ahead of the device) and are fetch
 or heartbeat needs them. `background=False` (the default: simulators, tests) does the same work
 inline, in the same order, with the same results.
 
+Multi-host islands (several processes, one per host; training/multihost.py): every process
+runs this loop on one mesh over all their devices; process 0 alone writes to the store, and
+what depends on the store or a clock is process 0's decision, handed to the others
+(`ProcessGroup.agree`). A single process (`group=None`) takes none of those paths.
+
 Length: past 500 lines because the island's three concerns (the training loop with its
 adoption and anchors, publishing through the device encoder and the I/O thread, checkpoints)
 share one state; splitting it waits for the typed island state (issue 11 item 6).
@@ -72,6 +77,7 @@ from training.device_codec import DeviceEncoder
 from training.faults import FaultPlan
 from training.fragments import fragments_due
 from training.goodput import GoodputAccountant
+from training.multihost import ProcessGroup, ReadOnlyStore
 from training.runtime import corpus_for, fragment_names, loop_for, shared
 from training.store.experiment import ExperimentStore
 from training.store.layout import pseudograd_id
@@ -100,7 +106,8 @@ class Island:
 
     `background`: do the store I/O and the checkpoint writes in background threads (see the
     module docstring); the entry point that runs an island as a process turns it on. `faults`:
-    the process's fault points (training/faults.py), handed over by the entry point.
+    the process's fault points (training/faults.py), handed over by the entry point. `group`:
+    this process's place in a multi-host island (training/multihost.py; None: one process).
     """
 
     def __init__(
@@ -111,9 +118,14 @@ class Island:
         clock: Callable[[], float] = time.time,
         background: bool = False,
         faults: FaultPlan | None = None,
+        group: ProcessGroup | None = None,
     ):
         self.cfg = cfg
         self.name = name
+        self.group = group or ProcessGroup()
+        self.writer = self.group.writer  # process 0 writes the island's objects
+        if not self.writer:
+            store = ReadOnlyStore(store)
         self.store = store
         self.clock = clock
         self.faults = faults
@@ -121,7 +133,19 @@ class Island:
         self.H = cfg.inner_steps(name) if cfg.outer.method != "sync" else cfg.inner.H
         self.P = cfg.fragments.count
         self.frags = fragment_names(cfg)
-        self.loop = loop_for(cfg)
+        self.loop = loop_for(cfg, name)
+        self.batch_size = cfg.batch_size(name)
+        devices = self.loop.mesh.devices.size
+        if self.batch_size % devices:
+            raise RuntimeError(
+                f"island {name!r}: batch {self.batch_size} does not divide over its {devices} "
+                "devices (set islands[].batch_size or islands[].devices)"
+            )
+        if not self.group.single and cfg.inner.shard_params:
+            raise RuntimeError(
+                f"island {name!r}: a multi-host island keeps its parameters replicated "
+                "(set inner.shard_params = false; training/multihost.py)"
+            )
         corpus = corpus_for(cfg)
         self.shard = shard_tokens(corpus.train, cfg.shard_of(name), cfg.num_shards)
         self.bytes_sent = 0
@@ -133,7 +157,7 @@ class Island:
         self._rate = 0.0  # tokens/s of the last heartbeat (kept by the publish-round heartbeat)
         self.since: list[dict] = [{} for _ in range(self.P)]  # per fragment, since its publish
         self.goodput = GoodputAccountant.for_clock(clock)
-        self.chaos = IslandChaos.for_island(cfg, name, store)
+        self.chaos = IslandChaos.for_island(cfg, name, store) if self.writer else None
         self.round_clock: rounds.RoundClock | None = None  # clock rounds, once learnt
         self._next_at: list[float] = []  # clock rounds: each fragment's pending boundary
         self.encoder = shared(("encoder", cfg.codec), lambda: DeviceEncoder(cfg.codec))
@@ -150,6 +174,9 @@ class Island:
         cfg = self.cfg
         t = self.goodput.now()
         ckpt = self.store.load_checkpoint(self.name)
+        step = None if ckpt is None else int(ckpt[1]["step"])
+        if self.group.agree(lambda: step) != step:
+            raise RuntimeError(f"island {self.name}: the checkpoint moved while its hosts started")
         self.resumed = ckpt is not None
         self.anchor_from = ["version"] * self.P  # per fragment: version / published / blended
         self.published_at = [-1] * self.P
@@ -158,9 +185,7 @@ class Island:
         # version holding that publish is adopted): see `_rearm_adopt`
         self.adopt_wait: dict[int, tuple[int, int]] = {}
         if ckpt is None:
-            heads = self.store.heads(range(self.P))
-            if any(h is None for h in heads):
-                raise RuntimeError(f"experiment {cfg.name!r} has no global version: run init")
+            heads = self._agreed_heads(self.store.heads(range(self.P)))
             params: dict[str, np.ndarray] = {}
             for fv in self.store._parallel(self.store.load_fragment, heads):
                 params.update(fv.params)
@@ -179,7 +204,7 @@ class Island:
             self._adopt(range(self.P))
             self.goodput.charge("checkpoint_restore", t)
         self._reset_counters(range(self.P))
-        beat = self.store.heartbeats().get(self.name) or {}
+        beat = (self.store.heartbeats().get(self.name) or {}) if self.writer else {}
         self.lost_steps = self.goodput.resume(
             ckpt[1].get("goodput") if ckpt else None,
             self.step_count if ckpt else None,
@@ -188,7 +213,7 @@ class Island:
         )
         self.loader = BatchLoader(
             self.shard,
-            cfg.data.batch_size,
+            self.batch_size,  # the island's whole batch, on every host (training/multihost.py)
             cfg.data.seq_len,
             seed=cfg.seed * 1000 + cfg.shard_of(self.name),
             cursor=cursor,
@@ -197,7 +222,8 @@ class Island:
         self.awaiting: dict[int, str] = {}
         self._last_step_at = self.clock()
         self._timed = False  # the first step after a start (the compile) is not timed
-        self._learn_round_clock()
+        if self.writer:  # round decisions are process 0's
+            self._learn_round_clock()
         self._ckpt_rounds, self._ckpt_at = 0, self._now_if_timed()
         self.checkpointed_step = self.step_count  # the step of the last checkpoint taken
 
@@ -276,9 +302,11 @@ class Island:
             before = None if published is None else published.result
             self.store.save_checkpoint(self.name, step, tensors, meta, before_commit=before)
 
-        self._ckpt_future = self.ckpt_io.submit(write)
         self._ckpt_rounds, self._ckpt_at = 0, self._now_if_timed()
         self.checkpointed_step = step
+        if not self.writer:
+            return  # process 0 holds the same (replicated) state and writes it
+        self._ckpt_future = self.ckpt_io.submit(write)
         if wait:
             self._ckpt_future.result()
             self.ckpt_io.check()
@@ -288,7 +316,40 @@ class Island:
     def _adopt(self, fragments) -> int:
         """Take each fragment's newest version if it is newer than the one this island has;
         returns how many fragments moved (`_fetch`, then `_apply`)."""
-        return self._apply(self._fetch({p: None for p in fragments}))
+        return self._apply(self._agreed(self._fetch({p: None for p in fragments})))
+
+    def _agreed_heads(self, heads: list) -> list:
+        """Every fragment's head as process 0 saw it (a follower that saw another version
+        looks up that one); raises when a fragment has none (no `init`)."""
+        if any(h is None for h in heads) and self.writer:
+            raise RuntimeError(f"experiment {self.cfg.name!r} has no global version: run init")
+        versions = self.group.agree(lambda: [h.version for h in heads])
+        return [
+            h if h is not None and h.version == v else self.store.find_version(p, v)
+            for p, (h, v) in enumerate(zip(heads, versions, strict=True))
+        ]
+
+    def _agreed(self, fetched: list) -> list:
+        """`_fetch`'s result as process 0 fetched it: the same (fragment, version or None) list
+        on every process, each with its own read of those immutable versions (a follower that
+        read another version reads the chosen one; None: nothing to adopt, look again)."""
+        if self.group.single:
+            return fetched
+        chosen = self.group.agree(
+            lambda: [[p, None if fresh is None else head.version] for p, head, fresh in fetched]
+        )
+        mine = {(p, h.version): (p, h, fresh) for p, h, fresh in fetched if fresh is not None}
+        out = []
+        for p, version in chosen:
+            if version is None:
+                out.append((p, None, None))
+                continue
+            got = mine.get((p, version))
+            if got is None:
+                head = self.store.find_version(p, version)
+                got = (p, head, self.store.load_fragment(head).params)
+            out.append(got)
+        return out
 
     def _fetch(self, wants: dict[int, int | None]) -> list[tuple[int, Any, Any]]:
         """(fragment, head, verified params or None) per fragment of `wants` whose newest
@@ -373,7 +434,7 @@ class Island:
         """If every awaited contribution has been applied, adopt the result and unblock."""
         if not self.awaiting:
             return True
-        if all(self.store.is_applied(pg) for pg in self.awaiting.values()):
+        if self.group.agree(lambda: all(self.store.is_applied(g) for g in self.awaiting.values())):
             self._adopt(sorted(self.awaiting))
             self.awaiting.clear()
             return True
@@ -391,9 +452,12 @@ class Island:
             for p in due_adopt:
                 del self.pending_adopt[p]
             self._fetches.append(self.io.submit(self._fetch, self._adopt_wants(due_adopt)))
-        if self._fetches and self._fetches[0].done():
-            while self._fetches and self._fetches[0].done():
-                self._apply(self._fetches.pop(0).result())
+        ready = self.group.agree(self._fetches_in) if self._fetches else 0
+        if ready:  # the leading fetches that are in (process 0's count on every process)
+            fetched = []
+            for _ in range(ready):
+                fetched += self._fetches.pop(0).result()
+            self._apply(self._agreed(fetched))
             t = gp.charge("waiting_for_global", t)
         inputs, targets = self.loader.next_batch()
         t = gp.charge("data_loading", t)
@@ -421,23 +485,30 @@ class Island:
                 s["timed"] += 1
         self._timed = True
         result = StepResult(loss)
-        for p in self._due(now):
+        for p in self.group.agree(lambda: [int(f) for f in self._due(now)]):
             result.published.append(self.publish(p))
         if result.published:
-            if self.round_clock is None:
+            if self.round_clock is None and self.writer:
                 self._learn_round_clock()
             t = gp.charge("waiting_for_global", t)
             self._ckpt_rounds += 1
-        seconds = self.clock() - self._ckpt_at if self.cfg.checkpoint.every_s else 0.0
-        if checkpointing.checkpoint_due(self.cfg.checkpoint, self._ckpt_rounds, seconds):
+        if self.group.agree(self._checkpoint_due):
             self.checkpoint()
             t = gp.charge("checkpoint_save", t)
-        if result.published:
+        if result.published and self.writer:
             self._check_budget(loss)
             gp.charge("waiting_for_global", t)
         first = min(s["first"] for s in self.since)
         self._losses = [(i, v) for i, v in self._losses if i > first]
         return result
+
+    def _fetches_in(self) -> int:
+        """How many of the leading adopt fetches are in."""
+        return next((i for i, f in enumerate(self._fetches) if not f.done()), len(self._fetches))
+
+    def _checkpoint_due(self) -> bool:
+        seconds = self.clock() - self._ckpt_at if self.cfg.checkpoint.every_s else 0.0
+        return bool(checkpointing.checkpoint_due(self.cfg.checkpoint, self._ckpt_rounds, seconds))
 
     def _due(self, now: float) -> list[int]:
         """The fragments to publish after the step that just ended (training/rounds.py)."""
@@ -528,7 +599,8 @@ class Island:
             self.store.publish_pseudograd(self.name, seq, p, host, manifest)
             self.bytes_sent += codecs.payload_nbytes(host)
 
-        self._uploads[p] = self.io.submit(upload)
+        if self.writer:
+            self._uploads[p] = self.io.submit(upload)
         self.seq += 1
         self.publishes += 1
         self._reset_counters([p])
@@ -568,8 +640,9 @@ class Island:
 
     def heartbeat(self, loss, tokens_per_s: float | None) -> None:
         """Overwrite this island's heartbeat (`tokens_per_s` None: keep the last rate); `loss`
-        may be a device scalar (fetched by the I/O thread)."""
-        self.io.submit(self._write_heartbeat, self._heartbeat_record(loss, tokens_per_s))
+        may be a device scalar (fetched by the I/O thread). Process 0's only."""
+        if self.writer:
+            self.io.submit(self._write_heartbeat, self._heartbeat_record(loss, tokens_per_s))
 
     def _poll_stop(self) -> None:
         if self.store.stop_requested(self.name):
@@ -597,12 +670,20 @@ class Island:
 
     def run(self, max_steps: int | None = None) -> dict:
         """The island process: train until a stop marker, the token budget or SIGTERM."""
-        signal.signal(signal.SIGTERM, lambda *_: setattr(self, "_stop", True))
+        signal.signal(signal.SIGTERM, self._on_sigterm)
         try:
             return self._run(max_steps)
         finally:
             self.io.close()
             self.ckpt_io.close()
+
+    def _on_sigterm(self, *_) -> None:
+        self._stop = True
+        self.group.announce_stop()  # a follower's SIGTERM stops the whole island
+
+    def _stopping(self) -> bool:
+        """Process 0 of a multi-host island, each step: SIGTERM on any host, or done."""
+        return self._stop or self.group.peer_stopping() or self._done_by_flags()
 
     def _run(self, max_steps: int | None) -> dict:
         self.start()
@@ -613,7 +694,7 @@ class Island:
             self.step_count,
         )
         last_beat, beat_tokens, loss = 0.0, self.tokens, None
-        steps = 0
+        steps, single = 0, self.group.single
         while True:
             if self.chaos is not None and self.chaos.stall_due():
                 self.chaos.stall(lambda: self._stop)  # alive, silent, until SIGTERM / SIGKILL
@@ -622,10 +703,13 @@ class Island:
             if now - last_beat >= self.cfg.heartbeat_s:
                 rate = (self.tokens - beat_tokens) / (now - last_beat) if last_beat else 0.0
                 self.heartbeat(loss, rate)
-                self.io.submit(self._poll_stop)
+                if self.writer:
+                    self.io.submit(self._poll_stop)
                 last_beat, beat_tokens = now, self.tokens
-                if self._stop or self._done_by_flags():
+                if single and (self._stop or self._done_by_flags()):
                     break
+            if not single and self.group.agree(self._stopping):
+                break
             if self.blocked():
                 t = self.goodput.now()
                 if not self.poll_merged():
@@ -636,10 +720,12 @@ class Island:
             steps += 1
             if max_steps is not None and steps >= max_steps:
                 break
-            if self._done_by_flags():
+            if single and self._done_by_flags():
                 break
         self.io.drain()
-        done = not self._stop and self.finished()
+        done = self.group.agree(
+            lambda: not self._stop and not self.group.peer_stopping() and self.finished()
+        )
         if done and not self.blocked():
             self.publish_remainder()
         t = self.goodput.now()
@@ -656,7 +742,7 @@ class Island:
             bytes_sent=self.bytes_sent,
             bytes_received=self.bytes_received,
         )
-        if done:
+        if done and self.writer:
             self.store.mark_done(self.name, info)
         return info
 

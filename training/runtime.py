@@ -31,12 +31,32 @@ def corpus_for(cfg: ExperimentConfig) -> Corpus:
     return shared(key, lambda: load_corpus(cfg.data.source, cfg.data.eval_fraction, vocab))
 
 
-def loop_for(cfg: ExperimentConfig) -> inner.InnerLoop:
-    key = ("loop", cfg.model, cfg.inner, len(jax.devices()))
+def island_mesh_devices(cfg: ExperimentConfig, island: str | None) -> list:
+    """The devices of an island's data-parallel mesh: every device its processes see (all
+    hosts of a multi-host island, process-major), or the first `islands[].devices` of them in
+    a single process. Raises RuntimeError (one line) when they are too few, or when a
+    multi-process island asks for fewer than it has (every host must hold part of the mesh)."""
+    devices = list(jax.devices())
+    want = cfg.island(island).devices if island is not None else None
+    if want is None or want == len(devices):
+        return devices
+    if want > len(devices) or jax.process_count() > 1:
+        raise RuntimeError(
+            f"island {island!r} asks for {want} devices (islands[].devices) and its "
+            f"{jax.process_count()} process(es) see {len(devices)}"
+        )
+    return devices[:want]
+
+
+def loop_for(cfg: ExperimentConfig, island: str | None = None) -> inner.InnerLoop:
+    """The compiled inner loop over `island`'s mesh (`island_mesh_devices`; None: every
+    device), shared by everything in the process with the same model, settings and devices."""
+    devices = island_mesh_devices(cfg, island)
+    key = ("loop", cfg.model, cfg.inner, tuple(d.id for d in devices))
     return shared(
         key,
         lambda: inner.InnerLoop(
-            cfg.model, cfg.inner, inner.make_mesh(), shard_params=cfg.inner.shard_params
+            cfg.model, cfg.inner, inner.make_mesh(devices), shard_params=cfg.inner.shard_params
         ),
     )
 

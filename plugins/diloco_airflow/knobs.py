@@ -7,8 +7,10 @@ else in `plugins/`, `dags/` or `devtools/` reads ``os.environ`` for a ``DILOCO_*
 
 The library has one variable of its own, ``DILOCO_FAULTS`` (fault points of a process:
 `training.faults`, where it is documented and read). The backends *set* a few more for the island
-process (`ISLAND_ENV`, below); an island never needs them (it gets its arguments on the command
-line) but logs and startup scripts use them.
+process (`ISLAND_ENV`, below); an island gets its arguments on the command line, and reads only
+the multi-host three (``DILOCO_NUM_PROCESSES``, ``DILOCO_PROCESS_ID``, ``DILOCO_COORDINATOR``) as
+the defaults of ``diloco island``'s multi-host flags (`training.multihost.flag_defaults`); logs
+and startup scripts use the others.
 
 Standard library only: imported at DAG parse time.
 """
@@ -150,9 +152,10 @@ ISLAND_ENV: dict[str, str] = {
     "DILOCO_EXPERIMENT": "the experiment's name",
     "DILOCO_ISLAND": "the island's name",
     "DILOCO_STORE_URL": "the store's URL",
-    "DILOCO_NUM_PROCESSES": "hosts of the island's slice",
-    "DILOCO_PROCESS_ID": "tpu_vm: this host's worker number",
-    "DILOCO_COORDINATOR": "tpu_vm: host 0's address:port (jax.distributed coordinator)",
+    "DILOCO_NUM_PROCESSES": "hosts of the island's slice (`diloco island --num-processes`)",
+    "DILOCO_PROCESS_ID": "tpu_vm, gke JobSet: this host's worker number (`--process-id`)",
+    "DILOCO_COORDINATOR": "tpu_vm, gke JobSet: host 0's address:port (jax.distributed "
+    "coordinator, `--coordinator`)",
     "DILOCO_INSTALL": "tpu_vm: a pip requirement spec the startup script installs first "
     "(from hardware['install'] or the spec's env)",
 }

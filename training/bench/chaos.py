@@ -107,7 +107,7 @@ def run_one(cfg: ExperimentConfig, rate: float, p: BenchParams, trace_every: int
             store, lambda params: loop.eval_loss(loop.put_params(params), evals), trace_every, clock
         )
     names = [i.name for i in cfg.islands]
-    pace = {i.name: p.step_s / i.speed for i in cfg.islands}
+    pace = {i.name: p.step_s / cfg.step_rate(i.name) for i in cfg.islands}
     live: dict[str, Island] = {}
     for n in names:
         live[n] = Island(cfg, n, store, clock=clock)

@@ -2,7 +2,11 @@
 
 Methods: (dp) data-parallel baseline, (sync) synchronous DiLoCo, (nesterov) naive asynchronous
 Nesterov, (delayed_nesterov) Delayed Nesterov + DyLU, (decoupled) Decoupled DiLoCo + DyLU.
-Four islands run at speeds 1, 1, 0.5 and 0.25. Islands and merger are the production `Island`
+Four islands run at speeds 1, 1, 0.5 and 0.25. A sixth row, (decoupled_mixed_batch), is Decoupled
+DiLoCo with islands of different hardware: the two fast islands train batches of 2B (B =
+data.batch_size) at half the step rate, so the same throughput, and DyLU gives every island
+rounds of the same time (H, H, H, H/2 steps) and token weighting counts their tokens.
+Islands and merger are the production `Island`
 and `Merger` classes over an in-memory store; only time is simulated: an island at speed v takes
 1/v virtual seconds per inner step, merges take no virtual time, and the event loop always runs
 the island whose next step ends first. A run is deterministic given its seed.
@@ -49,13 +53,15 @@ __all__ = ["VirtualClock", "base_config", "method_config", "run", "eval_set"]
 
 log = logging.getLogger("diloco.bench")
 
-METHODS = ("dp", *get_args(config.OuterMethod))  # dp: training.baseline, not a merge method
+MIXED_BATCH = "decoupled_mixed_batch"
+METHODS = ("dp", *get_args(config.OuterMethod), MIXED_BATCH)  # dp: training.baseline
 LABELS = {
     "dp": "data-parallel",
     "sync": "synchronous DiLoCo",
     "nesterov": "naive async Nesterov",
     "delayed_nesterov": "Delayed Nesterov + DyLU",
     "decoupled": "Decoupled DiLoCo",
+    MIXED_BATCH: "Decoupled DiLoCo, mixed batch (2B, 2B, B, B)",
 }
 SPEEDS = (1.0, 1.0, 0.5, 0.25)
 # size -> (model preset, token budget)
@@ -95,6 +101,16 @@ def base_config(
 
 def method_config(cfg: ExperimentConfig, method: str) -> ExperimentConfig:
     overrides: dict = {"outer.method": method if method != "dp" else "sync"}
+    if method == MIXED_BATCH:  # the first half of the islands: twice the batch, same speed
+        half = len(cfg.islands) / 2
+        overrides["outer.method"] = "decoupled"
+        overrides["islands"] = [
+            {
+                **i.model_dump(mode="json"),
+                "batch_size": cfg.data.batch_size * (2 if n < half else 1),
+            }
+            for n, i in enumerate(cfg.islands)
+        ]
     if method == "dp":
         overrides.update(DP_SETTINGS)
     if method in ("sync", "nesterov", "dp"):
@@ -220,7 +236,9 @@ def summarize(cfg: ExperimentConfig, results: dict[str, list[dict]]) -> dict:
             goodput=_mean_or_none([r.get("goodput") for r in runs]),
             wall_s=float(sum(r["wall_s"] for r in runs)),
             config_diff=stats.config_diff(
-                json.loads(method_config(cfg, method).to_json()), dp_cfg, ignore=["outer.method"]
+                json.loads(method_config(cfg, method).to_json()),
+                dp_cfg,
+                ignore=["outer.method", "islands"] if method == MIXED_BATCH else ["outer.method"],
             ),
             curves=[r["curve"].to_dict() for r in runs],
         )

@@ -1,7 +1,8 @@
 """The virtual-clock harness the benches share: production islands and merger, simulated time.
 
 `run_islands(cfg, eval_dt, ...)` runs `Island` and `Merger` over a fresh `memory://` store. Time
-is a `VirtualClock`: an island at speed v takes 1/v virtual seconds per inner step (times a
+is a `VirtualClock`: an island at step rate r (`ExperimentConfig.step_rate`: its speed while its
+batch is data.batch_size) takes 1/r virtual seconds per inner step (times a
 per-step jitter factor exp(jitter * z), z standard normal, when `jitter` > 0), merges take no
 virtual time, and the event loop always runs the island whose next step ends first (ties by
 name), so a run is deterministic given the config's seed. Island i takes its first step at
@@ -81,7 +82,7 @@ def run_islands(
             store, lambda p: loop.eval_loss(loop.put_params(p), evals), trace_every, clock
         )
     rng = np.random.default_rng([cfg.seed, 11])
-    base_pace = {isl.name: 1.0 / isl.spec.speed for isl in islands}
+    base_pace = {isl.name: 1.0 / cfg.step_rate(isl.name) for isl in islands}
 
     def pace(name: str) -> float:
         p = base_pace[name]

@@ -11,7 +11,12 @@ Both select TPU nodes with ``cloud.google.com/gke-tpu-accelerator`` and
 to limits). ``restartPolicy: Never`` and ``backoffLimit: 0`` / ``failurePolicy.maxRestarts: 0``:
 Airflow retries islands, Kubernetes does not. ``activeDeadlineSeconds`` enforces the spec's TTL.
 On GKE, ``jax.distributed.initialize()`` auto-detects the multi-host setup (GKE injects the TPU
-worker hostnames and ids into JobSet / Indexed Job pods).
+worker hostnames and ids into JobSet / Indexed Job pods). A JobSet's pods also get
+``DILOCO_PROCESS_ID`` (the pod's completion index) and ``DILOCO_COORDINATOR`` (pod 0's JobSet
+DNS name, port 8476), the defaults of ``diloco island``'s multi-host flags; with
+``hardware["coordinator_flags"] = True`` the container command also passes them as
+``--coordinator $(DILOCO_COORDINATOR) --num-processes $(DILOCO_NUM_PROCESSES) --process-id
+$(DILOCO_PROCESS_ID)`` (Kubernetes expands ``$(VAR)`` from the container's env).
 
 :func:`validate_k8s` checks a manifest against the ``kubernetes`` client's models: unknown fields
 (at any depth) and wrong types or missing required fields are errors. JobSet is a CRD the client
@@ -70,12 +75,44 @@ def _metadata(spec: IslandSpec, name: str, namespace: str) -> dict[str, Any]:
     }
 
 
-def _pod_spec(spec: IslandSpec, shape: dict[str, Any]) -> dict[str, Any]:
+COORDINATOR_PORT = 8476
+COMPLETION_INDEX = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+COORDINATOR_FLAGS = [
+    "--coordinator",
+    "$(DILOCO_COORDINATOR)",
+    "--num-processes",
+    "$(DILOCO_NUM_PROCESSES)",
+    "--process-id",
+    "$(DILOCO_PROCESS_ID)",
+]
+"""`diloco island`'s multi-host flags, expanded by Kubernetes from the container's env."""
+
+
+def _multi_host_env(name: str) -> list[dict[str, Any]]:
+    """A JobSet pod's process id (its completion index) and the coordinator (pod 0's DNS
+    name: ``<jobset>-<replicated job>-<job index>-<pod index>.<jobset>``)."""
+    return [
+        {
+            "name": "DILOCO_COORDINATOR",
+            "value": f"{name}-{REPLICATED_JOB}-0-0.{name}:{COORDINATOR_PORT}",
+        },
+        {"name": "DILOCO_PROCESS_ID", "valueFrom": {"fieldRef": {"fieldPath": COMPLETION_INDEX}}},
+    ]
+
+
+def _pod_spec(spec: IslandSpec, shape: dict[str, Any], jobset: str | None = None) -> dict[str, Any]:
+    """The pod of an island; `jobset`: the JobSet's name, for a pod of a multi-host slice."""
     hw = spec.hardware
     image = hw.get("image")
     if not image or not isinstance(image, str):
         raise ValueError("gke hardware needs an 'image' (a container image with the project)")
     env = island_env(spec, shape["hosts"])
+    env_list = [{"name": k, "value": v} for k, v in sorted(env.items())]
+    command = list(spec.command)
+    if jobset is not None and shape["hosts"] > 1:
+        env_list += _multi_host_env(jobset)
+        if hw.get("coordinator_flags"):
+            command += COORDINATOR_FLAGS
     chips = str(shape["chips_per_host"])
     node_selector = {
         ACCELERATOR_LABEL: shape["accelerator"],
@@ -86,8 +123,8 @@ def _pod_spec(spec: IslandSpec, shape: dict[str, Any]) -> dict[str, Any]:
     container: dict[str, Any] = {
         "name": CONTAINER,
         "image": image,
-        "command": list(spec.command),
-        "env": [{"name": k, "value": v} for k, v in sorted(env.items())],
+        "command": command,
+        "env": env_list,
         "ports": [
             {"containerPort": 8471, "name": "tpu-ici"},  # TPU runtime
             {"containerPort": 8476, "name": "jax-coord"},  # jax.distributed coordinator
@@ -159,7 +196,7 @@ def build_jobset(spec: IslandSpec) -> dict[str, Any]:
                             "activeDeadlineSeconds": _ttl_seconds(spec),
                             "template": {
                                 "metadata": {"labels": pod_labels},
-                                "spec": _pod_spec(spec, shape),
+                                "spec": _pod_spec(spec, shape, metadata["name"]),
                             },
                         },
                     },
