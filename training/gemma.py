@@ -32,7 +32,8 @@ class ZeroCenteredRMSNorm(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + NORM_EPS)
-        return (y * (1.0 + self.scale[...].astype(jnp.float32))).astype(x.dtype)
+        scale = 1.0 + self.scale[...].astype(jnp.float32)
+        return (y * scale.reshape((1,) * (x.ndim - 1) + (-1,))).astype(x.dtype)
 
 
 def rope(x: jax.Array, base: float = ROPE_BASE) -> jax.Array:
