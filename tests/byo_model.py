@@ -1,6 +1,6 @@
 """A model brought by a user, as `model.factory` names it (tests/test_byo_model.py).
 
-`make` follows the contract of docs/DESIGN.md ("Bring your own model"): it receives the
+`make` follows the contract of docs/MODELS.md ("Bring your own model"): it receives the
 ModelConfig and an `nnx.Rngs`, and returns an nnx.Module mapping int32 tokens (batch, seq) to
 logits (batch, seq, vocab_size). `make_with_loss` returns a (module, loss_fn) pair. The rest
 break the contract in one way each.

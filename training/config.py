@@ -61,8 +61,8 @@ class ModelConfig(_Frozen):
 
     The preset names the family too: ``tiny`` .. ``12b`` are the "gpt" family
     (training/model.py), ``gemma-tiny`` .. ``gemma-12b`` the "gemma" family (training/gemma.py).
-    With `factory` set, the model is the user's (docs/DESIGN.md, "Bring your own model"); the
-    sizes are still resolved here and handed to the factory in this config.
+    With `factory` set, the model is the user's (docs/MODELS.md); the sizes are still resolved
+    here and handed to the factory in this config.
     """
 
     preset: Literal[
@@ -115,7 +115,7 @@ class ModelConfig(_Frozen):
         "function(model_config, rngs) and returning an nnx.Module whose __call__ maps int32 "
         "tokens (batch, seq) to logits (batch, seq, vocab_size), or a (module, loss_fn) pair "
         "with loss_fn(module, inputs, targets) -> mean loss per token; parameters are its "
-        "float32 nnx.Params (docs/DESIGN.md, 'Bring your own model'); null: the preset's model",
+        "float32 nnx.Params (docs/MODELS.md); null: the preset's model",
     )
 
     @field_validator("factory")
