@@ -5,8 +5,11 @@ import jax
 import numpy as np
 import pytest
 
+from tests.helpers import new_store, small_config
 from training import fragments, gemma, model
 from training.config import GEMMA_PRESETS, PRESETS, ConfigError, ModelConfig
+from training.island import Island
+from training.merge import Merger
 
 ALL_PRESETS = [*PRESETS, *GEMMA_PRESETS]
 
@@ -88,6 +91,23 @@ def test_gemma_balanced_fragments_keep_blocks_whole_and_even():
     sizes = fragments.fragment_sizes(shapes, assignment, 4)
     assert max(sizes) <= 4 / 3 * sum(sizes) / 4  # within Graham's bound of the perfect split
     assert [n for n in shapes if fragments.is_embedding(n)] == ["embed/embedding"]
+
+
+def test_a_gemma_model_trains_on_islands_and_merges_by_fragment():
+    small = {"preset": "gemma-tiny", "d_model": 32, "n_heads": 4, "n_kv_heads": 2, "d_ff": 96}
+    cfg = small_config(
+        model={**small, "max_seq_len": 32},
+        outer={"method": "nesterov"},
+        fragments={"count": 2, "strategy": "balanced"},
+        islands=({"name": "a", "max_tokens": 4 * 128},),
+    )
+    store = new_store(cfg)
+    theta0 = store.load_params()
+    Island(cfg, "a", store).run()  # H = 4 steps: one publish of each fragment
+    result = Merger(cfg, store).merge_once()
+    assert result.versions == {0: 1, 1: 1}
+    merged = store.load_params()
+    assert all(not np.array_equal(merged[k], theta0[k]) for k in merged)  # every tensor moved
 
 
 def test_kv_heads_need_the_gemma_family_and_divide_the_query_heads():
