@@ -94,9 +94,9 @@ print(time.perf_counter() - t, "jax" in sys.modules)
 def test_params_match_config_presets():
     from diloco_airflow import params
 
-    from training.config import PRESETS
+    from training.config import GEMMA_PRESETS, PRESETS
 
-    assert list(PRESETS) == params.PRESETS
+    assert [*PRESETS, *GEMMA_PRESETS] == params.PRESETS
 
 
 def test_default_params_make_a_valid_config():

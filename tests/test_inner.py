@@ -6,7 +6,9 @@ import subprocess
 import sys
 import textwrap
 
+import jax
 import numpy as np
+import pytest
 
 from training import inner, model
 from training.config import InnerConfig, ModelConfig
@@ -47,6 +49,29 @@ def test_optimizer_state_round_trips_exactly_and_trains_on_without_recompiling()
     p_rest, _, _ = loop.step(loop.put_params(host), restored, x, x)
     for k, v in inner.to_host(p_orig).items():
         np.testing.assert_array_equal(inner.to_host(p_rest)[k], v, err_msg=k)
+    assert loop.compile_count() == 1
+
+
+def _losses(cfg: ModelConfig, steps: int = 4):
+    loop = inner.InnerLoop(cfg, InnerConfig(warmup_steps=2), inner.make_mesh())
+    params = loop.put_params(inner.to_host(model.init_params(cfg, 0)))
+    opt = loop.init_opt_state(params)
+    x = np.random.default_rng(0).integers(0, 256, (8, 33)).astype(np.int32)
+    losses = []
+    for _ in range(steps):
+        params, opt, loss = loop.step(params, opt, x[:, :-1], x[:, 1:])
+        losses.append(float(loss))
+    return loop, params, opt, losses
+
+
+@pytest.mark.parametrize("preset", ["tiny", "gemma-tiny"])
+def test_bf16_compute_tracks_fp32_keeps_float32_master_weights_and_compiles_once(preset):
+    *_, fp32 = _losses(ModelConfig(preset=preset, compute_dtype="float32"))
+    loop, params, opt, bf16 = _losses(ModelConfig(preset=preset, compute_dtype="bfloat16"))
+    np.testing.assert_allclose(bf16, fp32, rtol=1e-2)  # bf16 keeps ~3 significant digits
+    assert bf16 != fp32  # the step really computed in bfloat16
+    leaves = [*params.values(), *jax.tree_util.tree_leaves(opt)]
+    assert {str(x.dtype) for x in leaves if x.ndim} == {"float32"}
     assert loop.compile_count() == 1
 
 

@@ -124,6 +124,12 @@ def test_12b_preset_numbers() -> None:
     assert nums["flops_per_token"] == 6 * (nums["params"] - 4096 * 5120) + 12 * 38 * 5120 * 4096
 
 
+def test_gemma_12b_numbers_have_no_position_table() -> None:
+    nums = model12b.model_numbers("gemma-12b")
+    assert nums["params"] == 11_614_038_528  # tests/test_model.py derives it
+    assert nums["flops_per_token"] == 6 * nums["params"] + 12 * 38 * 5120 * 4096  # rotary
+
+
 def test_step_time_halves_with_twice_the_chips() -> None:
     a = Assumptions()
     assert model12b.step_time(replace(a, chips_per_island=2 * a.chips_per_island)) == (

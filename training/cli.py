@@ -61,6 +61,7 @@ def _config_fields_help() -> str:
 
 
 def cmd_init(args) -> int:
+    from training import model
     from training.merge import initial_version
 
     cfg = load_config(args.config) if args.config else None
@@ -69,6 +70,7 @@ def cmd_init(args) -> int:
     base["store_url"] = args.store
     cfg = parse_config(base)
     cfg = with_overrides(cfg, parse_sets(args.set or []))
+    model.definition(cfg.model)  # a model.factory that does not resolve fails before the write
     estore = _open(cfg.store_url, cfg.name)
     estore.write_config(json.loads(cfg.to_json()))
     created = initial_version(cfg, estore)

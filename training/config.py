@@ -36,7 +36,7 @@ class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
-# (d_model, n_layers, n_heads, d_ff, vocab_size, max_seq_len)
+# (d_model, n_layers, n_heads, d_ff, vocab_size, max_seq_len): the "gpt" family
 PRESETS: dict[str, tuple[int, int, int, int, int, int]] = {
     "tiny": (128, 2, 4, 512, 256, 64),
     "small": (384, 8, 6, 1536, 256, 256),
@@ -44,13 +44,44 @@ PRESETS: dict[str, tuple[int, int, int, int, int, int]] = {
     "1b": (2048, 18, 16, 8192, 50304, 2048),
     "12b": (5120, 38, 40, 20480, 50304, 4096),
 }
+# (d_model, n_layers, n_heads, n_kv_heads, d_ff, vocab_size, max_seq_len): the "gemma" family
+# (training/gemma.py): the gpt sizes with a gated MLP of d_ff = 3 x d_model (three matrices, so
+# about the gpt MLP's 8 d^2) and grouped-query attention with head_dim = d_model / n_heads
+GEMMA_PRESETS: dict[str, tuple[int, int, int, int, int, int, int]] = {
+    "gemma-tiny": (128, 2, 4, 2, 384, 256, 64),
+    "gemma-small": (384, 8, 6, 2, 1152, 256, 256),
+    "gemma-125m": (768, 12, 12, 4, 2304, 50304, 1024),
+    "gemma-1b": (2048, 18, 16, 4, 6144, 50304, 2048),
+    "gemma-12b": (5120, 38, 40, 8, 15360, 50304, 4096),
+}
+ComputeDtype = Literal["auto", "float32", "bfloat16"]
 
 
 class ModelConfig(_Frozen):
-    """A decoder-only transformer; `preset` sets every size, explicit fields override it."""
+    """A decoder-only transformer; `preset` sets every size, explicit fields override it.
 
-    preset: Literal["tiny", "small", "125m", "1b", "12b"] = Field(
-        "tiny", description="model size preset (PRESETS); the fields below override it"
+    The preset names the family too: ``tiny`` .. ``12b`` are the "gpt" family
+    (training/model.py), ``gemma-tiny`` .. ``gemma-12b`` the "gemma" family (training/gemma.py).
+    With `factory` set, the model is the user's (docs/MODELS.md); the sizes are still resolved
+    here and handed to the factory in this config.
+    """
+
+    preset: Literal[
+        "tiny",
+        "small",
+        "125m",
+        "1b",
+        "12b",
+        "gemma-tiny",
+        "gemma-small",
+        "gemma-125m",
+        "gemma-1b",
+        "gemma-12b",
+    ] = Field(
+        "tiny",
+        description="model size preset (PRESETS: tiny .. 12b, a GPT with learned positions and "
+        "a GELU MLP; GEMMA_PRESETS: gemma-tiny .. gemma-12b, rotary positions, GeGLU MLP, "
+        "grouped-query attention, QK-norm); the fields below override it",
     )
     d_model: int | None = Field(None, gt=0, description="width; default: the preset's")
     n_layers: int | None = Field(
@@ -66,9 +97,55 @@ class ModelConfig(_Frozen):
     max_seq_len: int | None = Field(
         None, gt=0, description="longest sequence (position embeddings); default: the preset's"
     )
+    n_kv_heads: int | None = Field(
+        None,
+        gt=0,
+        description="gemma family: key/value heads of grouped-query attention (divide "
+        "n_heads); default: the preset's; the gpt family has n_heads",
+    )
+    compute_dtype: ComputeDtype = Field(
+        "auto",
+        description="dtype of the forward and backward pass; parameters, gradients, optimizer "
+        "state and pseudo-gradients stay float32 (master weights) and the loss is float32; "
+        "auto: bfloat16 on accelerators (GPU, TPU), float32 on CPU "
+        "(training.model.compute_dtype)",
+    )
+    factory: str | None = Field(
+        None,
+        description="bring your own Flax NNX model: 'package.module:function', called as "
+        "function(model_config, rngs) and returning an nnx.Module whose __call__ maps int32 "
+        "tokens (batch, seq) to logits (batch, seq, vocab_size), or a (module, loss_fn) pair "
+        "with loss_fn(module, inputs, targets) -> mean loss per token; parameters are its "
+        "float32 nnx.Params (docs/MODELS.md); null: the preset's model",
+    )
+
+    @field_validator("factory")
+    @classmethod
+    def _factory_spec(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        module, sep, attr = v.partition(":")
+        parts = module.split(".") + [attr]
+        if not sep or not all(p.isidentifier() for p in parts):
+            raise ValueError(f"factory {v!r}: expected 'package.module:function'")
+        return v
+
+    @property
+    def family(self) -> Literal["gpt", "gemma"]:
+        """The built-in model family the preset names (training.model builds it)."""
+        return "gemma" if self.preset in GEMMA_PRESETS else "gpt"
 
     def dims(self) -> dict[str, int]:
-        d, n_layers, heads, ff, vocab, seq = PRESETS[self.preset]
+        if self.family == "gemma":
+            d, n_layers, heads, kv, ff, vocab, seq = GEMMA_PRESETS[self.preset]
+        else:
+            d, n_layers, heads, ff, vocab, seq = PRESETS[self.preset]
+            kv = self.n_heads or heads
+            if self.n_kv_heads is not None and self.n_kv_heads != kv:
+                raise ConfigError(
+                    f"model: n_kv_heads {self.n_kv_heads} needs a gemma preset (the gpt family "
+                    f"has n_kv_heads = n_heads = {kv})"
+                )
         out = dict(
             d_model=self.d_model or d,
             n_layers=self.n_layers or n_layers,
@@ -76,19 +153,37 @@ class ModelConfig(_Frozen):
             d_ff=self.d_ff or ff,
             vocab_size=self.vocab_size or vocab,
             max_seq_len=self.max_seq_len or seq,
+            n_kv_heads=self.n_kv_heads or kv,
         )
         if out["d_model"] % out["n_heads"]:
             raise ConfigError(
                 f"model: d_model {out['d_model']} is not divisible by n_heads {out['n_heads']}"
             )
+        if out["n_heads"] % out["n_kv_heads"]:
+            raise ConfigError(
+                f"model: n_heads {out['n_heads']} is not divisible by n_kv_heads "
+                f"{out['n_kv_heads']}"
+            )
+        if self.family == "gemma" and (out["d_model"] // out["n_heads"]) % 2:
+            raise ConfigError(
+                f"model: rotary positions need an even head dimension, got d_model / n_heads "
+                f"= {out['d_model'] // out['n_heads']}"
+            )
         return out
 
     def param_count(self) -> int:
-        """Exact parameter count of `training.model.Transformer` for these dims (tied head)."""
+        """Exact parameter count of the preset family's model for these dims (tied head):
+        `training.model.Transformer` (gpt) or `training.gemma.Gemma`. A `factory` model's
+        count is `training.model.abstract_params`'s, not this."""
         m = self.dims()
-        d, f = m["d_model"], m["d_ff"]
+        d, f, L, vocab = m["d_model"], m["d_ff"], m["n_layers"], m["vocab_size"]
+        if self.family == "gemma":
+            hd = d // m["n_heads"]
+            # q + out, k + v, gate + up + down, two RMSNorm scales, q-norm and k-norm scales
+            per_layer = 2 * d * d + 2 * d * m["n_kv_heads"] * hd + 3 * d * f + 2 * d + 2 * hd
+            return vocab * d + L * per_layer + d
         per_layer = 4 * d * d + 2 * d * f + 2 * d  # qkv + out, mlp up + down, two RMSNorm scales
-        return m["vocab_size"] * d + m["max_seq_len"] * d + m["n_layers"] * per_layer + d
+        return vocab * d + m["max_seq_len"] * d + L * per_layer + d
 
 
 class DataConfig(_Frozen):

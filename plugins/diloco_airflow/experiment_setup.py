@@ -79,6 +79,9 @@ def init_experiment(params: dict[str, Any]) -> dict[str, list]:
     cfg = config_from_params(params)
     check_budget(cfg)
     check_backends(cfg, enabled_backends())
+    from training.model import definition
+
+    definition(cfg.model)  # a model.factory that does not resolve: a ConfigError before any write
     hook = store.DilocoStoreHook(store_url=cfg.store_url)
     hook.check()  # unreachable bucket / missing credentials: fail now, with the store's message
     estore = hook.experiment(cfg.name)

@@ -30,10 +30,10 @@ import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from training.config import PRESETS, ModelConfig
+from training.config import GEMMA_PRESETS, PRESETS, ModelConfig
 
 GBPS = (2.0, 3.0, 5.0)
-PRESET_NAMES = tuple(PRESETS)
+PRESET_NAMES = (*PRESETS, *GEMMA_PRESETS)
 
 
 @dataclass(frozen=True)
@@ -86,10 +86,8 @@ def model_numbers(preset: str) -> dict:
     cfg = ModelConfig(preset=preset)
     m = cfg.dims()
     n = cfg.param_count()
-    flops = (
-        6 * (n - m["max_seq_len"] * m["d_model"])
-        + 12 * m["n_layers"] * m["d_model"] * m["max_seq_len"]
-    )
+    positions = m["max_seq_len"] * m["d_model"] if cfg.family == "gpt" else 0  # gemma: rotary
+    flops = 6 * (n - positions) + 12 * m["n_layers"] * m["d_model"] * m["max_seq_len"]
     return dict(params=n, flops_per_token=flops, **m)
 
 
