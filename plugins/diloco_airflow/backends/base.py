@@ -105,6 +105,8 @@ HARDWARE_KEYS: dict[str, dict[str, str]] = {
         "image_pull_policy": "the container's imagePullPolicy",
         "termination_grace_s": "seconds between SIGTERM and SIGKILL (default 30)",
         "ttl_after_finished_s": "a JobSet is deleted this long after it ends (default 3600)",
+        "coordinator_flags": "true: also pass --coordinator/--num-processes/--process-id "
+        "(the DILOCO_* environment of every pod already sets them)",
     },
 }
 """The ``hardware`` keys each backend reads (what the trigger form's island field lists)."""
@@ -121,7 +123,8 @@ class IslandSpec:
       "network", "subnetwork", "service_account", "reserved": bool, "hosts", "install",
       "coordinator_flags": bool, "valid_until_hours"}``
     - gke: ``{"accelerator", "topology", "chips_per_host", "hosts", "image", "namespace",
-      "kind": "auto" | "pod" | "jobset", "spot": bool, "service_account"}``
+      "kind": "auto" | "pod" | "jobset", "spot": bool, "service_account",
+      "coordinator_flags": bool}``
 
     ``attempt_key`` is folded into the resource name (:func:`resource_id`); leave it empty (the
     default) so Airflow retries of the same island reuse the same name, or set it to e.g. a DAG run
