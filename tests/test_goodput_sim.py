@@ -1,4 +1,5 @@
-"""Tests for the goodput simulator (training/bench/goodput_sim.py). Fast: the whole file < 20 s."""
+"""Tests for the goodput simulator (training/bench/goodput_model.py, goodput_methods.py,
+goodput_sim.py). Fast: the whole file < 20 s."""
 
 from __future__ import annotations
 
@@ -8,17 +9,22 @@ from dataclasses import replace
 
 import pytest
 
-from training.bench import goodput_sim as gs
-from training.bench.goodput_sim import (
+from training.bench import goodput_sim
+from training.bench.goodput_methods import (
+    calibrate,
+    goodput_from_failures,
+    run_table,
+    simulate,
+    uptime_from_failures,
+)
+from training.bench.goodput_model import (
+    CALIBRATED_RECOVERY_S,
     CHIPS,
     METHODS,
     PAPER_TABLE,
     SimAssumptions,
-    format_table,
-    goodput_from_failures,
-    run_table,
-    simulate,
 )
+from training.bench.goodput_sim import format_table
 
 
 @pytest.fixture(scope="module")
@@ -88,14 +94,14 @@ def test_hand_derived_uptime_of_a_single_failure() -> None:
     a = SimAssumptions(slice_chips=250, recovery_s=50.0, reshape_s=10.0)
     one = ([100.0], [0], a, 1000.0)
     # DP stops on [100, 150): 0.95; elastic DP stalls [100, 110) and [150, 160): 0.98
-    assert gs.uptime_from_failures("dp", 1000, *one) == pytest.approx(0.95)
-    assert gs.uptime_from_failures("elastic_dp", 1000, *one) == pytest.approx(0.98)
+    assert uptime_from_failures("dp", 1000, *one) == pytest.approx(0.95)
+    assert uptime_from_failures("elastic_dp", 1000, *one) == pytest.approx(0.98)
     # Decoupled, K = 1: island 1 trains throughout -> 1.0, even when island 0 restarts
     b = replace(a, island_recovery="restart")
-    assert gs.uptime_from_failures("decoupled_m2", 1000, [100.0], [0], b, 1000.0) == 1.0
+    assert uptime_from_failures("decoupled_m2", 1000, [100.0], [0], b, 1000.0) == 1.0
     # ... K = 2: nothing advances while island 0 is down -> 0.95
     k2 = replace(b, quorum_k=2)
-    assert gs.uptime_from_failures("decoupled_m2", 1000, [100.0], [0], k2, 1000.0) == (
+    assert uptime_from_failures("decoupled_m2", 1000, [100.0], [0], k2, 1000.0) == (
         pytest.approx(0.95)
     )
 
@@ -139,7 +145,7 @@ def test_all_islands_down_means_zero_productive() -> None:
 def test_json_rows_and_methods(tmp_path, capsys) -> None:
     out = tmp_path / "goodput.json"
     png = tmp_path / "goodput.png"
-    assert gs.main(["--json", str(out), "--plot", str(png)]) == 0
+    assert goodput_sim.main(["--json", str(out), "--plot", str(png)]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     rows = json.loads(out.read_text())
     assert all(set(r) == {"method", "chips", "goodput", "uptime"} for r in rows)
@@ -168,8 +174,8 @@ def test_format_table_and_paper_table(table: list[dict]) -> None:
 def test_calibration_recovers_the_default_recovery_time() -> None:
     # the default recovery_s is the least-squares fit on the paper's DP column; the fit is the
     # same up to sampling noise with a shorter horizon
-    r, rms = gs.calibrate("recovery_s", "dp", SimAssumptions(target_failures=5000))
-    assert abs(r - gs.CALIBRATED_RECOVERY_S) < 3.0
+    r, rms = calibrate("recovery_s", "dp", SimAssumptions(target_failures=5000))
+    assert abs(r - CALIBRATED_RECOVERY_S) < 3.0
     assert rms < 3.0
 
 

@@ -17,7 +17,7 @@ preemption; with ``--reclaim-mtbi-h H`` each slot's reclaim time after its join 
 default: none, the capacity holds for the window) leaves at once: its steps since its last
 publish are lost and it does not come back within the window.
 
-**Data-parallel** comes from the goodput simulator's job model (training/bench/goodput_sim.py):
+**Data-parallel** comes from the goodput simulator's job model (training/bench/goodput_model.py):
 one job whose throughput is proportional to its chips while it trains. Growing the mesh when
 the burst chips arrive, shrinking it when the window closes and dropping a reclaimed slice
 each restart the whole job (``recovery_s``, the simulator's calibrated 78.6 s); with
@@ -45,7 +45,7 @@ from pathlib import Path
 import numpy as np
 
 from training.baseline import Curve
-from training.bench.goodput_sim import CALIBRATED_RECOVERY_S, SECONDS_PER_YEAR
+from training.bench.goodput_model import CALIBRATED_RECOVERY_S, SECONDS_PER_YEAR
 from training.bench.quality import base_config
 from training.bench.sim import VirtualClock, eval_set
 from training.config import ExperimentConfig, with_overrides
