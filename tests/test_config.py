@@ -88,9 +88,9 @@ def test_the_codec_lists_are_the_configs_codec_type():
 
     from training import codecs
     from training.config import Codec
-    from training.store import records
+    from training.store import merge_records
 
-    assert codecs.CODECS == records.CODECS == get_args(Codec)
+    assert codecs.CODECS == merge_records.CODECS == get_args(Codec)
 
 
 def test_parse_sets_reads_json_values_else_strings_and_refuses_an_item_without_equals():

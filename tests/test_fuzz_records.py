@@ -1,5 +1,6 @@
 """Property-based tests of every store reader: whatever the bytes, only the documented error
-type escapes (training/store/keys.py, safejson.py, records.py, tensors.py, training/codecs.py).
+type escapes (training/store/keys.py, safejson.py, merge_records.py, island_records.py, tensors.py,
+training/codecs.py).
 
 Inputs: random bytes, mutations of valid objects (fields deleted, replaced by values of the
 wrong type, huge numbers, deep nesting, unicode; bytes flipped, truncated, spliced), and names
@@ -20,7 +21,7 @@ from hypothesis import strategies as st
 
 from training import codecs
 from training.claims import norm_median
-from training.store import keys, records, safejson
+from training.store import island_records, keys, merge_records, safejson
 from training.store.tensors import BadTensors, decode_tensors, encode_tensors, sha256
 
 FAST = settings(
@@ -163,65 +164,73 @@ CONFIG_OK = dict(name="exp", islands=[{"name": "isl-a"}])
 READERS = {
     "pseudograd commit": (
         COMMIT,
-        lambda d: records.parse_pseudograd_commit(d, PG, "exp"),
-        records.BadPseudoGradManifest,
+        lambda d: merge_records.parse_pseudograd_commit(d, PG, "exp"),
+        merge_records.BadPseudoGradManifest,
     ),
     "pseudograd manifest": (
         MANIFEST,
-        lambda d: records.parse_pseudograd_manifest(d, PG, "exp"),
-        records.BadPseudoGradManifest,
+        lambda d: merge_records.parse_pseudograd_manifest(d, PG, "exp"),
+        merge_records.BadPseudoGradManifest,
     ),
     "head": (
         {"version": 3, "dir": "fragments/f000/v00000003-0123abcd"},
-        lambda d: records.parse_head(d, 0),
-        records.BadHead,
+        lambda d: merge_records.parse_head(d, 0),
+        merge_records.BadHead,
     ),
     "fragment manifest": (
         FRAGMENT,
-        lambda d: records.parse_fragment_manifest(d, "exp", 0, 2),
-        records.BadFragmentManifest,
+        lambda d: merge_records.parse_fragment_manifest(d, "exp", 0, 2),
+        merge_records.BadFragmentManifest,
     ),
-    "ledger entry": ({"version": 4}, records.parse_ledger_entry, records.BadLedgerEntry),
+    "ledger entry": (
+        {"version": 4},
+        merge_records.parse_ledger_entry,
+        merge_records.BadLedgerEntry,
+    ),
     "quarantine entry": (
         {"reason": "x", "at": 1.0},
-        records.parse_quarantine_entry,
-        records.BadQuarantineEntry,
+        merge_records.parse_quarantine_entry,
+        merge_records.BadQuarantineEntry,
     ),
     "config top level": (
         CONFIG_OK,
-        lambda d: records.parse_config_record(d, "exp"),
-        records.BadConfigRecord,
+        lambda d: island_records.parse_config_record(d, "exp"),
+        island_records.BadConfigRecord,
     ),
     "config": (
         CONFIG_OK,
-        lambda d: records.parse_experiment_config(d, "exp"),
-        records.BadConfigRecord,
+        lambda d: island_records.parse_experiment_config(d, "exp"),
+        island_records.BadConfigRecord,
     ),
     "checkpoint LATEST": (
         LATEST,
-        lambda d: records.parse_checkpoint_pointer(d, "isl-a"),
-        records.BadCheckpoint,
+        lambda d: island_records.parse_checkpoint_pointer(d, "isl-a"),
+        island_records.BadCheckpoint,
     ),
     "checkpoint meta": (
         META,
-        lambda d: records.parse_checkpoint_meta(d, "isl-a", 7),
-        records.BadCheckpoint,
+        lambda d: island_records.parse_checkpoint_meta(d, "isl-a", 7),
+        island_records.BadCheckpoint,
     ),
-    "heartbeat": (BEAT, lambda d: records.parse_heartbeat(d, "isl-a"), records.BadHeartbeat),
+    "heartbeat": (
+        BEAT,
+        lambda d: island_records.parse_heartbeat(d, "isl-a"),
+        island_records.BadHeartbeat,
+    ),
     "eval metric": (
         {"version": 1, "loss": 2.5, "tokens_merged": 3},
-        lambda d: records.parse_metric(d, "eval"),
-        records.BadMetric,
+        lambda d: island_records.parse_metric(d, "eval"),
+        island_records.BadMetric,
     ),
     "chaos metric": (
         {"event": "kill", "at": 1.0},
-        lambda d: records.parse_metric(d, "chaos"),
-        records.BadMetric,
+        lambda d: island_records.parse_metric(d, "chaos"),
+        island_records.BadMetric,
     ),
     "done marker": (
         {"island": "isl-a", "at": 1.0, "step": 3},
-        lambda d: records.parse_done(d, "isl-a"),
-        records.BadDoneMarker,
+        lambda d: island_records.parse_done(d, "isl-a"),
+        island_records.BadDoneMarker,
     ),
     "bounded JSON": (
         {"a": [1, {"b": "c"}]},

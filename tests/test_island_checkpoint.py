@@ -8,7 +8,7 @@ from tests.helpers import new_store, small_config
 from training import checkpointing, inner
 from training.config import CheckpointConfig
 from training.island import Island
-from training.store.records import BadCheckpoint, parse_checkpoint_meta
+from training.store.island_records import BadCheckpoint, parse_checkpoint_meta
 from training.store.safejson import dump_json
 
 

@@ -3,7 +3,7 @@
 A checkpoint holds what the store does not: the island's parameters (`param/<name>`), its AdamW
 state (`opt/<leaf>`), the codec residuals (`resid/<name>`), and each fragment's anchor (the point
 its next pseudo-gradient is measured from) only where the store cannot give it back. Per
-fragment, `meta["anchor"]` says which (records.ANCHOR_KINDS):
+fragment, `meta["anchor"]` says which (island_records.ANCHOR_KINDS):
 
 - `version`: the anchor is exactly fragment p's base version (`meta["base_version"][p]`), as
   after a fresh start or adopting a merge (keep_overlap, or overwrite): not in the checkpoint; a
@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from training.config import CheckpointConfig
-from training.store.records import ANCHOR_KINDS, BadCheckpoint
+from training.store.island_records import ANCHOR_KINDS, BadCheckpoint
 
 PREFIXES = ("param/", "opt/", "anchor/", "resid/")
 
@@ -86,7 +86,7 @@ def parse_state(
 ) -> RestoredState:
     """The checkpoint's tensors, checked against the model: `shapes` (parameter name -> shape,
     float32), `opt_shapes` (leaf name -> (shape, dtype)), `fragments` (names per fragment).
-    `meta` is already parsed (records.parse_checkpoint_meta); a meta without `anchor` (an
+    `meta` is already parsed (island_records.parse_checkpoint_meta); a meta without `anchor` (an
     older checkpoint) has every anchor saved. BadCheckpoint on any mismatch."""
     bases = meta.get("base_version")
     if not isinstance(bases, list) or len(bases) != len(fragments):

@@ -66,7 +66,7 @@ class Claim:
 
     @classmethod
     def of(cls, manifest: Any) -> Claim:
-        """From a `records.PseudoGradManifest`."""
+        """From a `merge_records.PseudoGradManifest`."""
         return cls(
             manifest.island,
             manifest.fragment,
@@ -291,7 +291,7 @@ class Round:
 
 
 def beats(heartbeats: dict[str, dict]) -> dict[str, Beat]:
-    """island -> Beat of the heartbeats (validated by records.parse_heartbeat) that say both."""
+    """island -> Beat of the heartbeats (validated by island_records.parse_heartbeat) that say both."""
     out = {}
     for island, hb in heartbeats.items():
         if hb.get("step") is not None and hb.get("time") is not None:

@@ -1,8 +1,8 @@
 """What the DiLoCo page in Airflow shows (and `diloco report` draws): store -> JSON-able dicts.
 
 Pure functions over an `ExperimentStore` and its parsed config; no Airflow, no jax. Everything
-comes through the store's strict readers (training/store/records.py), so junk in a bucket is
-skipped and counted, never fatal. Airflow's side (task states, run links) comes in as plain
+comes through the store's strict readers (training/store/merge_records.py, island_records.py), so
+junk in a bucket is skipped and counted, never fatal. Airflow's side (task states, run links) comes in as plain
 dicts (`tasks`, `runs`) from the plugin (plugins/diloco_airflow/ui/).
 
 `MetricCache` keeps the merge / eval / chaos records already read, so a page polled every few

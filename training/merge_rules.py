@@ -32,7 +32,7 @@ import numpy as np
 from training import claims, codecs, merge_stream
 from training.config import ExperimentConfig, OuterConfig
 from training.fragments import is_embedding
-from training.store import records
+from training.store import merge_records as records
 from training.store.safejson import show
 
 NORM_HISTORY = 64  # merged norms kept per fragment for the clipping median

@@ -40,7 +40,7 @@ def _human(n: int) -> str:
 
 def collect_status(cfg: ExperimentConfig, store, now: float | None = None) -> dict:
     """Everything `diloco status` shows. Every record comes through the store's strict readers
-    (training/store/records.py): junk names and broken heartbeats, markers and metrics are
+    (training/store/island_records.py): junk names and broken heartbeats, markers and metrics are
     skipped and counted in `skipped` ({"count", "examples"}), never fatal."""
     from training.evaluate import end_of_run_report
 

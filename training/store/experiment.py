@@ -30,7 +30,7 @@ import numpy as np
 
 from training.faults import fault_point
 from training.names import validate_name
-from training.store import records, safejson
+from training.store import island_records, merge_records, safejson
 from training.store.gc import GarbageCollection, GCPlan
 from training.store.island_objects import IslandObjects
 from training.store.keys import ObjectName, SkipTally, parse_key_or_none
@@ -53,6 +53,7 @@ from training.store.layout import (
     pseudograd_id,
 )
 from training.store.objectstore import CorruptObject, ObjectNotFound, ObjectStore, StoreError
+from training.store.record_fields import is_int
 from training.store.safejson import JSONLimits
 from training.store.tensors import MAX_HEADER_BYTES, checksum, decode_tensors, tensor_parts
 from training.store.versions import FragmentVersions
@@ -222,10 +223,10 @@ class ExperimentStore(FragmentVersions, GarbageCollection, IslandObjects):
         max_header: int = MAX_HEADER_BYTES,
     ) -> dict[str, np.ndarray]:
         """Read a payload (never more than the manifest's `nbytes`), check its size and its
-        checksum `digest` ((algorithm, hex), records.checksum_field) against the manifest,
+        checksum `digest` ((algorithm, hex), record_fields.checksum_field) against the manifest,
         decode it (a header of at most `max_header` bytes). The arrays are views into the one
         buffer read: writable (copy=True: nothing else holds it) or read-only (copy=False)."""
-        if not records.is_int(nbytes) or nbytes < 0:
+        if not is_int(nbytes) or nbytes < 0:
             raise CorruptObject(f"{what}: invalid nbytes {safejson.show(nbytes)}")
         algorithm, expected = digest
         try:
@@ -258,7 +259,7 @@ class ExperimentStore(FragmentVersions, GarbageCollection, IslandObjects):
         BadConfigRecord if it is not a JSON object naming this experiment, LayoutMismatch if it
         was written for another store layout."""
         data = self.store.read(self._key(self.CONFIG), max_bytes=safejson.CONFIG.max_bytes)
-        cfg = records.parse_config_record(data, self.experiment)
+        cfg = island_records.parse_config_record(data, self.experiment)
         layout = cfg.pop("layout", 1)
         if layout != LAYOUT_VERSION:
             raise LayoutMismatch(
@@ -282,7 +283,7 @@ class ExperimentStore(FragmentVersions, GarbageCollection, IslandObjects):
             if got is None:
                 raise ObjectNotFound(f"{self.url}/{self.CONFIG} does not exist")
             data, generation = got
-            current = records.parse_config_record(data, self.experiment)
+            current = island_records.parse_config_record(data, self.experiment)
             layout = current.pop("layout", 1)
             if layout != LAYOUT_VERSION:
                 raise LayoutMismatch(
@@ -430,7 +431,7 @@ class ExperimentStore(FragmentVersions, GarbageCollection, IslandObjects):
         """The tensors of a committed pseudo-gradient, verified against its manifest.
 
         CorruptObject unless: the marker was readable; the manifest names this experiment,
-        island, seq and fragment (records.parse_pseudograd_commit); the payload key is
+        island, seq and fragment (merge_records.parse_pseudograd_commit); the payload key is
         `pseudograds/{island}/{seq:08d}-f{fragment:03d}-<8 hex>.safetensors` (so never outside
         this island's prefix); the declared size is at most `max_nbytes` (refused before any
         read; `limit_of` names the limit in the message); and the payload's size and checksum
@@ -445,7 +446,7 @@ class ExperimentStore(FragmentVersions, GarbageCollection, IslandObjects):
         if ref.id != pg_id:
             raise CorruptObject(f"{what}: manifest does not describe this pseudo-gradient")
         try:
-            commit = records.parse_pseudograd_commit(ref.manifest, pg_id, self.experiment)
+            commit = merge_records.parse_pseudograd_commit(ref.manifest, pg_id, self.experiment)
         except CorruptObject as exc:
             raise CorruptObject(f"{what}: {exc}") from None
         if commit.payload != ref.payload_key:
@@ -491,7 +492,7 @@ class ExperimentStore(FragmentVersions, GarbageCollection, IslandObjects):
             try:
                 if isinstance(data, CorruptObject):
                     raise data
-                result[pg_id] = records.parse_ledger_entry(data)
+                result[pg_id] = merge_records.parse_ledger_entry(data)
             except CorruptObject as exc:
                 self._skip(f"ledger/{pg_id}.json", exc)
                 result[pg_id] = -1
@@ -514,7 +515,7 @@ class ExperimentStore(FragmentVersions, GarbageCollection, IslandObjects):
             if self.store.create(self._key(relative), entry):
                 return None
             try:
-                existing = records.parse_ledger_entry(
+                existing = merge_records.parse_ledger_entry(
                     self.store.read(self._key(relative), safejson.POINTER.max_bytes)
                 )
             except CorruptObject as exc:  # unreadable: the id stays applied (see applied())
@@ -537,7 +538,7 @@ class ExperimentStore(FragmentVersions, GarbageCollection, IslandObjects):
     def quarantine(self, pg_id: str, reason: str) -> None:
         """Mark a pseudo-gradient as never to be applied (overwrites an earlier reason)."""
         parse_pseudograd_id(pg_id)
-        reason = safejson.one_line(reason, records.MAX_REASON)
+        reason = safejson.one_line(reason, merge_records.MAX_REASON)
         at = _now()
         self._write_json(
             f"quarantine/{pg_id}.json", {"reason": reason, "at": at, "at_iso": iso(at)}
@@ -557,7 +558,7 @@ class ExperimentStore(FragmentVersions, GarbageCollection, IslandObjects):
         try:
             if isinstance(data, CorruptObject):
                 raise data
-            return records.parse_quarantine_entry(data).reason
+            return merge_records.parse_quarantine_entry(data).reason
         except CorruptObject as exc:
             self._skip(relative, exc)
             return f"(unreadable quarantine entry: {exc})"
@@ -583,7 +584,7 @@ class ExperimentStore(FragmentVersions, GarbageCollection, IslandObjects):
             try:
                 if isinstance(data, CorruptObject):
                     raise data
-                result[pg_id] = records.parse_quarantine_entry(data).reason
+                result[pg_id] = merge_records.parse_quarantine_entry(data).reason
             except CorruptObject as exc:
                 self._skip(f"quarantine/{pg_id}.json", exc)
                 result[pg_id] = f"(unreadable quarantine entry: {exc})"

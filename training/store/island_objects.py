@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from training.names import validate_name
-from training.store import records, safejson
+from training.store import island_records, safejson
 from training.store.keys import ROUNDS, checkpoint_dir
 from training.store.layout import (
     _is_int,
@@ -61,7 +61,7 @@ class IslandObjects:
     def heartbeats(self) -> dict[str, dict[str, Any]]:
         """island -> its last heartbeat."""
         return self._per_island(
-            "heartbeats", "heartbeat", records.parse_heartbeat, safejson.HEARTBEAT.max_bytes
+            "heartbeats", "heartbeat", island_records.parse_heartbeat, safejson.HEARTBEAT.max_bytes
         )
 
     def mark_done(self, island: str, info: Mapping[str, Any]) -> None:
@@ -71,7 +71,9 @@ class IslandObjects:
 
     def done(self) -> dict[str, dict[str, Any]]:
         """island -> its done record."""
-        return self._per_island("done", "done", records.parse_done, safejson.POINTER.max_bytes)
+        return self._per_island(
+            "done", "done", island_records.parse_done, safejson.POINTER.max_bytes
+        )
 
     def clear_done(self, island: str) -> None:
         """Remove done/{island}.json (missing is fine): the island rejoins (a scavenged slot's
@@ -148,7 +150,7 @@ class IslandObjects:
         )
         return tensors, self.checkpoint_meta(island, latest)
 
-    def checkpoint_pointer(self, island: str) -> records.CheckpointPointer | None:
+    def checkpoint_pointer(self, island: str) -> island_records.CheckpointPointer | None:
         """checkpoints/{island}/LATEST.json, parsed (None if absent; BadCheckpoint)."""
         relative = f"checkpoints/{island}/LATEST.json"
         try:
@@ -156,18 +158,20 @@ class IslandObjects:
         except ObjectNotFound:
             return None
         try:
-            return records.parse_checkpoint_pointer(data, island)
+            return island_records.parse_checkpoint_pointer(data, island)
         except CorruptObject as exc:
             raise type(exc)(f"{self.url}/{relative}: {exc}") from None
 
-    def checkpoint_meta(self, island: str, latest: records.CheckpointPointer) -> dict[str, Any]:
+    def checkpoint_meta(
+        self, island: str, latest: island_records.CheckpointPointer
+    ) -> dict[str, Any]:
         """The meta.json of the checkpoint `latest` points at (BadCheckpoint, CorruptObject)."""
         relative = f"{latest.dir}/meta.json"
         try:
             data = self.store.read(self._key(relative), safejson.CHECKPOINT_META.max_bytes)
         except ObjectNotFound:
             raise CorruptObject(f"{self.url}/{relative} is missing") from None
-        return records.parse_checkpoint_meta(data, island, latest.step)
+        return island_records.parse_checkpoint_meta(data, island, latest.step)
 
     # metrics -------------------------------------------------------------------------------
     def append_metric(self, kind: str, record: Mapping[str, Any]) -> None:
@@ -194,7 +198,9 @@ class IslandObjects:
             if (n := self._parsed(k)) and n.kind == "metric" and n.metric == kind
         ]
         limit = safejson.METRIC.max_bytes
-        return self._read_records(relatives, limit, lambda d, _: records.parse_metric(d, kind))
+        return self._read_records(
+            relatives, limit, lambda d, _: island_records.parse_metric(d, kind)
+        )
 
     # control -------------------------------------------------------------------------------
     def _stop_key(self, island: str | None) -> str:
@@ -222,7 +228,7 @@ class IslandObjects:
     def create_round_clock(self, t0: float, period_s: float) -> bool:
         """Write control/rounds.json once (create-only); False if it already exists (the first
         writer's clock stands)."""
-        records.parse_round_clock(dict(t0=t0, period_s=period_s))
+        island_records.parse_round_clock(dict(t0=t0, period_s=period_s))
         return self._create_json(
             ROUNDS, {"t0": float(t0), "period_s": float(period_s), "at": _now()}
         )
@@ -232,7 +238,7 @@ class IslandObjects:
         record is skipped and counted (islands then keep the step rule)."""
         try:
             data = self.store.read(self._key(ROUNDS), max_bytes=safejson.POINTER.max_bytes)
-            return records.parse_round_clock(data)
+            return island_records.parse_round_clock(data)
         except ObjectNotFound:
             return None
         except CorruptObject as exc:

@@ -20,7 +20,8 @@ from typing import Any
 import numpy as np
 
 from training.faults import fault_point
-from training.store import records, safejson
+from training.store import merge_records as records
+from training.store import safejson
 from training.store.keys import BEST, BadName, parse_fragment_dir
 from training.store.layout import (
     _FRAGMENT_RESERVED,

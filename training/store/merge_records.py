@@ -1,0 +1,355 @@
+"""Strict parsers of the merge side's records: pseudo-gradient manifests, fragment HEADs and
+version manifests (merge_state, applied ids), ledger and quarantine entries (docs/STORE.md).
+
+The contract every parser keeps (bytes or a loaded dict in; the record or its own `BadRecord`
+out, nothing else) and the shared field checks are in training/store/record_fields.py.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, get_args
+
+from training.config import Codec
+from training.store import safejson
+from training.store.keys import (
+    MAX_SEQ,
+    MAX_VERSION,
+    BadName,
+    is_name,
+    parse_fragment_dir,
+    parse_pseudograd_id,
+    pseudograd_id,
+)
+from training.store.objectstore import CorruptObject
+from training.store.record_fields import (
+    CHECKSUM_PATTERNS,
+    MAX_COUNT,
+    BadRecord,
+    Fields,
+    checksum_field,
+    is_int,
+    is_real,
+    load_object,
+)
+from training.store.safejson import show
+
+
+class BadPseudoGradManifest(BadRecord):
+    """A pseudo-gradient marker (manifest) that is invalid for its name."""
+
+
+class BadHead(BadRecord):
+    """A fragment's HEAD.json is not a valid pointer."""
+
+
+class BadFragmentManifest(BadRecord):
+    """A fragment version's manifest.json is invalid."""
+
+
+class BadLedgerEntry(BadRecord):
+    """A ledger entry is not {"version": n}."""
+
+
+class BadQuarantineEntry(BadRecord):
+    """A quarantine entry is not {"reason": str, "at": time}."""
+
+
+MAX_REASON = 2000  # characters of a quarantine reason
+MAX_APPLIED = 2**20
+CODECS: tuple[str, ...] = get_args(Codec)  # the config's type (int2 was missing here)
+
+
+# ---------------------------------------------------------------------------------------------
+# Pseudo-gradients
+
+
+@dataclass(frozen=True)
+class PseudoGradCommit:
+    """The store's fields of a pseudo-gradient marker (docs/STORE.md "Manifests")."""
+
+    id: str
+    island: str
+    seq: int
+    fragment: int
+    payload: str
+    nbytes: int
+    checksum: tuple[str, str]  # (algorithm, hex): ("crc32c", 8 hex) or ("sha256", 64 hex)
+    created_at: float
+    raw: dict[str, Any] = field(repr=False, compare=False)
+
+
+def parse_pseudograd_commit(data: Any, pg_id: str, experiment: str) -> PseudoGradCommit:
+    """The store's fields of marker `pg_id` (bytes or a loaded dict) in `experiment`: it names
+    this experiment, island, seq and fragment; its payload is
+    `pseudograds/{pg_id}-<8 hex>.safetensors` (so inside the island's prefix); nbytes is an
+    int in [0, 2^53]; one checksum, crc32c (8 lowercase hex) or sha256 (64); created_at a
+    number. BadPseudoGradManifest
+    (BadName for a bad `pg_id`)."""
+    island, seq, fragment = parse_pseudograd_id(pg_id)
+    m = load_object(data, safejson.MANIFEST, BadPseudoGradManifest, "manifest")
+    f = Fields(m, BadPseudoGradManifest)
+    if m.get("experiment") != experiment:
+        f.fail(f"manifest names experiment {show(m.get('experiment'))}, not {experiment!r}")
+    if m.get("island") != island or m.get("fragment") != fragment or not is_int(m["fragment"]):
+        f.fail("manifest island/fragment do not match its name")
+    if m.get("seq") != seq or not is_int(m["seq"]):
+        f.fail(f"manifest does not describe this pseudo-gradient (seq {show(m.get('seq'))})")
+    payload = m.get("payload")
+    pattern = re.escape(f"pseudograds/{pg_id}-") + r"[0-9a-f]{8}\.safetensors"
+    if not isinstance(payload, str) or re.fullmatch(pattern, payload, re.ASCII) is None:
+        f.fail(f"payload key {show(payload, 120)} is not inside pseudograds/{island}/")
+    algorithm, _ = checksum_field(m, f)
+    return PseudoGradCommit(
+        pg_id,
+        island,
+        seq,
+        fragment,
+        payload,
+        nbytes=f.int("nbytes"),
+        checksum=(algorithm, f.str(algorithm, CHECKSUM_PATTERNS[algorithm])),
+        created_at=float(f.real("created_at")),
+        raw=m,
+    )
+
+
+@dataclass(frozen=True)
+class PseudoGradManifest:
+    """A contribution's validated manifest: the commit plus the fields the merger reads."""
+
+    commit: PseudoGradCommit
+    base_version: int
+    steps: int
+    tokens: int
+    codec: str
+    published_at: float | None
+    step_time_s: float | None
+    island_step: int | None
+    loss: float | None
+
+    @property
+    def id(self) -> str:
+        return self.commit.id
+
+    @property
+    def island(self) -> str:
+        return self.commit.island
+
+    @property
+    def seq(self) -> int:
+        return self.commit.seq
+
+    @property
+    def fragment(self) -> int:
+        return self.commit.fragment
+
+    @property
+    def raw(self) -> dict[str, Any]:
+        return self.commit.raw
+
+
+def parse_pseudograd_manifest(data: Any, pg_id: str, experiment: str) -> PseudoGradManifest:
+    """A contribution's manifest: `parse_pseudograd_commit`, then the fields an island adds:
+    base_version (int >= 0), steps and tokens (ints in (0, 2^53)), codec (known), and if
+    present published_at and step_time_s (numbers), island_step (int >= 0), loss (number or
+    null). Checks that need the config or HEAD (ranges, claims, sizes) are the merger's.
+    Messages keep the merger's wording (tests/test_hostile.py). BadPseudoGradManifest."""
+    m = load_object(data, safejson.MANIFEST, BadPseudoGradManifest, "manifest")
+    commit = parse_pseudograd_commit(m, pg_id, experiment)
+    f = Fields(m, BadPseudoGradManifest)
+    base, steps, tokens = m.get("base_version"), m.get("steps"), m.get("tokens")
+    if not (is_int(base) and 0 <= base <= MAX_VERSION):
+        f.fail(f"base_version {show(base)} is not a committed version (not an int >= 0)")
+    if not (is_int(steps) and is_int(tokens) and 0 < steps < MAX_COUNT and 0 < tokens < MAX_COUNT):
+        f.fail(f"bad steps/tokens in manifest: {show(steps)}/{show(tokens)}")
+    for key in ("published_at", "step_time_s"):
+        if key in m and not is_real(m[key]):
+            f.fail(f"bad {key} in manifest: {show(m[key])}")
+    if m.get("codec") not in CODECS:
+        f.fail(f"unknown codec {show(m.get('codec'))}")
+    return PseudoGradManifest(
+        commit,
+        base_version=base,
+        steps=steps,
+        tokens=tokens,
+        codec=m["codec"],
+        published_at=None if m.get("published_at") is None else float(m["published_at"]),
+        step_time_s=f.real("step_time_s", 0.0, optional=True),
+        island_step=f.int("island_step", optional=True),
+        loss=f.real("loss", optional=True, nullable=True),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Fragment versions, ledger, quarantine
+
+
+@dataclass(frozen=True)
+class HeadRecord:
+    version: int
+    dir: str
+
+
+def parse_head(data: Any, fragment: int) -> HeadRecord:
+    """fragments/f{p:03d}/HEAD.json: {"dir": "fragments/f{p:03d}/v{version:08d}-<8 hex>",
+    "version": n}. BadHead."""
+    m = load_object(data, safejson.POINTER, BadHead, "HEAD")
+    f = Fields(m, BadHead, "HEAD")
+    version = f.int("version", 0, MAX_VERSION)
+    directory = f.str("dir", max_len=200)
+    try:
+        got = parse_fragment_dir(directory, fragment)
+    except BadName as exc:
+        f.fail(str(exc))
+    if got[1] != version:
+        f.fail(f"dir {show(directory)} is not version {version}")
+    return HeadRecord(version, directory)
+
+
+def validate_applied(value: Any, error: type[CorruptObject] = BadFragmentManifest) -> list[str]:
+    """An `applied` list: canonical pseudo-gradient ids, each once."""
+    f = Fields({"applied": value}, error)
+    if not isinstance(value, list) or len(value) > MAX_APPLIED:
+        f.fail(f"applied {show(value)} is not a list of ids")
+    try:
+        ids = [pseudograd_id(*parse_pseudograd_id(i)) for i in value]
+    except BadName as exc:
+        f.fail(f"applied lists {exc}")
+    if len(set(ids)) != len(ids):
+        f.fail("applied lists an id twice")
+    return ids
+
+
+def _norm_ok(n: Any) -> bool:
+    if isinstance(n, list) and len(n) == 2 and is_name(n[0]):
+        n = n[1]
+    return is_real(n) and n >= 0
+
+
+def validate_merge_state(value: Any, error: type[CorruptObject] = BadFragmentManifest) -> dict:
+    """A fragment's merge_state: steps and seen (ints >= 0), cursors (island -> the highest seq
+    applied, an int in [-1, 10^8)), norms ([island, norm] or bare norms >= 0), sync_s (>= 0);
+    if present version_times (version -> unix time) and last_claim (island -> [seq,
+    island_step, published_at]). Other keys pass unchecked."""
+    f = Fields(value if isinstance(value, dict) else {}, error, "merge_state")
+    if not isinstance(value, dict):
+        f.fail(f"{show(value)} is not an object")
+    f.int("steps")
+    f.int("seen")
+    norms = value.get("norms")
+    if not isinstance(norms, list) or not all(_norm_ok(n) for n in norms):
+        f.fail(f"norms {show(norms)} is not a list of [island, norm >= 0]")
+    cursors = value.get("cursors")
+    if not isinstance(cursors, dict):
+        f.fail(f"cursors {show(cursors)} is not an object")
+    for island, seq in cursors.items():
+        if not (is_name(island) and is_int(seq) and -1 <= seq <= MAX_SEQ):
+            f.fail(f"cursor {show(island)}: {show(seq)} is not island: seq")
+    f.real("sync_s", 0.0)
+    times = value.get("version_times", {})
+    if not isinstance(times, dict) or not all(
+        isinstance(v, str) and v.isascii() and v.isdigit() and len(v) <= 8 and is_real(t)
+        for v, t in times.items()
+    ):
+        f.fail(f"version_times {show(times)} is not version: time")
+    last = value.get("last_claim", {})
+    if not isinstance(last, dict) or not all(
+        is_name(i) and isinstance(c, list) and len(c) == 3 and all(is_real(x) for x in c)
+        for i, c in last.items()
+    ):
+        f.fail(f"last_claim {show(last)} is not island: [seq, island_step, published_at]")
+    return value
+
+
+@dataclass(frozen=True)
+class FragmentManifest:
+    fragment: int
+    version: int
+    parent_version: int | None
+    parent_dir: str | None
+    created_at: float
+    applied: list[str]
+    checksums: dict[str, tuple[str, str]]  # payload -> (algorithm, hex)
+    nbytes: dict[str, int]
+    raw: dict[str, Any] = field(repr=False, compare=False)
+
+
+def parse_fragment_manifest(
+    data: Any,
+    experiment: str,
+    fragment: int,
+    version: int | None = None,
+    payloads=("params", "outer_state"),
+) -> FragmentManifest:
+    """A fragment version's manifest.json: names `experiment`, `fragment` and `version` (when
+    given); a parent (version - 1 and its directory of the same fragment) or none; `applied`
+    ids (of this fragment); nbytes and one checksum kind (crc32c or sha256: a map payload ->
+    hex) of each payload; if present tokens_merged (int),
+    merge_state (validate_merge_state) and merged_at (the merger's fields). BadFragmentManifest."""
+    m = load_object(data, safejson.FRAGMENT_MANIFEST, BadFragmentManifest, "fragment manifest")
+    f = Fields(m, BadFragmentManifest, "fragment manifest")
+    if m.get("experiment") != experiment:
+        f.fail(f"names experiment {show(m.get('experiment'))}, not {experiment!r}")
+    if m.get("fragment") != fragment or not is_int(m["fragment"]):
+        f.fail(f"names fragment {show(m.get('fragment'))}, not {fragment}")
+    v = f.int("version", 0, MAX_VERSION)
+    if version is not None and v != version:
+        f.fail(f"describes version {v}, not {version}")
+    parent = f.int("parent_version", 0, MAX_VERSION, nullable=True)
+    parent_dir = f.str("parent_dir", max_len=200, nullable=True)
+    ok = (parent is None) == (parent_dir is None)
+    if ok and parent is not None:
+        try:
+            ok = parent == v - 1 and parse_fragment_dir(parent_dir, fragment)[1] == parent
+        except BadName:
+            ok = False
+    if not ok:
+        f.fail(f"parent {show(parent)} / {show(parent_dir)} is not version {v - 1}")
+    algorithm, digests = checksum_field(m, f)
+    sizes = m.get("nbytes")
+    if not isinstance(digests, dict) or not isinstance(sizes, dict):
+        f.fail(f"lacks {algorithm} / nbytes")
+    for name in payloads:
+        what = f"fragment manifest {algorithm}"
+        Fields(digests, BadFragmentManifest, what).str(name, CHECKSUM_PATTERNS[algorithm])
+        Fields(sizes, BadFragmentManifest, "fragment manifest nbytes").int(name)
+    f.int("tokens_merged", optional=True)
+    f.real("merged_at", optional=True)
+    if "merge_state" in m:
+        validate_merge_state(m["merge_state"])
+    applied = validate_applied(m.get("applied"))
+    if any(parse_pseudograd_id(i)[2] != fragment for i in applied):
+        f.fail(f"applied lists a pseudo-gradient of another fragment than {fragment}")
+    return FragmentManifest(
+        fragment=fragment,
+        version=v,
+        parent_version=parent,
+        parent_dir=parent_dir,
+        created_at=float(f.real("created_at")),
+        applied=applied,
+        checksums={n: (algorithm, digests[n]) for n in payloads},
+        nbytes={n: sizes[n] for n in payloads},
+        raw=m,
+    )
+
+
+def parse_ledger_entry(data: Any) -> int:
+    """A ledger entry {"version": n}: the version n >= 0. BadLedgerEntry."""
+    m = load_object(data, safejson.POINTER, BadLedgerEntry, "ledger entry")
+    return Fields(m, BadLedgerEntry, "ledger entry").int("version", 0, MAX_VERSION)
+
+
+@dataclass(frozen=True)
+class QuarantineEntry:
+    reason: str
+    at: float | None
+
+
+def parse_quarantine_entry(data: Any) -> QuarantineEntry:
+    """{"reason": str (<= 2000 characters), "at": unix time}. BadQuarantineEntry."""
+    m = load_object(data, safejson.QUARANTINE, BadQuarantineEntry, "quarantine entry")
+    f = Fields(m, BadQuarantineEntry, "quarantine entry")
+    reason = f.str("reason", max_len=MAX_REASON)
+    at = f.real("at", optional=True)
+    return QuarantineEntry(reason, None if at is None else float(at))
