@@ -7,7 +7,7 @@ writes two payloads into the version's directory (docs/STORE.md, "Update broadca
   residual), where S is the *broadcast shadow*;
 - `shadow`: S_v = S_{v-1} + decode(update_v), computed in float32 (`step`).
 S_0 = Theta_0, and any version without a `shadow` payload (version 0, a restored version, every
-version under `outer.broadcast = "fp32"`) has S_v = Theta_v exactly. Because each update encodes
+version under `outer.broadcast = "fp32"` or `codec = "fp32"`) has S_v = Theta_v exactly. Because each update encodes
 the difference against the shadow, not against Theta_{v-1}, quantization error never piles up:
 S_v - Theta_v is one update's quantization error at most (error feedback for free).
 
@@ -64,7 +64,9 @@ class Fetched:
 
 
 def enabled(cfg) -> bool:
-    return cfg.outer.broadcast == "codec"
+    """Update broadcast is on: `outer.broadcast = "codec"` with a compressing codec (with
+    `codec = "fp32"` an update would be as large as the version: S = Theta, nothing extra)."""
+    return cfg.outer.broadcast == "codec" and cfg.codec != "fp32"
 
 
 def step(shadow: Mapping[str, np.ndarray], decoded: Mapping[str, np.ndarray]) -> dict:

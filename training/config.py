@@ -287,11 +287,11 @@ class OuterConfig(_Frozen):
         "contributor's measured step time (DyLU sizes every island's H_m to it)",
     )
     broadcast: Literal["fp32", "codec"] = Field(
-        "fp32",
+        "codec",
         description="how islands download a new fragment version: fp32 reads its parameters "
         "whole; codec reads the syncer's update from the version before, encoded in the "
         "pseudo-gradient codec (training/broadcast.py: about 8x fewer bytes with int4), and "
-        "the whole float32 shadow only when too far behind",
+        "the whole float32 shadow only when too far behind (with codec fp32: as fp32)",
     )
 
 
