@@ -244,3 +244,18 @@ def test_fragments_keep_their_own_shadows():
     for p in range(2):
         update = store.load_payload(store.head(p), "update")
         assert sorted(n for n in update if ".__" not in n) == sorted(names[p])
+
+
+def test_a_merger_holding_its_last_version_computes_the_same_shadow_as_one_reading_it():
+    """The warm merger (arrays kept from its own publish) and fresh mergers (shadow read from
+    the store) write the same update and shadow bit for bit."""
+    cfg = _cfg("int4")
+    warm_store, cold_store = new_store(cfg), new_store(cfg)
+    _assert_bit_equal(warm_store.load_params(), cold_store.load_params())
+    warm = Merger(cfg, warm_store)
+    for seq in range(3):
+        delta = random_delta(warm_store.load_params(), seed=seq)
+        publish_delta(warm_store, cfg, "b", seq, delta, seq)
+        publish_delta(cold_store, cfg, "b", seq, delta, seq)
+        assert warm.merge_once().versions == Merger(cfg, cold_store).merge_once().versions
+    _assert_bit_equal(_stored_shadow(warm_store), _stored_shadow(cold_store))

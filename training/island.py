@@ -4,7 +4,9 @@ The island never waits for other islands (except under the synchronous baseline,
 "sync"`, which blocks after each publish until that round is merged). Fragment p is published every
 H_m inner steps on its staggered offset; `tau` steps later the island adopts fragment p's newest
 version *if it is newer than the one it has* (`theta <- alpha * theta + (1 - alpha) * Theta`, or
-the overlap steps kept on top), reading only that fragment's parameters, never the outer state.
+the overlap steps kept on top), reading only that fragment's parameters, never the outer state:
+with `outer.broadcast = "codec"` as small codec-encoded updates to the island's copy of the
+fragment's broadcast shadow, which is what it adopts (training/broadcast.py).
 A merge that lands later than `tau` steps is looked for again at every step, for up to H_m // 2
 steps, and only a version holding the island's publish is taken (`_rearm_adopt`): a real syncer
 is some hundreds of milliseconds behind, and one look that misses left the island training a
@@ -377,10 +379,10 @@ class Island:
         """(fragment, head, broadcast.Fetched or None) per fragment of `wants` whose newest
         version is newer than this island's: store reads only (the I/O thread's part of an
         adopt). With `outer.broadcast = "codec"` the version comes as updates to this island's
-        shadow where it can (training/broadcast.fetch), else whole. `wants[p]`, when not None, is a sequence number of this island's: a version
-        whose merge cursors do not reach it yet is not downloaded (params None; `_apply`
-        tries again a step later), so an island waiting for the merge of its own publish reads
-        the fragment once, when it holds it."""
+        shadow where it can (training/broadcast.fetch), else whole. `wants[p]`, when not None,
+        is a sequence number of this island's: a version whose merge cursors do not reach it
+        yet is not downloaded (None; `_apply` tries again a step later), so an island waiting
+        for the merge of its own publish reads the fragment once, when it holds it."""
         wanted = list(wants)
         out = []
         for p, head in zip(wanted, self.store.heads(wanted), strict=True):
