@@ -259,3 +259,72 @@ def test_a_merger_holding_its_last_version_computes_the_same_shadow_as_one_readi
         publish_delta(cold_store, cfg, "b", seq, delta, seq)
         assert warm.merge_once().versions == Merger(cfg, cold_store).merge_once().versions
     _assert_bit_equal(_stored_shadow(warm_store), _stored_shadow(cold_store))
+
+
+def test_an_island_refusing_an_update_still_adopts_the_version_read_whole(caplog):
+    """The island's own adopt: version 2's update is broken, so it reads S_2 whole (counting
+    the float32 bytes) and holds exactly the stored shadow."""
+    cfg = _cfg("int4")
+    store = new_store(cfg)
+    a = Island(cfg, "a", store)
+    a.start()
+    _merge(cfg, store, 0)
+    assert a._adopt([0]) == 1 and a.shadows[0].version == 1
+    before = a.bytes_received
+    _bad_version(cfg, store, _nan_scale)
+    with caplog.at_level(logging.WARNING, "diloco.broadcast"):
+        assert a._adopt([0]) == 1
+    assert a.base_version == [2] and "refused" in caplog.text
+    assert a.bytes_received - before == codecs.payload_nbytes(store.load_params())
+    _assert_bit_equal(a.shadows[0].tensors, _stored_shadow(store))
+    _assert_bit_equal(inner.to_host(a.params), _stored_shadow(store))
+
+
+class _KV:
+    """The coordination service's key-value store, in memory (as in tests/test_multihost.py)."""
+
+    def __init__(self):
+        self.kv: dict[str, str] = {}
+
+    def key_value_set(self, key, value):
+        self.kv[key] = value
+
+    def blocking_key_value_get(self, key, timeout_ms):
+        return self.kv[key]
+
+    def key_value_delete(self, key):
+        del self.kv[key]
+
+    def key_value_dir_get(self, prefix):
+        return [(k, v) for k, v in self.kv.items() if k.startswith(prefix)]
+
+
+def test_a_multi_host_follower_adopts_process_zeros_version_bit_for_bit():
+    """Two processes of one island (in one test process, in lockstep): the follower takes
+    version 1 by update like process 0; when it has seen version 2 but process 0 chose
+    version 3, it reads the chosen version whole. Both hold the stored shadow."""
+    from training.multihost import ProcessGroup
+
+    cfg = small_config(
+        codec="int4",
+        outer={"method": "nesterov", "broadcast": "codec"},
+        inner={"shard_params": False},
+    )
+    store = new_store(cfg)
+    kv = _KV()
+    leader = Island(cfg, "a", store, group=ProcessGroup(0, 2, kv))
+    follower = Island(cfg, "a", store, group=ProcessGroup(1, 2, kv))
+    leader.start(), follower.start()
+    _merge(cfg, store, 0)
+    assert leader._adopt([0]) == 1 and follower._adopt([0]) == 1
+    assert follower.bytes_received == leader.bytes_received
+    _assert_bit_equal(follower.shadows[0].tensors, _stored_shadow(store))
+    _merge(cfg, store, 1)
+    seen = follower._fetch({0: None})  # the follower's read: version 2
+    _merge(cfg, store, 2)
+    chosen = leader._fetch({0: None})  # process 0's: version 3
+    leader._apply(leader._agreed(chosen))
+    follower._apply(follower._agreed(seen))
+    assert leader.base_version == follower.base_version == [3]
+    _assert_bit_equal(follower.shadows[0].tensors, _stored_shadow(store))
+    _assert_bit_equal(inner.to_host(follower.params), inner.to_host(leader.params))
