@@ -328,3 +328,24 @@ def test_a_multi_host_follower_adopts_process_zeros_version_bit_for_bit():
     assert leader.base_version == follower.base_version == [3]
     _assert_bit_equal(follower.shadows[0].tensors, _stored_shadow(store))
     _assert_bit_equal(inner.to_host(follower.params), inner.to_host(leader.params))
+
+
+def test_a_restored_version_has_no_update_and_its_shadow_is_its_params():
+    """restore_snapshot writes Theta of the best version without update or shadow: islands
+    read it whole (S = Theta), and the next merge's update starts from it."""
+    cfg = _cfg("int4")
+    store = new_store(cfg)
+    _merge(cfg, store, 0)
+    best = store.current_snapshot()
+    _merge(cfg, store, 1)
+    store.restore_snapshot(best, "test")
+    head = store.head(0)
+    manifest = store.fragment_manifest(head)
+    assert head.version == 3 and broadcast.CODEC_FIELD not in manifest
+    got = _fetch(store, cfg, _shadow_at(store, 2))
+    assert got.how == "full"
+    _assert_bit_equal(got.tensors, store.load_fragment(head).params)
+    _merge(cfg, store, 2)
+    got = _fetch(store, cfg, broadcast.Shadow(3, head.dir, got.tensors))
+    assert (got.how, got.updates) == ("updates", 1)
+    _assert_bit_equal(got.tensors, _stored_shadow(store))
