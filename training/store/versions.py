@@ -97,7 +97,7 @@ class FragmentVersions:
         """Write version `version` of `fragment` and advance its HEAD if it is still `expected`.
 
         `version` must be expected.version + 1 (any int >= 0 when `expected` is None: HEAD must
-        not exist). Writes both payloads, then manifest.json (the directory's commit marker), then
+        not exist). Writes the payloads, then manifest.json (the directory's commit marker), then
         compare-and-swaps HEAD, then records `applied` in the ledger. Returns the new HEAD, or
         None when another writer advanced HEAD first: the directory stays an unreferenced orphan
         and nothing is recorded. `manifest_extra` may not set the fields filled here.
