@@ -286,6 +286,13 @@ class OuterConfig(_Frozen):
         description="clock rounds: the round period in seconds; default H x the first "
         "contributor's measured step time (DyLU sizes every island's H_m to it)",
     )
+    broadcast: Literal["fp32", "codec"] = Field(
+        "codec",
+        description="how islands download a new fragment version: fp32 reads its parameters "
+        "whole; codec reads the syncer's update from the version before, encoded in the "
+        "pseudo-gradient codec (training/broadcast.py: about 8x fewer bytes with int4), and "
+        "the whole float32 shadow only when too far behind (with codec fp32: as fp32)",
+    )
 
 
 class FragmentConfig(_Frozen):

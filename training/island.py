@@ -4,7 +4,9 @@ The island never waits for other islands (except under the synchronous baseline,
 "sync"`, which blocks after each publish until that round is merged). Fragment p is published every
 H_m inner steps on its staggered offset; `tau` steps later the island adopts fragment p's newest
 version *if it is newer than the one it has* (`theta <- alpha * theta + (1 - alpha) * Theta`, or
-the overlap steps kept on top), reading only that fragment's parameters, never the outer state.
+the overlap steps kept on top), reading only that fragment's parameters, never the outer state:
+with `outer.broadcast = "codec"` as small codec-encoded updates to the island's copy of the
+fragment's broadcast shadow, which is what it adopts (training/broadcast.py).
 A merge that lands later than `tau` steps is looked for again at every step, for up to H_m // 2
 steps, and only a version holding the island's publish is taken (`_rearm_adopt`): a real syncer
 is some hundreds of milliseconds behind, and one look that misses left the island training a
@@ -68,7 +70,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from training import checkpointing, codecs, rounds
+from training import broadcast, checkpointing, codecs, rounds
 from training.background import Background
 from training.chaos import IslandChaos
 from training.config import ExperimentConfig
@@ -184,12 +186,16 @@ class Island:
         # fragment -> (seq of this island's last publish of it, the step until which only a
         # version holding that publish is adopted): see `_rearm_adopt`
         self.adopt_wait: dict[int, tuple[int, int]] = {}
+        # fragment -> its broadcast shadow S (training/broadcast.py; only with outer.broadcast
+        # "codec"): the version this island adopted last, on the host
+        self.shadows: dict[int, broadcast.Shadow] = {}
         if ckpt is None:
             heads = self._agreed_heads(self.store.heads(range(self.P)))
             params: dict[str, np.ndarray] = {}
-            for fv in self.store._parallel(self.store.load_fragment, heads):
-                params.update(fv.params)
-                self.bytes_received += sum(int(v.nbytes) for v in fv.params.values())
+            for head, got in zip(heads, self.store._parallel(self._read_full, heads), strict=True):
+                params.update(got.tensors)
+                self.bytes_received += got.nbytes
+                self._keep_shadow(head, got)
             self.params = self.loop.put_params(params)
             self.opt_state = self.loop.init_opt_state(self.params)
             self.anchor = self.loop.copy(self.params)
@@ -240,7 +246,9 @@ class Island:
         for p, kind in enumerate(state.kinds):
             if kind == "version":
                 head = self.store.find_version(p, self.base_version[p])
-                anchors.update(self.store.load_fragment(head).params)
+                got = self._read_full(head)
+                anchors.update(got.tensors)
+                self._keep_shadow(head, got)
             elif kind == "params":
                 anchors.update({n: state.params[n] for n in self.frags[p]})
                 self.anchor_from[p] = "published"
@@ -347,17 +355,34 @@ class Island:
             got = mine.get((p, version))
             if got is None:
                 head = self.store.find_version(p, version)
-                got = (p, head, self.store.load_fragment(head).params)
+                got = (p, head, self._read_full(head))
             out.append(got)
         return out
 
+    def _read_full(self, head) -> broadcast.Fetched:
+        """A version's parameters as islands adopt them (its broadcast shadow S_v, which is
+        its params where it has no shadow), read whole and verified."""
+        manifest = self.store.fragment_manifest(head)
+        return broadcast.read_full(self.store, head, manifest, self._shapes(head.fragment))
+
+    def _shapes(self, p: int) -> dict[str, tuple[int, ...]]:
+        return {n: tuple(self.loop.param_shapes[n]) for n in self.frags[p]}
+
+    def _keep_shadow(self, head, got: broadcast.Fetched) -> None:
+        """Hold the adopted version's S_v for the next update (broadcast "codec" only): a
+        host copy of its own (the arrays read may back the device's, which steps donate)."""
+        if broadcast.enabled(self.cfg):
+            tensors = {n: np.array(v, np.float32, copy=True) for n, v in got.tensors.items()}
+            self.shadows[head.fragment] = broadcast.Shadow(head.version, head.dir, tensors)
+
     def _fetch(self, wants: dict[int, int | None]) -> list[tuple[int, Any, Any]]:
-        """(fragment, head, verified params or None) per fragment of `wants` whose newest
+        """(fragment, head, broadcast.Fetched or None) per fragment of `wants` whose newest
         version is newer than this island's: store reads only (the I/O thread's part of an
-        adopt). `wants[p]`, when not None, is a sequence number of this island's: a version
-        whose merge cursors do not reach it yet is not downloaded (params None; `_apply`
-        tries again a step later), so an island waiting for the merge of its own publish reads
-        the fragment once, when it holds it."""
+        adopt). With `outer.broadcast = "codec"` the version comes as updates to this island's
+        shadow where it can (training/broadcast.fetch), else whole. `wants[p]`, when not None,
+        is a sequence number of this island's: a version whose merge cursors do not reach it
+        yet is not downloaded (None; `_apply` tries again a step later), so an island waiting
+        for the merge of its own publish reads the fragment once, when it holds it."""
         wanted = list(wants)
         out = []
         for p, head in zip(wanted, self.store.heads(wanted), strict=True):
@@ -368,7 +393,13 @@ class Island:
             if wants[p] is not None and merged_seq(manifest, self.name) < wants[p]:
                 out.append((p, head, None))
                 continue
-            out.append((p, head, self.store.load_fragment(head, manifest=manifest).params))
+            if broadcast.enabled(self.cfg):
+                got = broadcast.fetch(
+                    self.store, head, manifest, self.shadows.get(p), self.cfg.codec, self._shapes(p)
+                )
+            else:
+                got = broadcast.read_full(self.store, head, manifest, self._shapes(p))
+            out.append((p, head, got))
         return out
 
     def _apply(self, fetched) -> int:
@@ -388,10 +419,11 @@ class Island:
                 self._rearm_adopt(p)  # nothing (of ours) yet: keep training on our parameters
                 continue
             self.adopt_wait.pop(p, None)
-            self.bytes_received += sum(int(v.nbytes) for v in fresh.values())
+            self.bytes_received += fresh.nbytes
+            self._keep_shadow(head, fresh)
             names = self.frags[p]
             new, anchor = _adopt_fn(mode)(
-                list(self.loop.put_params({n: fresh[n] for n in names}).values()),
+                list(self.loop.put_params({n: fresh.tensors[n] for n in names}).values()),
                 [self.params[n] for n in names],
                 [self.anchor[n] for n in names],
                 np.float32(self.cfg.inner.alpha),

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from training import claims, codecs, merge_stream, model, rounds
+from training import broadcast, claims, codecs, merge_stream, model, rounds
 from training import merge_rules as rules
 from training.config import ExperimentConfig
 from training.faults import fault_point
@@ -126,8 +126,9 @@ class Merger:
     ):
         self.cfg = cfg
         self.warm_bytes = warm_bytes
-        # fragment -> (version dir, params, outer tensors, bytes) this merger published last
-        self._warm: dict[int, tuple[str, dict, dict, int]] = {}
+        # fragment -> (version dir, params, outer tensors, broadcast shadow or None, bytes) this
+        # merger published last
+        self._warm: dict[int, tuple[str, dict, dict, dict | None, int]] = {}
         self.store = store
         self.clock = clock
         self.frags = fragment_names(cfg)
@@ -271,7 +272,9 @@ class Merger:
         if not groups:
             return
 
-        params, outer_tensors = self._fragment_arrays(head, manifest)
+        params, outer_tensors, shadow = self._fragment_arrays(head, manifest)
+        if broadcast.enabled(self.cfg) and shadow is None:
+            shadow = {n: v.copy() for n, v in params.items()}  # S = Theta: params change below
         state = rules.state_from_tensors(
             self.cfg.outer, self.shapes[p], outer_tensors, ms["steps"], ms["seen"]
         )
@@ -362,14 +365,22 @@ class Merger:
             contributions=details,
             merged_at=merged_at,
         )
+        payloads, shadow = broadcast.version_payloads(params, shadow, self.cfg.codec, extra)
         new = self.store.publish_fragment(
-            p, head.version + 1, params, rules.state_tensors(state), extra, applied, expected=head
+            p,
+            head.version + 1,
+            params,
+            rules.state_tensors(state),
+            extra,
+            applied,
+            expected=head,
+            payloads=payloads,
         )
         if new is None:
             log.info("fragment %d: lost the head race at version %d", p, head.version + 1)
             result.lost_race = True
             return
-        self._keep_warm(p, new.dir, params, rules.state_tensors(state))
+        self._keep_warm(p, new.dir, params, rules.state_tensors(state), shadow)
         result.versions[p] = new.version
         result.applied += applied
         result.contributions += details
@@ -377,29 +388,35 @@ class Merger:
             d["merged_at"] = merged_at
 
     def _fragment_arrays(self, head: HeadPointer, manifest: dict):
-        """(params, outer-state tensors) of the version `head` names, writable: the arrays this
-        merger published as that very version if it still holds them (HEAD names the directory
-        it wrote: the bytes are those it checksummed), else read and verified from the store.
-        Taken out of the warm set either way: the merge mutates them."""
+        """(params, outer-state tensors, broadcast shadow) of the version `head` names,
+        writable: the arrays this merger published as that very version if it still holds them
+        (HEAD names the directory it wrote: the bytes are those it checksummed), else read and
+        verified from the store. The shadow is None when broadcast is off or the version has
+        none (then S = its params). Taken out of the warm set either way: the merge mutates
+        them."""
         warm = self._warm.pop(head.fragment, None)
         if warm is not None and warm[0] == head.dir:
-            return warm[1], warm[2]
-        fv = self.store.load_fragment(
-            head,
-            outer_state=True,
-            manifest=manifest,
-            max_nbytes=self._fragment_limits[head.fragment],
-        )
-        return fv.params, fv.outer_state
+            return warm[1], warm[2], warm[3] if broadcast.enabled(self.cfg) else None
+        p, limits = head.fragment, self._fragment_limits[head.fragment]
+        fv = self.store.load_fragment(head, outer_state=True, manifest=manifest, max_nbytes=limits)
+        shadow = None
+        if broadcast.enabled(self.cfg) and broadcast.adoptable(manifest) == broadcast.SHADOW:
+            shadow = broadcast.read_full(self.store, head, manifest, self.shapes[p]).tensors
+        return fv.params, fv.outer_state, shadow
 
-    def _keep_warm(self, fragment: int, directory: str, params: dict, outer_tensors: dict):
+    def _keep_warm(
+        self,
+        fragment: int,
+        directory: str,
+        params: dict,
+        outer_tensors: dict,
+        shadow: dict | None = None,
+    ):
         """Hold a just-published version's arrays for the next merge of its fragment, within
         `warm_bytes` in all (the oldest let go first)."""
-        size = sum(v.nbytes for v in params.values()) + sum(
-            v.nbytes for v in outer_tensors.values()
-        )
-        self._warm[fragment] = (directory, params, outer_tensors, size)
-        while sum(w[3] for w in self._warm.values()) > self.warm_bytes:
+        size = sum(v.nbytes for d in (params, outer_tensors, shadow or {}) for v in d.values())
+        self._warm[fragment] = (directory, params, outer_tensors, shadow, size)
+        while sum(w[4] for w in self._warm.values()) > self.warm_bytes:
             self._warm.pop(next(iter(self._warm)))
 
     def _vote(self, contribs, norms, params_norm, result, combiner):

@@ -26,7 +26,9 @@ from training.store.layout import (
 )
 from training.store.objectstore import CorruptObject, ObjectNotFound
 
-_PAYLOAD_FILES = ("params.safetensors", "outer_state.safetensors")
+_PAYLOAD_FILES = tuple(
+    f"{n}.safetensors" for n in ("params", "outer_state", "update", "shadow")
+)  # versions.PAYLOADS + EXTRA_PAYLOADS
 
 
 @dataclass

@@ -35,6 +35,7 @@ FRAGMENT_ROOT = re.compile(r"fragments/f([0-9]{3})", _A)
 FRAGMENT_DIR = re.compile(r"fragments/f([0-9]{3})/v([0-9]{8})-([0-9a-f]{8})", _A)
 FRAGMENT_FILES = frozenset(
     {"params.safetensors", "outer_state.safetensors", "manifest.json", "collected.json"}
+    | {"update.safetensors", "shadow.safetensors"}  # outer.broadcast = "codec"
 )
 CHECKPOINT_DIR = re.compile(r"c([0-9]{10})-([0-9a-f]{8})", _A)
 CHECKPOINT_FILES = frozenset({"state.safetensors", "meta.json"})

@@ -45,6 +45,11 @@ from training.store.tensors import checksum, tensor_parts
 log = logging.getLogger(__name__)
 
 PAYLOADS = ("params", "outer_state")
+# optional payloads of a version under `outer.broadcast = "codec"` (training/broadcast.py):
+# "update", the codec-encoded step from the previous version's broadcast shadow, and "shadow",
+# this version's shadow S_v in float32 (what islands adopt; a version without one has S_v =
+# its params)
+EXTRA_PAYLOADS = ("update", "shadow")
 
 
 class FragmentVersions:
@@ -88,14 +93,17 @@ class FragmentVersions:
         manifest_extra: Mapping[str, Any] | None = None,
         applied: Iterable[str] = (),
         expected: HeadPointer | None = None,
+        payloads: Mapping[str, Mapping[str, np.ndarray]] | None = None,
     ) -> HeadPointer | None:
         """Write version `version` of `fragment` and advance its HEAD if it is still `expected`.
 
         `version` must be expected.version + 1 (any int >= 0 when `expected` is None: HEAD must
-        not exist). Writes both payloads, then manifest.json (the directory's commit marker), then
+        not exist). Writes the payloads, then manifest.json (the directory's commit marker), then
         compare-and-swaps HEAD, then records `applied` in the ledger. Returns the new HEAD, or
         None when another writer advanced HEAD first: the directory stays an unreferenced orphan
         and nothing is recorded. `manifest_extra` may not set the fields filled here.
+        `payloads`: optional further payloads, named from EXTRA_PAYLOADS (written, checksummed
+        and sized like the two others, before the manifest).
         """
         root = fragment_root(fragment)
         if not _is_int(version) or version < 0:
@@ -114,10 +122,13 @@ class FragmentVersions:
                 raise ValueError(f"{pg_id} is not a pseudo-gradient of fragment {fragment}")
         if len(set(ids)) != len(ids):
             raise ValueError("applied lists a pseudo-gradient twice")
+        more = dict(payloads or {})
+        if set(more) - set(EXTRA_PAYLOADS):
+            raise ValueError(f"unknown payloads {sorted(set(more) - set(EXTRA_PAYLOADS))}")
 
         directory = fragment_dir(fragment, version, _uuid8())
         sums, sizes = {}, {}
-        for name, tensors in (("params", params), ("outer_state", outer_state)):
+        for name, tensors in (("params", params), ("outer_state", outer_state), *more.items()):
             parts = tensor_parts(tensors)  # the arrays' own bytes: nothing is serialized
             sums[name], sizes[name] = checksum(parts), sum(len(p) for p in parts)
             self.store.write_parts(self._key(f"{directory}/{name}.safetensors"), parts)
@@ -219,6 +230,42 @@ class FragmentVersions:
         return FragmentVersion(
             head.fragment, head.version, tensors["params"], tensors.get("outer_state", {}), manifest
         )
+
+    def load_payload(
+        self,
+        head: HeadPointer,
+        name: str,
+        manifest: dict | None = None,
+        max_nbytes: int | None = None,
+        max_header: int | None = None,
+    ) -> dict[str, np.ndarray]:
+        """One verified payload (`name`: params, outer_state or one of EXTRA_PAYLOADS) of the
+        version `head` points at: the manifest must list it (checksum and nbytes; nbytes at
+        most `max_nbytes` when given, refused unread), size and checksum checked, its header at
+        most `max_header` bytes. Writable arrays. ObjectNotFound if the version was
+        garbage-collected; CorruptObject if the payload is missing, broken or not listed."""
+        manifest = manifest if manifest is not None else self.fragment_manifest(head)
+        what = f"{self.url} fragment {head.fragment} version {head.version}"
+        try:
+            checked = records.parse_fragment_manifest(
+                manifest, self.experiment, head.fragment, head.version, payloads=(name,)
+            )
+        except CorruptObject as exc:
+            raise type(exc)(f"{self.url}/{head.dir}/manifest.json: {exc}") from None
+        size = checked.nbytes[name]
+        if max_nbytes is not None and size > max_nbytes:
+            raise CorruptObject(
+                f"{what}: {name} of {size} bytes is over its {max_nbytes}-byte limit"
+            )
+        extra = {} if max_header is None else {"max_header": max_header}
+        try:
+            return self._verified_tensors(
+                f"{head.dir}/{name}.safetensors", checked.checksums[name], size, what, **extra
+            )
+        except CorruptObject:
+            if self.store.exists(self._key(f"{head.dir}/{self.COLLECTED}")):
+                raise ObjectNotFound(f"{what} was garbage-collected (payloads deleted)") from None
+            raise
 
     def list_fragment_versions(self, fragment: int) -> list[dict[str, Any]]:
         """Manifests of fragment p's committed versions (HEAD and its ancestors), oldest first.
@@ -394,7 +441,11 @@ class FragmentVersions:
                 continue
             old = self.load_fragment(HeadPointer(p, v, d, 0), outer_state=True)
             current = self.fragment_manifest(head)
-            extra = {k: val for k, val in current.items() if k not in _FRAGMENT_RESERVED}
+            extra = {
+                k: val
+                for k, val in current.items()
+                if k not in _FRAGMENT_RESERVED and k != "update_codec"  # no update: S = params
+            }
             extra["restored_from"] = {"version": v, "dir": d, "reason": reason}
             new = self.publish_fragment(
                 p, head.version + 1, old.params, old.outer_state, extra, expected=head
