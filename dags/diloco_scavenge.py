@@ -15,7 +15,7 @@ from datetime import datetime, timedelta
 
 from airflow.sdk import dag, task, task_group
 from diloco_airflow import knobs
-from diloco_airflow.backends.registry import BACKENDS
+from diloco_airflow.backends.registry import enabled_backends
 from diloco_airflow.pools import CONTROL_POOL, pool_for
 from diloco_airflow.scavenge import (
     ScavengeWaitOperator,
@@ -27,6 +27,9 @@ from diloco_airflow.scavenge import (
 
 RETRY_DELAY = timedelta(seconds=knobs.RETRY_DELAY_S.get())
 ISLAND_RETRIES = knobs.ISLAND_RETRIES.get()
+# the backends diloco_experiment offers (DILOCO_BACKENDS, at parse time): plan's join returns
+# exactly these keys
+OFFERED_BACKENDS = enabled_backends()
 # always a string (the DAG renders native objects: a bare map index would be an int)
 LABEL = "{{ island_label if island_label is defined else 'island ' ~ ti.map_index }}"
 
@@ -119,7 +122,7 @@ def diloco_scavenge():
         return planned[key]
 
     window = select.override(task_id="select_window")(planned, "window")
-    for b in BACKENDS:
+    for b in OFFERED_BACKENDS:
         scavenge_group(b, select.override(task_id=f"select_{b}")(planned, b), window)
 
 

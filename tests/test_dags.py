@@ -69,6 +69,23 @@ def test_scavenge_islands_join_wait_leave_and_always_tear_down(dagbag):
         assert type(dag.get_task(f"{g}.wait")).__name__ == "ScavengeWaitOperator"
 
 
+def test_scavenge_offers_the_backends_the_experiment_offers(monkeypatch, tmp_path):
+    """plan joins through init, which returns only the offered backends' islands: a scavenge
+    group for any other backend would fail its select task (a KeyError, found end to end with
+    DILOCO_BACKENDS=local, what `make airflow` sets)."""
+    from airflow.dag_processing.dagbag import DagBag
+
+    monkeypatch.setenv("DILOCO_BACKENDS", "local")
+    bag = DagBag(dag_folder=str(DAGS))
+
+    def groups(dag_id: str, prefix: str) -> set[str]:
+        ids = bag.dags[dag_id].task_ids
+        return {t.split(".")[0][len(prefix) :] for t in ids if t.startswith(prefix) and "." in t}
+
+    assert groups("diloco_experiment", "islands_") == {"local"}
+    assert groups("diloco_scavenge", "scavenge_") == {"local"}
+
+
 @pytest.mark.parametrize("path", sorted(DAGS.glob("*.py")), ids=lambda p: p.name)
 def test_parse_fast_and_without_jax(path, tmp_path):
     """Each DAG file parses in a fresh interpreter (after airflow is imported) in < 1 s, no jax."""
