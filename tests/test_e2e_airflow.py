@@ -47,10 +47,11 @@ RUN_TIMEOUT_S = 330.0
 def airflow(tmp_path, gcs_bucket):  # noqa: F811 - the fixture
     """A running Airflow (all four components) with its islands' runs root; stopped afterwards.
 
-    Garbage collection during the run is off (DILOCO_GC_EVERY_S=0): it deletes applied
-    pseudo-gradients, the evidence these tests' exactly-once check reads (every applied id has
-    its commit marker); tests/test_retention_live.py covers collection while a run merges."""
-    with running_airflow(tmp_path, DILOCO_GC_EVERY_S="0") as af:
+    Garbage collection (the syncer's during the run and finalize's at the end) only plans
+    (DILOCO_GC_DRY_RUN=1): it would delete applied pseudo-gradients, the evidence these tests'
+    exactly-once check reads (every applied id has its commit marker);
+    tests/test_retention_live.py covers collection while a run merges."""
+    with running_airflow(tmp_path, DILOCO_GC_DRY_RUN="1") as af:
         yield af
 
 

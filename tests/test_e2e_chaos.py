@@ -61,9 +61,9 @@ HEARTBEAT_TIMEOUT_S = 25
 @pytest.fixture
 def airflow(tmp_path, gcs_bucket):  # noqa: F811 - the fixture
     extra = {"DILOCO_ISLAND_RETRIES": "8", "DILOCO_HEARTBEAT_TIMEOUT_S": str(HEARTBEAT_TIMEOUT_S)}
-    # no garbage collection during the run: the exactly-once check reads every applied
-    # pseudo-gradient's commit marker (tests/test_retention_live.py covers collection)
-    extra["DILOCO_GC_EVERY_S"] = "0"
+    # garbage collection (in the run and in finalize) only plans: the exactly-once check reads
+    # every applied pseudo-gradient's commit marker (tests/test_retention_live.py covers it)
+    extra["DILOCO_GC_DRY_RUN"] = "1"
     with running_airflow(tmp_path, **extra) as af:
         yield af
 
