@@ -235,27 +235,27 @@ def cmd_bench(args, rest: list[str]) -> int:
     raise ConfigError(f"unknown benchmark {args.bench!r}")
 
 
-def _count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a process count, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a process count >= 1, got {value}")
-    return value
+def _int_at_least(what: str, low: int):
+    """An argparse type: an int >= `low`, or a one-line usage error naming `what`."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a {what}, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"expected a {what} >= {low}, got {value}")
+        return value
+
+    return parse
+
+
+_count = _int_at_least("process count", 1)
 
 
 def _index(text: str) -> int | None:
     """A process index; empty: unknown (left to jax.distributed to detect)."""
-    if text == "":
-        return None
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a process index, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a process index >= 0, got {value}")
-    return value
+    return None if text == "" else _int_at_least("process index", 0)(text)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -100,7 +100,6 @@ class IslandWaitOperator(BaseOperator):
         self.poll_s = poll_s
 
     def execute(self, context):
-        from diloco_airflow import stall
         from diloco_airflow.triggers import IslandTrigger
 
         island = IslandEntry.of(self.island)
@@ -116,18 +115,23 @@ class IslandWaitOperator(BaseOperator):
                 launch_island(island)
         except BackendError as exc:
             raise_backend_error(exc)
-        timeout = self.heartbeat_timeout_s or stall.wait_timeout_s(island.heartbeat_s)
         self.defer(
-            trigger=IslandTrigger(
-                spec=island.spec.to_dict(),
-                backend=island.backend,
-                backend_kwargs=island.backend_kwargs,
-                launched_at=time.time(),
-                heartbeat_timeout_s=timeout,
-                startup_timeout_s=self.startup_timeout_s,
-                poll_s=self.poll_s,
-            ),
-            method_name="execute_complete",
+            trigger=IslandTrigger(**self.trigger_kwargs(island)), method_name="execute_complete"
+        )
+
+    def trigger_kwargs(self, island: IslandEntry) -> dict[str, Any]:
+        """The (serializable) arguments of the island's trigger, launched now."""
+        from diloco_airflow import stall
+
+        return dict(
+            spec=island.spec.to_dict(),
+            backend=island.backend,
+            backend_kwargs=island.backend_kwargs,
+            launched_at=time.time(),
+            heartbeat_timeout_s=self.heartbeat_timeout_s
+            or stall.wait_timeout_s(island.heartbeat_s),
+            startup_timeout_s=self.startup_timeout_s,
+            poll_s=self.poll_s,
         )
 
     def execute_complete(self, context, event: dict[str, Any] | None = None):

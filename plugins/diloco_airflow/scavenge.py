@@ -170,19 +170,9 @@ class ScavengeWaitOperator(IslandWaitOperator):
         if st.state.value not in ("RUNNING", "PROVISIONING"):
             self.log.warning("island %s is %s: relaunching it", island.name, st.state.value)
             island_tasks.launch_island(island)
-        from diloco_airflow import stall
-
-        timeout = self.heartbeat_timeout_s or stall.wait_timeout_s(island.heartbeat_s)
         self.defer(
             trigger=ScavengeTrigger(
-                closes_at=float(self.window["closes_at"]),
-                spec=island.spec.to_dict(),
-                backend=island.backend,
-                backend_kwargs=island.backend_kwargs,
-                launched_at=time.time(),
-                heartbeat_timeout_s=timeout,
-                startup_timeout_s=self.startup_timeout_s,
-                poll_s=self.poll_s,
+                closes_at=float(self.window["closes_at"]), **self.trigger_kwargs(island)
             ),
             method_name="execute_complete",
         )
