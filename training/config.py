@@ -11,6 +11,7 @@ the join); past 500 lines because every field carries its description.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any, Literal, get_args
 
@@ -211,6 +212,15 @@ class InnerConfig(_Frozen):
 
     lr: float = Field(3e-3, gt=0, description="AdamW peak learning rate")
     warmup_steps: int = Field(20, ge=0, description="linear learning-rate warm-up steps")
+    schedule: Literal["constant", "cosine"] = Field(
+        "constant",
+        description="after the warm-up: constant, or a cosine decay to lr x final_lr_frac that "
+        "every island ends when the token budget is reached (each over the steps its share of "
+        "the budget takes: ExperimentConfig.inner_decay_steps), so all decay together",
+    )
+    final_lr_frac: float = Field(
+        0.1, ge=0, le=1, description="cosine schedule: the last learning rate, as a share of lr"
+    )
     weight_decay: float = Field(0.1, ge=0, description="AdamW decoupled weight decay")
     b1: float = Field(0.9, gt=0, lt=1, description="AdamW first-moment decay")
     b2: float = Field(0.95, gt=0, lt=1, description="AdamW second-moment decay")
@@ -247,6 +257,12 @@ class OuterConfig(_Frozen):
         return value
 
     lr: float = Field(0.7, gt=0, description="outer learning rate")
+    lr_warmup: int = Field(
+        0,
+        ge=0,
+        description="outer learning-rate warm-up: a fragment's first W outer steps use lr x "
+        "k / W (k = 1..W); 0: none",
+    )
     momentum: float = Field(0.9, ge=0, lt=1, description="outer momentum (0: plain SGD)")
     nesterov: bool = Field(True, description="Nesterov momentum in the outer step")
     delay_period: int | None = Field(None, gt=0, description="Delayed Nesterov N; default M")
@@ -555,6 +571,20 @@ class ExperimentConfig(_Frozen):
             return self.inner.H
         top = max(self.step_rate(i.name) for i in self.islands)
         return max(1, int(self.inner.H * self.step_rate(name) / top))
+
+    def inner_decay_steps(self, name: str | None = None) -> int | None:
+        """The steps over which `name`'s cosine schedule decays (None: no decay). An island
+        trains about its throughput's share of the budget, `speed_m / sum(speed)`, in steps of
+        its own batch; `name=None` is the data-parallel baseline, one step on every island's
+        data.batch_size batch together. Assumes the configured islands train the whole run (an
+        island that joins late decays over the same steps, from its first)."""
+        if self.inner.schedule == "constant":
+            return None
+        if name is None:
+            per_step = len(self.islands) * self.data.batch_size * self.data.seq_len
+            return max(1, math.ceil(self.token_budget / per_step))
+        share = self.island(name).speed / sum(i.speed for i in self.islands)
+        return max(1, math.ceil(self.token_budget * share / self.tokens_per_step(name)))
 
     def to_json(self) -> str:
         return json.dumps(self.model_dump(mode="json"), indent=2, sort_keys=True)

@@ -30,9 +30,26 @@ def make_mesh(devices=None) -> Mesh:
     return Mesh(np.array(devices), ("data",))
 
 
-def inner_optimizer(cfg: InnerConfig) -> optax.GradientTransformation:
-    """Clip, then AdamW with linear warmup to a constant learning rate."""
-    schedule = optax.linear_schedule(cfg.lr / max(cfg.warmup_steps, 1), cfg.lr, cfg.warmup_steps)
+def inner_schedule(cfg: InnerConfig, decay_steps: int | None = None) -> optax.Schedule:
+    """Linear warm-up from lr / warmup_steps to lr, then constant (`decay_steps` None) or a
+    cosine decay reaching lr x final_lr_frac at step `decay_steps` (and staying there)."""
+    start = cfg.lr / max(cfg.warmup_steps, 1)
+    if decay_steps is None or cfg.schedule == "constant":
+        return optax.linear_schedule(start, cfg.lr, cfg.warmup_steps)
+    return optax.warmup_cosine_decay_schedule(
+        start,
+        cfg.lr,
+        warmup_steps=min(cfg.warmup_steps, decay_steps - 1),
+        decay_steps=max(decay_steps, 1),
+        end_value=cfg.lr * cfg.final_lr_frac,
+    )
+
+
+def inner_optimizer(
+    cfg: InnerConfig, decay_steps: int | None = None
+) -> optax.GradientTransformation:
+    """Clip, then AdamW on `inner_schedule`."""
+    schedule = inner_schedule(cfg, decay_steps)
     return optax.chain(
         optax.clip_by_global_norm(cfg.grad_clip),
         optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay),
@@ -57,9 +74,12 @@ class InnerLoop:
     inner_cfg: InnerConfig
     mesh: Mesh
     shard_params: bool = False
+    decay_steps: int | None = (
+        None  # the cosine schedule's length (ExperimentConfig.inner_decay_steps)
+    )
 
     def __post_init__(self):
-        self.tx = inner_optimizer(self.inner_cfg)
+        self.tx = inner_optimizer(self.inner_cfg, self.decay_steps)
         shapes = model.abstract_params(self.model_cfg)
         n = self.mesh.devices.size
         self.param_sharding = {

@@ -60,6 +60,14 @@ def init_state(outer: OuterConfig, shapes: Mapping[str, tuple[int, ...]]) -> Out
     )
 
 
+def outer_lr(outer: OuterConfig, steps: int) -> float:
+    """The outer learning rate of a fragment's outer step number `steps` + 1: `outer.lr`, ramped
+    linearly over the first `outer.lr_warmup` steps (lr / W, 2 lr / W, ..., lr)."""
+    if outer.lr_warmup <= 0:
+        return outer.lr
+    return outer.lr * min(1.0, (steps + 1) / outer.lr_warmup)
+
+
 def outer_step_(
     outer: OuterConfig,
     period: int,
@@ -76,13 +84,13 @@ def outer_step_(
       m) with Nesterov, lr m without;
     - Delayed Nesterov with period N (arXiv 2401.09135): D += g; on every N-th contribution
       m <- beta m + D / N, theta -= lr (g / N + beta m), D <- 0; otherwise theta -= lr g / N.
-    `final` (an island's last, partial interval): theta -= lr g and the state does not move, so
+    lr is `outer_lr` of the state's step count. `final` (an island's last, partial interval): theta -= lr g and the state does not move, so
     a few steps' remainder never buys a full momentum step (the end-of-run degradation).
     g = delta[n] multiplied in turn by each factor of `gains[n]` (Combiner.finish). Applied
     chunk by chunk (codecs.chunk_spans), so its temporaries stay in cache. `delta` may be
     overwritten.
     """
-    lr, beta = np.float32(outer.lr), np.float32(outer.momentum)
+    lr, beta = np.float32(outer_lr(outer, state.steps)), np.float32(outer.momentum)
     plain = final or not outer.momentum
     delayed = outer.method == "delayed_nesterov" and not plain
     seen = state.seen + 1

@@ -52,11 +52,16 @@ def loop_for(cfg: ExperimentConfig, island: str | None = None) -> inner.InnerLoo
     """The compiled inner loop over `island`'s mesh (`island_mesh_devices`; None: every
     device), shared by everything in the process with the same model, settings and devices."""
     devices = island_mesh_devices(cfg, island)
-    key = ("loop", cfg.model, cfg.inner, tuple(d.id for d in devices))
+    decay = cfg.inner_decay_steps(island)
+    key = ("loop", cfg.model, cfg.inner, decay, tuple(d.id for d in devices))
     return shared(
         key,
         lambda: inner.InnerLoop(
-            cfg.model, cfg.inner, inner.make_mesh(devices), shard_params=cfg.inner.shard_params
+            cfg.model,
+            cfg.inner,
+            inner.make_mesh(devices),
+            shard_params=cfg.inner.shard_params,
+            decay_steps=decay,
         ),
     )
 

@@ -74,7 +74,7 @@ def build_step(cfg, mesh):
     from training import model
     from training.inner import inner_optimizer
 
-    tx = inner_optimizer(cfg.inner)
+    tx = inner_optimizer(cfg.inner, cfg.inner_decay_steps())
     n = mesh.devices.size
 
     def local(params, x, y):
