@@ -114,6 +114,17 @@ def test_run_names_are_valid_experiment_names() -> None:
         validate_name("experiment", bench.run_name("decoupled", g))
 
 
+def test_decoupled_overrides_reach_only_decoupled_runs() -> None:
+    from training.bench.wan.runner import experiment_config
+
+    sets = (("fragments.count", 4), ("fragments.strategy", "tensors"), ("inner.tau", 3))
+    p = bench.BenchParams(decoupled_set=sets)
+    dec = experiment_config(p, "decoupled", "wan-dec")
+    sync = experiment_config(p, "sync", "wan-sync")
+    assert (dec.fragments.count, dec.inner.tau) == (4, 3)
+    assert (sync.fragments.count, sync.inner.tau) == (1, 1)
+
+
 # -- the 12B figure -----------------------------------------------------------------------------
 
 

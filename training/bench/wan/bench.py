@@ -38,10 +38,12 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from training.bench.wan import model12b
 from training.bench.wan.bucket import start_bucket
 from training.bench.wan.netns import Wan, WanError, unavailable
+from training.config import parse_sets
 
 METHODS = ("dp", "sync", "decoupled")
 LABELS = {"dp": "data-parallel", "sync": "synchronous DiLoCo", "decoupled": "Decoupled DiLoCo"}
@@ -69,6 +71,9 @@ class BenchParams:
     # quality per token depends on the links), not composed from an unshaped run
     direct: tuple[str, ...] = ("decoupled",)
     run_timeout_s: float = 300.0
+    # config overrides of Decoupled DiLoCo's runs only (`--decoupled-set KEY=VALUE`), as
+    # (dotted key, value) pairs; the table's "differs" note names them
+    decoupled_set: tuple[tuple[str, Any], ...] = ()
     assume: model12b.Assumptions = field(default_factory=model12b.Assumptions)
 
 
@@ -171,6 +176,10 @@ def format_table(summary: dict) -> str:
             f"| {r['throughput_vs_dp']:.1f}x | {num(up, '.1f', ' MiB')} "
             f"| {num(down, '.1f', ' MiB')} | {r.get('measured', 'composed')} |"
         )
+    extra = summary.get("params", {}).get("decoupled_set") or ()
+    if extra:
+        sets = ", ".join(f"{k} = {v}" for k, v in extra)
+        lines.append(f"\nDecoupled DiLoCo's runs differ from the others in: {sets}")
     return "\n".join(lines)
 
 
@@ -316,6 +325,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--checkpoints", choices=("regional", "bucket"), default="regional")
     ap.add_argument("--workdir", default=None, help="keep logs here (default: a temp dir)")
     ap.add_argument("--json", dest="json_out", default=None)
+    ap.add_argument(
+        "--decoupled-set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="config override for Decoupled DiLoCo's runs only (e.g. fragments.count=4)",
+    )
     args, rest = ap.parse_known_args(argv)
     if args.model_12b:
         forward = ["--merge-json", args.merge_json] if args.merge_json else []
@@ -332,6 +348,7 @@ def main(argv: list[str] | None = None) -> int:
         gbps=gbps,
         target=args.target,
         regional_checkpoints=args.checkpoints == "regional",
+        decoupled_set=tuple(parse_sets(args.decoupled_set).items()),
     )
     summary = run(p, args.workdir)
     a = model12b.measured_assumptions(args.merge_json)

@@ -41,6 +41,7 @@ def experiment_config(p: BenchParams, method: str, name: str, budget_factor: int
         "outer.method": "sync" if method in ("dp", "sync") else "decoupled",
         "inner.dylu": method == "decoupled",
         **(DP_SETTINGS if method == "dp" else DILOCO_SETTINGS),
+        **(dict(p.decoupled_set) if method == "decoupled" else {}),
     }
     return with_overrides(cfg, overrides)
 
