@@ -113,3 +113,9 @@ def test_every_config_field_has_a_description():
     docs = field_docs()
     assert "outer.lr" in docs and "islands[].backend" in docs and "syncer.shards" in docs
     assert [name for name, doc in docs.items() if not doc.strip()] == []
+
+
+def test_alpha_with_kept_overlap_is_refused_not_ignored():
+    # adoption keeps the overlap steps by default and then never blends: alpha would do nothing
+    with pytest.raises(ConfigError, match="inner.keep_overlap = false"):
+        parse_config({"name": "e", "islands": [{"name": "a"}], "inner": {"alpha": 0.3}})

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from training.names import validate_name
 
@@ -231,6 +231,15 @@ class InnerConfig(_Frozen):
     keep_overlap: bool = Field(
         True, description="on adopting a merge, keep the steps trained since publishing"
     )
+
+    @model_validator(mode="after")
+    def _alpha_needs_blending(self) -> InnerConfig:
+        if self.alpha and self.keep_overlap:
+            raise ValueError(
+                f"inner.alpha {self.alpha} blends only when adoption does not keep the overlap "
+                "steps: set inner.keep_overlap = false with it (or alpha = 0)"
+            )
+        return self
 
 
 class OuterConfig(_Frozen):
