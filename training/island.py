@@ -65,14 +65,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
 
 from training import broadcast, checkpointing, codecs, rounds
 from training.background import Background
-from training.chaos import IslandChaos
 from training.config import ExperimentConfig
 from training.data import BatchLoader, shard_tokens
 from training.device_codec import DeviceEncoder
@@ -83,6 +82,9 @@ from training.multihost import ProcessGroup, ReadOnlyStore
 from training.runtime import corpus_for, fragment_names, loop_for, shared
 from training.store.experiment import ExperimentStore
 from training.store.layout import pseudograd_id
+
+if TYPE_CHECKING:  # chaos is the entry point's to build and hand over
+    from training.chaos import IslandChaos
 
 __all__ = ["Island", "StepResult", "corpus_for", "fragment_names", "loop_for", "shared"]
 
@@ -108,8 +110,11 @@ class Island:
 
     `background`: do the store I/O and the checkpoint writes in background threads (see the
     module docstring); the entry point that runs an island as a process turns it on. `faults`:
-    the process's fault points (training/faults.py), handed over by the entry point. `group`:
-    this process's place in a multi-host island (training/multihost.py; None: one process).
+    the process's fault points (training/faults.py), handed over by the entry point. `chaos`:
+    the slow-down and stall of chaos mode (training/chaos.py `IslandChaos.for_island`), built by
+    the entry point that wants them (`diloco island`, for process 0); None: no chaos code runs.
+    `group`: this process's place in a multi-host island (training/multihost.py; None: one
+    process).
     """
 
     def __init__(
@@ -121,6 +126,7 @@ class Island:
         background: bool = False,
         faults: FaultPlan | None = None,
         group: ProcessGroup | None = None,
+        chaos: IslandChaos | None = None,
     ):
         self.cfg = cfg
         self.name = name
@@ -159,7 +165,7 @@ class Island:
         self._rate = 0.0  # tokens/s of the last heartbeat (kept by the publish-round heartbeat)
         self.since: list[dict] = [{} for _ in range(self.P)]  # per fragment, since its publish
         self.goodput = GoodputAccountant.for_clock(clock)
-        self.chaos = IslandChaos.for_island(cfg, name, store) if self.writer else None
+        self.chaos = chaos
         self.round_clock: rounds.RoundClock | None = None  # clock rounds, once learnt
         self._next_at: list[float] = []  # clock rounds: each fragment's pending boundary
         self.encoder = shared(("encoder", cfg.codec), lambda: DeviceEncoder(cfg.codec))

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from training.config import parse_config
 from training.faults import FaultPlan
+from training.chaos import IslandChaos
 from training.island import Island
 from training.store.experiment import ExperimentStore
 from training.store.objectstore import open_store
@@ -102,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         step_log=Path(args.step_log),
         background=True,
         faults=FaultPlan.from_env(),
+        chaos=IslandChaos.for_island(cfg, args.island, estore),
     )
     print(json.dumps(island.run(max_steps=args.max_steps)), flush=True)
     return 0
