@@ -22,9 +22,9 @@ import json
 import time
 from pathlib import Path
 
+from training.chaos import IslandChaos
 from training.config import parse_config
 from training.faults import FaultPlan
-from training.chaos import IslandChaos
 from training.island import Island
 from training.store.experiment import ExperimentStore
 from training.store.objectstore import open_store
