@@ -26,11 +26,9 @@ Contract with the store (see docs/STORE.md):
   number already committed is never published twice (the store returns the first).
 
 Off the critical path (`background=True`, what `diloco island` runs): uploads, heartbeats,
-budget and stop checks, and the store reads of an adopt (applied at the first step boundary
-after they are in) run in an I/O thread; checkpoints in another, from a device copy of the
-state taken between steps. No per-step host sync (training/island_publish.py `RUN_AHEAD`).
-`background=False` (the default: simulators, tests) does the same work inline, in the same
-order, with the same results.
+budget and stop checks, and an adopt's store reads run in an I/O thread; checkpoints in
+another, from a device copy of the state taken between steps; no per-step host sync.
+`background=False` (simulators, tests) does the same work inline, in the same order.
 
 Fault injection is the entry point's to hand over, never looked up on a step: `faults` (the
 process's fault points, training/faults.py) and `chaos` (chaos mode's slow-down and stall,
@@ -216,14 +214,16 @@ class Island:
         keep_shadows = broadcast.enabled(self.cfg)
         if ckpt is None:
             heads, got = self.adopter.read_heads()
-            self.state = IslandState.fresh(self.loop, heads, got, self._loader(None), keep_shadows)
+            self.state = IslandState.fresh(
+                self.loop, heads, got, self.loader_at(None), keep_shadows
+            )
         else:
             self.state = IslandState.resume(
                 self.loop,
                 self.frags,
                 *ckpt,
                 self.adopter.read_version,
-                self._loader,
+                self.loader_at,
                 keep_shadows,
             )
             self.adopter.adopt(self.state, range(self.P))
@@ -243,9 +243,9 @@ class Island:
         self._ckpt_rounds, self._ckpt_at = 0, self._now_if_timed()
         self.checkpointed_step = self.state.step_count
 
-    def _loader(self, cursor: dict | None) -> BatchLoader:
-        """The island's batches from `cursor` (None: the first): its whole batch, on every
-        host (training/multihost.py)."""
+    def loader_at(self, cursor: dict | None) -> BatchLoader:
+        """The island's batches from data cursor `cursor` (None: the first): its whole
+        batch, on every host (training/multihost.py)."""
         return BatchLoader(
             self.shard,
             self.batch_size,
