@@ -88,11 +88,11 @@ def test_an_island_adopting_by_updates_holds_the_syncers_shadow_bit_for_bit(code
     assert a.bytes_received == full
     for seq in range(4):
         _merge(cfg, store, seq)
-        assert a._adopt([0]) == 1
+        assert a.adopt([0]) == 1
         stored = _stored_shadow(store)
-        _assert_bit_equal(a.shadows[0].tensors, stored)
+        _assert_bit_equal(a.state.shadows[0].tensors, stored)
         _assert_bit_equal(inner.to_host(a.params), stored)
-        _assert_bit_equal(inner.to_host(a.anchor), stored)
+        _assert_bit_equal(inner.to_host(a.state.anchor), stored)
     head = store.head(0)
     sizes = [
         codecs.payload_nbytes(store.load_payload(store.find_version(0, v), "update"))
@@ -269,14 +269,14 @@ def test_an_island_refusing_an_update_still_adopts_the_version_read_whole(caplog
     a = Island(cfg, "a", store)
     a.start()
     _merge(cfg, store, 0)
-    assert a._adopt([0]) == 1 and a.shadows[0].version == 1
+    assert a.adopt([0]) == 1 and a.state.shadows[0].version == 1
     before = a.bytes_received
     _bad_version(cfg, store, _nan_scale)
     with caplog.at_level(logging.WARNING, "diloco.broadcast"):
-        assert a._adopt([0]) == 1
+        assert a.adopt([0]) == 1
     assert a.base_version == [2] and "refused" in caplog.text
     assert a.bytes_received - before == codecs.payload_nbytes(store.load_params())
-    _assert_bit_equal(a.shadows[0].tensors, _stored_shadow(store))
+    _assert_bit_equal(a.state.shadows[0].tensors, _stored_shadow(store))
     _assert_bit_equal(inner.to_host(a.params), _stored_shadow(store))
 
 
@@ -316,17 +316,17 @@ def test_a_multi_host_follower_adopts_process_zeros_version_bit_for_bit():
     follower = Island(cfg, "a", store, group=ProcessGroup(1, 2, kv))
     leader.start(), follower.start()
     _merge(cfg, store, 0)
-    assert leader._adopt([0]) == 1 and follower._adopt([0]) == 1
+    assert leader.adopt([0]) == 1 and follower.adopt([0]) == 1
     assert follower.bytes_received == leader.bytes_received
-    _assert_bit_equal(follower.shadows[0].tensors, _stored_shadow(store))
+    _assert_bit_equal(follower.state.shadows[0].tensors, _stored_shadow(store))
     _merge(cfg, store, 1)
-    seen = follower._fetch({0: None})  # the follower's read: version 2
+    seen = follower.adopter.fetch(follower.state, {0: None})  # the follower's read: version 2
     _merge(cfg, store, 2)
-    chosen = leader._fetch({0: None})  # process 0's: version 3
-    leader._apply(leader._agreed(chosen))
-    follower._apply(follower._agreed(seen))
+    chosen = leader.adopter.fetch(leader.state, {0: None})  # process 0's: version 3
+    leader.adopter.apply(leader.state, leader.adopter.agreed(chosen))
+    follower.adopter.apply(follower.state, follower.adopter.agreed(seen))
     assert leader.base_version == follower.base_version == [3]
-    _assert_bit_equal(follower.shadows[0].tensors, _stored_shadow(store))
+    _assert_bit_equal(follower.state.shadows[0].tensors, _stored_shadow(store))
     _assert_bit_equal(inner.to_host(follower.params), inner.to_host(leader.params))
 
 

@@ -135,7 +135,7 @@ def test_for_island_picks_the_configured_islands():
 def test_stalled_island_stops_stepping_and_heartbeating_until_stopped():
     cfg = small_config("chaos-stall", chaos={"stall_island": "a", "stall_after_s": 0.0})
     store = new_store(cfg)
-    isl = Island(cfg, "a", store)
+    isl = Island(cfg, "a", store, chaos=IslandChaos.for_island(cfg, "a", store))
     seen_during_stall = []
 
     def nap(seconds: float) -> None:  # the stall's wait: look at the store, then "SIGTERM"
@@ -150,7 +150,24 @@ def test_stalled_island_stops_stepping_and_heartbeating_until_stopped():
     events = store.read_metrics("chaos")
     assert [(e["event"], e["island"]) for e in events] == [("stall", "a")]
     # a restarted process does not stall again
-    assert Island(cfg, "a", store).chaos is None
+    assert IslandChaos.for_island(cfg, "a", store) is None
+
+
+def test_an_island_built_without_chaos_runs_no_chaos_code(monkeypatch):
+    # the config names island a for a slow-down and a stall, but chaos is the entry point's
+    # to hand over: an island built without it never calls into training/chaos.py
+    cfg = small_config(
+        "chaos-none", chaos={"slow_island": "a", "slow_factor": 3.0, "stall_island": "a"}
+    )
+    store = new_store(cfg)
+
+    def touched(*_, **__):
+        raise AssertionError("chaos code ran")
+
+    for method in ("for_island", "after_step", "stall_due", "stall"):
+        monkeypatch.setattr(IslandChaos, method, touched)
+    isl = Island(cfg, "a", store)
+    assert isl.run(max_steps=2)["step"] == 2
 
 
 # -- kills ------------------------------------------------------------------------------------

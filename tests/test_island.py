@@ -23,7 +23,7 @@ def test_published_pseudo_gradient_is_global_minus_local():
         island.step()
     (ref,) = store.list_pseudograds("a")
     delta = codecs.decode(store.load_pseudograd(ref), "fp32")
-    local = island.anchor  # a publish moves the anchor to the published parameters
+    local = island.state.anchor  # a publish moves the anchor to the published parameters
     for name, value in delta.items():
         np.testing.assert_allclose(value, theta0[name] - local[name], atol=1e-6)
     assert ref.manifest["steps"] == cfg.inner.H and ref.manifest["base_version"] == 0
@@ -33,11 +33,11 @@ def test_adopting_a_merge_keeps_the_overlap_steps():
     cfg, store, island = _island(inner={"tau": 1})
     for _ in range(cfg.inner.H + 1):  # publish, then one overlap step
         island.step()
-    at_publish = dict(island.anchor)
+    at_publish = dict(island.state.anchor)
     before = inner.to_host(island.params)
     Merger(cfg, store).merge_once()
     merged = store.load_params()
-    island._adopt([0])
+    island.adopt([0])
     after = inner.to_host(island.params)
     for name in merged:
         expected = merged[name] + (before[name] - at_publish[name])
@@ -49,11 +49,11 @@ def test_restart_resumes_counters_cursor_and_sequence_from_the_checkpoint():
     cfg, store, island = _island()
     for _ in range(cfg.inner.H):
         island.step()  # publishes seq 0 and checkpoints
-    expected_batch = island.loader.next_batch()
+    expected_batch = island.state.loader.next_batch()
     restarted = Island(cfg, "a", store)
     restarted.start()
     assert restarted.resumed and restarted.seq == 1 and restarted.step_count == cfg.inner.H
-    np.testing.assert_array_equal(restarted.loader.next_batch()[0], expected_batch[0])
+    np.testing.assert_array_equal(restarted.state.loader.next_batch()[0], expected_batch[0])
 
 
 def test_a_finishing_island_publishes_its_last_partial_interval():

@@ -20,9 +20,11 @@ def _cfg(**sections):
 def _state(island: Island) -> dict[str, np.ndarray]:
     """Everything a resume must restore, on the host."""
     out = {f"param/{k}": v for k, v in inner.to_host(island.params).items()}
-    out.update({f"opt/{k}": v for k, v in island.loop.opt_state_to_host(island.opt_state).items()})
-    out.update({f"anchor/{k}": np.asarray(v) for k, v in island.anchor.items()})
-    out.update({f"resid/{k}": np.asarray(v) for k, v in island.residual.items()})
+    out.update(
+        {f"opt/{k}": v for k, v in island.loop.opt_state_to_host(island.state.opt_state).items()}
+    )
+    out.update({f"anchor/{k}": np.asarray(v) for k, v in island.state.anchor.items()})
+    out.update({f"resid/{k}": np.asarray(v) for k, v in island.state.residual.items()})
     return out
 
 

@@ -87,7 +87,7 @@ def test_an_island_trains_and_claims_its_own_batch():
         island.step()
     (ref,) = store.list_pseudograds("b")
     assert ref.manifest["tokens"] == island.H * 8 * cfg.data.seq_len
-    assert island.loader.next_batch()[0].shape == (8, cfg.data.seq_len)
+    assert island.state.loader.next_batch()[0].shape == (8, cfg.data.seq_len)
 
 
 def test_an_island_asking_for_more_devices_than_it_sees_does_not_start():

@@ -84,15 +84,22 @@ def cmd_island(args) -> int:
 
     # before anything touches a device: a multi-host island is one jax.distributed job
     group = multihost.initialize(args.coordinator, args.num_processes, args.process_id)
-    from training.chaos import for_process
+    from training.chaos import IslandChaos, for_process
     from training.faults import FaultPlan
     from training.island import Island
 
     cfg, estore = _load(args)
     estore = for_process(cfg, estore, "island")
-
+    # chaos mode's slow-down and stall are process 0's (it alone heartbeats)
+    chaos = IslandChaos.for_island(cfg, args.island, estore) if group.writer else None
     island = Island(
-        cfg, args.island, estore, background=True, faults=FaultPlan.from_env(), group=group
+        cfg,
+        args.island,
+        estore,
+        background=True,
+        faults=FaultPlan.from_env(),
+        group=group,
+        chaos=chaos,
     )
     info = island.run(max_steps=args.max_steps)
     print(json.dumps(info))

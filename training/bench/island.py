@@ -92,8 +92,8 @@ def measure(preset: str, P: int, H: int, repeats: int, every_rounds: int | None)
         timer = _Timer()
         for method, label in (("checkpoint", "checkpoint"), ("publish", "publish")):
             timer.wrap(island, method, label)
-        timer.wrap(island, "_apply", "adopt")  # the island-thread part of an adopt
-        timer.wrap(island.loader, "next_batch", "data")
+        timer.wrap(island.adopter, "apply", "adopt")  # the island-thread part of an adopt
+        timer.wrap(island.state.loader, "next_batch", "data")
         bare_loader = BatchLoader(
             island.shard,
             cfg.data.batch_size,
@@ -141,7 +141,7 @@ def measure(preset: str, P: int, H: int, repeats: int, every_rounds: int | None)
         island.ckpt_io.close()
         state_bytes = sum(
             int(x.size) * x.dtype.itemsize
-            for x in jax.tree_util.tree_leaves((island.params, island.opt_state))
+            for x in jax.tree_util.tree_leaves((island.state.params, island.state.opt_state))
         )
     bare = statistics.median(times["bare"]) / H
     isl = statistics.median(times["island"]) / H

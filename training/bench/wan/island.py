@@ -22,6 +22,7 @@ import json
 import time
 from pathlib import Path
 
+from training.chaos import IslandChaos
 from training.config import parse_config
 from training.faults import FaultPlan
 from training.island import Island
@@ -102,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         step_log=Path(args.step_log),
         background=True,
         faults=FaultPlan.from_env(),
+        chaos=IslandChaos.for_island(cfg, args.island, estore),
     )
     print(json.dumps(island.run(max_steps=args.max_steps)), flush=True)
     return 0
