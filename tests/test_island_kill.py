@@ -58,7 +58,10 @@ def test_island_survives_sigkill_mid_publish_and_mid_training(tmp_path):
     beat = store.heartbeats()["a"]
     assert beat["base_version"] == [head_before]  # it pulled the newest global on resume
     seqs = [r.seq for r in store.list_pseudograds("a")]
-    assert seqs == [0, 1]  # seq 1 re-done from the checkpoint, published once
+    # seq 1 re-done from the checkpoint and published at most once: its upload runs in the
+    # background, two steps before the kill, so under load it may still be in flight (then it
+    # is lost with the process and re-done in 3.); either way never twice
+    assert seqs in ([0], [0, 1])
     merger.merge_all()
 
     # 3. restarted again, runs to completion of 8 more steps: numbering continues, nothing lost
