@@ -125,3 +125,21 @@ def test_non_finite_input_raises(codec):
             kernels.encode_bf16(x, None)
         else:
             kernels.encode_quantized(x, None, 127.0, 256, codec)
+
+
+@pytest.mark.parametrize("codec", codecs.CODECS)
+def test_encode_step_is_the_payload_of_the_difference(codec):
+    rng = np.random.default_rng(4)
+    target = {"w": rng.normal(size=(37, 30)).astype(np.float32), "b": np.float32(rng.normal())}
+    target["b"] = np.asarray(target["b"], np.float32)
+    base = {n: (v + rng.normal(0, 1e-2, v.shape)).astype(np.float32) for n, v in target.items()}
+    delta = {n: np.subtract(target[n], base[n], dtype=np.float32) for n in target}
+    payload, _ = codecs.encode(delta, codec)
+    decoded = codecs.decode(payload, codec)
+    want = {n: np.add(base[n], decoded[n], dtype=np.float32) for n in base}
+    got = codecs.encode_step(target, base, codec)
+    assert sorted(got) == sorted(payload)
+    for k in payload:
+        assert got[k].dtype == payload[k].dtype and got[k].shape == payload[k].shape, k
+        assert np.asarray(got[k]).tobytes() == np.asarray(payload[k]).tobytes(), k
+    assert all(base[n].tobytes() == want[n].tobytes() for n in base)
