@@ -132,7 +132,7 @@ def test_encode_step_is_the_payload_of_the_difference(codec):
     rng = np.random.default_rng(4)
     target = {"w": rng.normal(size=(37, 30)).astype(np.float32), "b": np.float32(rng.normal())}
     target["b"] = np.asarray(target["b"], np.float32)
-    base = {n: (v + rng.normal(0, 1e-2, v.shape)).astype(np.float32) for n, v in target.items()}
+    base = {n: np.asarray(v + rng.normal(0, 1e-2, v.shape), np.float32) for n, v in target.items()}
     delta = {n: np.subtract(target[n], base[n], dtype=np.float32) for n in target}
     payload, _ = codecs.encode(delta, codec)
     decoded = codecs.decode(payload, codec)
