@@ -54,6 +54,11 @@ def _source(a: np.ndarray, b: np.ndarray | None, op: int, s: int, e: int, xbuf: 
     return out
 
 
+def _float32(*arrays: np.ndarray | None) -> bool:
+    """Arrays the C loops can take as float32 (None: absent); else the numpy path runs."""
+    return all(a is None or a.dtype == np.float32 for a in arrays) and native.fits(*arrays)
+
+
 _KIND = {"int8": 8, "int4": 4, "int2": 2}
 _PER = {"int8": 1, "int4": 2, "int2": 4}
 _CODE_LEVELS = {"int8": 127, "int4": 7, "int2": 0}  # the codes' range (int2: every code valid)
@@ -97,7 +102,7 @@ def _quantize(kind, levels, block, a, b, op, data, scales, out, sink) -> None:
     n = a.size
     step = chunk_step(block)
     per = _PER[kind]
-    lib = native.library()
+    lib = native.library() if _float32(a, b, scales, out) and native.fits(data) else None
     scratch: dict[str, np.ndarray] = {}
     if lib is not None:
         pa, pb, pd, ps, po = (native.address(v) for v in (a, b, data, scales, out))
@@ -256,15 +261,24 @@ def decode_range(
     s is a multiple of chunk_step(block). ValueError if a code there is outside [-levels,
     levels] (int8: -128; int4: nibble 0; int2 has no invalid code); levels 0: no check."""
     lib = native.library()
-    if lib is not None and levels in (0, _CODE_LEVELS[kind]):  # C checks exactly those
+    if (
+        lib is not None
+        and levels in (0, _CODE_LEVELS[kind])  # the C loop checks exactly those
+        and out.dtype == np.float32
+        and scales.dtype == np.float32
+        and data.itemsize == 1
+        and out.flags.c_contiguous
+        and scales.flags.c_contiguous
+        and data.flags.c_contiguous
+    ):
         status = lib.decode_quantized(
             _KIND[kind],
-            native.address(data),
-            native.address(scales),
+            data.ctypes.data,
+            scales.ctypes.data,
             s,
             e,
             block,
-            native.address(out),
+            out.ctypes.data,
             int(accumulate),
             int(bool(levels)),
         )
@@ -326,7 +340,7 @@ def _bf16(a, b, op, bits, out, sink) -> None:
     chunk (as _quantize: the C loop where it loaded, else numpy; on NonFinite `out` is
     partly written)."""
     n = a.size
-    lib = native.library()
+    lib = native.library() if _float32(a, b, out) and native.fits(bits) else None
     if lib is not None:
         pa, pb, pd, po = (native.address(v) for v in (a, b, bits, out))
     scratch: dict[str, np.ndarray] = {}

@@ -126,6 +126,16 @@ def library():
     return _loaded[0]
 
 
+def fits(*arrays: np.ndarray | None) -> bool:
+    """Every array given is C-contiguous with the dtype the C loops assume for it: float32,
+    or one byte (codes), or uint16 (bfloat16 bits); None (an absent input) fits."""
+    return all(
+        a is None
+        or (a.flags.c_contiguous and (a.dtype == np.float32 or a.dtype.itemsize in (1, 2)))
+        for a in arrays
+    )
+
+
 def address(a: np.ndarray | None) -> int | None:
     """The address of a contiguous array's first element (None: NULL); callers add byte
     offsets to it."""

@@ -230,11 +230,20 @@ def chunk_spans(size: int, block: int = DEFAULT_BLOCK) -> list[tuple[int, int]]:
 
 
 def decode_chunk(
-    codes: TensorCodes, s: int, e: int, out: np.ndarray, check: bool = True
+    codes: TensorCodes,
+    s: int,
+    e: int,
+    out: np.ndarray,
+    check: bool = True,
+    accumulate: bool = False,
 ) -> np.ndarray:
-    """Elements [s, e) of the flattened tensor as float32 in `out` (e - s elements); s from
-    `chunk_spans`. ValueError if a code there is not a valid level (check=False: the caller
-    has decoded these codes once already)."""
+    """Elements [s, e) of the flattened tensor as float32 in `out` (e - s elements), or added
+    to it (`accumulate`: out += them, rounded as that add); s from `chunk_spans`. ValueError
+    if a code there is not a valid level (check=False: the caller has decoded these codes
+    once already)."""
+    if accumulate and codes.scales is None:
+        out += decode_chunk(codes, s, e, np.empty(e - s, np.float32), check)
+        return out
     if codes.codec == "fp32":
         np.copyto(out, codes.data[s:e])
         return out
@@ -243,7 +252,15 @@ def decode_chunk(
     levels = _LEVELS.get(codes.codec, 0)
     try:
         return kernels.decode_range(
-            codes.codec, codes.data, codes.scales, s, e, codes.block, out, levels if check else 0
+            codes.codec,
+            codes.data,
+            codes.scales,
+            s,
+            e,
+            codes.block,
+            out,
+            levels if check else 0,
+            accumulate,
         )
     except ValueError:
         raise ValueError(

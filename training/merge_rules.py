@@ -426,11 +426,13 @@ class Combiner:
         for n, shape in self.shapes.items():
             coef = direction if n in body else mean
             acc = self.acc[n].reshape(-1)
-            scaled = vote.scaled(n, coef)
-            for s, e in merge_stream.spans(shape):
-                if self.votes:
-                    acc[s:e] += scaled(s, e, buf[: e - s])
-                else:  # the first vote initializes the accumulator
+            if self.votes:
+                add = vote.add_scaled(n, coef)
+                for s, e in merge_stream.spans(shape):
+                    add(s, e, acc[s:e], buf)
+            else:  # the first vote initializes the accumulator
+                scaled = vote.scaled(n, coef)
+                for s, e in merge_stream.spans(shape):
                     scaled(s, e, acc[s:e])
         self.total_weight += weight
         self.norm_sum += weight * body_norm
