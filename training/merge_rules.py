@@ -51,13 +51,16 @@ class OuterFragmentState(NamedTuple):
     buffer: dict[str, np.ndarray]  # Delayed Nesterov's D; empty for other methods
 
 
+def _state_kinds(outer: OuterConfig) -> list[str]:
+    """The per-tensor state a method keeps: momentum (if any), Delayed Nesterov's buffer."""
+    kinds = ["momentum"] if outer.momentum else []
+    return kinds + (["buffer"] if outer.method == "delayed_nesterov" and outer.momentum else [])
+
+
 def init_state(outer: OuterConfig, shapes: Mapping[str, tuple[int, ...]]) -> OuterFragmentState:
-    zeros = {n: np.zeros(s, np.float32) for n, s in shapes.items()}
-    momentum = zeros if outer.momentum else {}
-    buffer = {n: np.zeros(s, np.float32) for n, s in shapes.items()}
-    return OuterFragmentState(
-        0, 0, momentum, buffer if outer.method == "delayed_nesterov" and outer.momentum else {}
-    )
+    kinds = _state_kinds(outer)
+    zeros = {k: {n: np.zeros(s, np.float32) for n, s in shapes.items()} for k in kinds}
+    return OuterFragmentState(0, 0, zeros.get("momentum", {}), zeros.get("buffer", {}))
 
 
 def outer_step_(
@@ -140,13 +143,13 @@ def state_from_tensors(
     seen: int,
 ) -> OuterFragmentState:
     """Rebuild a fragment's state; ValueError naming the first tensor that does not fit."""
-    template = init_state(outer, shapes)
-    expected = state_tensors(template)
+    # the names and shapes init_state would make (without making its zeros)
+    expected = {f"{k}/{n}": tuple(s) for k in _state_kinds(outer) for n, s in shapes.items()}
     if sorted(tensors) != sorted(expected):
         raise ValueError(f"outer state tensors {sorted(tensors)[:4]} != {sorted(expected)[:4]}")
     for k, v in tensors.items():
-        if v.dtype != np.float32 or v.shape != expected[k].shape:
-            raise ValueError(f"outer state {k}: {v.dtype} {v.shape}, expected {expected[k].shape}")
+        if v.dtype != np.float32 or v.shape != expected[k]:
+            raise ValueError(f"outer state {k}: {v.dtype} {v.shape}, expected {expected[k]}")
     pick = {
         kind: {n[len(kind) + 1 :]: v for n, v in tensors.items() if n.startswith(kind + "/")}
         for kind in ("momentum", "buffer")
