@@ -59,6 +59,15 @@ def test_native_encode_matches_numpy(codec, with_residual, numpy_only):
         assert _bits(got) == _bits(want), f"{codec} {name}"
 
 
+@pytest.mark.parametrize("codec", ["int4", "int2"])
+def test_a_block_not_starting_on_a_byte_is_packed_as_numpy_does(codec, numpy_only):
+    x = np.random.default_rng(5).normal(size=1001).astype(np.float32)
+    args = (x, None, LEVELS[codec], 3, codec)
+    assert _bits(kernels.encode_quantized(*args)) == _bits(
+        numpy_only(kernels.encode_quantized, *args)
+    )
+
+
 @needs_native
 @pytest.mark.parametrize("codec", ["int8", "int4", "int2"])
 def test_native_decode_matches_numpy_written_and_added(codec, numpy_only):

@@ -102,7 +102,9 @@ def _quantize(kind, levels, block, a, b, op, data, scales, out, sink) -> None:
     n = a.size
     step = chunk_step(block)
     per = _PER[kind]
-    lib = native.library() if _float32(a, b, scales, out) and native.fits(data) else None
+    # the C loop packs block by block: every block must start on a byte (block % 4 == 0)
+    usable = block % 4 == 0 and _float32(a, b, scales, out) and native.fits(data)
+    lib = native.library() if usable else None
     scratch: dict[str, np.ndarray] = {}
     if lib is not None:
         pa, pb, pd, ps, po = (native.address(v) for v in (a, b, data, scales, out))

@@ -114,8 +114,9 @@ static void pack_block(int kind, const float *restrict qb, int64_t len, uint8_t 
    q + 8 per byte, low nibble first; 2: four codes 0..3 per byte). Writes codes to `data`,
    scales (absmax / levels) to `scales`, and per element either out = x - dequantized
    (sink 0: the error-feedback residual) or out += dequantized (sink 1); `out` may be `b`,
-   never `a`. n need not be a multiple of the block (a block starts on a byte boundary: only
-   the tensor's last block can end mid-byte, padded with the codes 8 (int4) or 0 (int2)).
+   never `a`. `block` must be a multiple of 4 (every block starts on a byte); n need not be a
+   multiple of it (only the tensor's last block can end mid-byte: padded with the codes 8
+   (int4) or 0 (int2)).
    Returns 3 if its scratch cannot be allocated (nothing written). */
 int encode_quantized(int kind, float levels, int64_t n, int64_t block, const float *a,
                      const float *b, int op, uint8_t *data, float *scales, float *out,
