@@ -9,9 +9,9 @@ produces exactly the bits of the reference implementation (tests/test_codec_gold
 - `decode_*` write each float32 element once (int4 codes unpacked with 16-bit shifts, int2
   through a 256-entry table of the levels per byte).
 A chunk is CHUNK elements (a multiple of 4 blocks, so packed bytes never straddle chunks).
-Where training/codec_native.py could build its C loops (one pass per chunk instead of about
+Where training/native.py could build its C loops (one pass per chunk instead of about
 seven numpy passes: 3-4x faster encodes), a chunk goes through them; the numpy code below is
-the fallback and the definition (the C file gives the same bits: tests/test_codec_native.py).
+the fallback and the definition (the C file gives the same bits: tests/test_native.py).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-from training import codec_native as native
+from training import native
 from training.codec2bit import HALF_RANGE
 
 CHUNK = 1 << 17  # elements per chunk: 512 KiB of float32, within a core's L2
@@ -52,11 +52,6 @@ def _source(a: np.ndarray, b: np.ndarray | None, op: int, s: int, e: int, xbuf: 
     out = xbuf[: e - s]
     (np.add if op > 0 else np.subtract)(a[s:e], b[s:e], out=out)
     return out
-
-
-def _float32(*arrays: np.ndarray | None) -> bool:
-    """Arrays the C loops can take as float32 (None: absent); else the numpy path runs."""
-    return all(a is None or a.dtype == np.float32 for a in arrays) and native.fits(*arrays)
 
 
 _KIND = {"int8": 8, "int4": 4, "int2": 2}
@@ -97,13 +92,13 @@ def encode_quantized_step(
 def _quantize(kind, levels, block, a, b, op, data, scales, out, sink) -> None:
     """Codes and scales of x = a (op b) into data/scales; out = x - decoded (sink 0) or
     out += decoded (sink 1), chunk by chunk: the C loop where it loaded (training/
-    codec_native.py) and accepts the chunk, else numpy. On NonFinite `out` is partly
+    native.py) and accepts the chunk, else numpy. On NonFinite `out` is partly
     written."""
     n = a.size
     step = chunk_step(block)
     per = _PER[kind]
     # the C loop packs block by block: every block must start on a byte (block % 4 == 0)
-    usable = block % 4 == 0 and _float32(a, b, scales, out) and native.fits(data)
+    usable = block % 4 == 0 and native.fits_float32(a, b, scales, out) and native.fits(data)
     lib = native.library() if usable else None
     scratch: dict[str, np.ndarray] = {}
     if lib is not None:
@@ -342,7 +337,7 @@ def _bf16(a, b, op, bits, out, sink) -> None:
     chunk (as _quantize: the C loop where it loaded, else numpy; on NonFinite `out` is
     partly written)."""
     n = a.size
-    lib = native.library() if _float32(a, b, out) and native.fits(bits) else None
+    lib = native.library() if native.fits_float32(a, b, out) and native.fits(bits) else None
     if lib is not None:
         pa, pb, pd, po = (native.address(v) for v in (a, b, bits, out))
     scratch: dict[str, np.ndarray] = {}

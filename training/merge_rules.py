@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from training import claims, codecs, merge_stream
+from training import claims, codecs, merge_stream, native
 from training.config import ExperimentConfig, OuterConfig
 from training.fragments import is_embedding
 from training.store import merge_records as records
@@ -82,8 +82,8 @@ def outer_step_(
     `final` (an island's last, partial interval): theta -= lr g and the state does not move, so
     a few steps' remainder never buys a full momentum step (the end-of-run degradation).
     g = delta[n] multiplied in turn by each factor of `gains[n]` (Combiner.finish). Applied
-    chunk by chunk (codecs.chunk_spans), so its temporaries stay in cache. `delta` may be
-    overwritten.
+    chunk by chunk (codecs.chunk_spans), so its temporaries stay in cache, or in one pass of
+    training/native.c's loop where it loaded (the same bits). `delta` may be overwritten.
     """
     lr, beta = np.float32(outer.lr), np.float32(outer.momentum)
     plain = final or not outer.momentum
@@ -91,7 +91,23 @@ def outer_step_(
     seen = state.seen + 1
     flush = delayed and seen % period == 0
     inv = np.float32(1.0 / period)
+    mode = 0 if plain else (2 if delayed else 1)
     for n, g_all in delta.items():
+        factors = np.asarray((gains or {}).get(n, ()), np.float32)
+        arrays = [
+            params[n],
+            g_all,
+            state.momentum[n] if mode else None,
+            state.buffer[n] if delayed else None,
+        ]
+        lib = native.library() if native.fits_float32(*arrays) else None
+        if lib is not None:  # one C pass, the numpy loop below bit for bit
+            p, g, m, d = (native.address(a) for a in arrays)
+            flags = (mode, int(outer.nesterov), int(flush))
+            lib.outer_step(
+                g_all.size, p, g, m, d, factors.ctypes.data, factors.size, *flags, lr, beta, inv
+            )
+            continue
         flat = {"p": params[n].reshape(-1), "g": g_all.reshape(-1)}
         if not plain:
             flat["m"] = state.momentum[n].reshape(-1)

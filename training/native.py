@@ -1,9 +1,10 @@
-"""The C loops of training/codec_native.c, compiled on first use and called through ctypes.
+"""The C loops of training/native.c, compiled on first use and called through ctypes.
 
-`library()` returns the loaded library, or None when it cannot be had: no C compiler (`$CC`,
-else `cc`), a failed build, an unwritable cache, or `DILOCO_NATIVE_CODECS=0`. Then
-training/codec_kernels.py uses its numpy path, which gives the same bits (the C file's
-docstring says how; tests/test_codec_native.py compares the two). Nothing else changes: the
+The loops: the codecs' encode and decode (training/codec_kernels.py) and the merge's outer
+step (training/merge_rules.outer_step_). `library()` returns the loaded library, or None when
+it cannot be had: no C compiler (`$CC`, else `cc`), a failed build, an unwritable cache, or
+`DILOCO_NATIVE=0`. Then the callers run their numpy code, which gives the same bits (the C
+file's docstring says how; tests/test_native.py compares the two). Nothing else changes: the
 payload format is training/codecs.py's either way.
 
 The shared object is cached in `$DILOCO_NATIVE_CACHE`, else `$XDG_CACHE_HOME/diloco`, else
@@ -29,9 +30,9 @@ from pathlib import Path
 
 import numpy as np
 
-log = logging.getLogger("diloco.codecs")
+log = logging.getLogger("diloco.native")
 
-SOURCE = Path(__file__).with_name("codec_native.c")
+SOURCE = Path(__file__).with_name("native.c")
 FLAGS = ("-O3", "-shared", "-fPIC", "-ffp-contract=off", "-fno-fast-math", "-std=c99")
 NATIVE = ("-march=native",)  # this CPU's vector units: about 3x the speed of plain x86-64
 _lock = threading.Lock()
@@ -69,7 +70,7 @@ def _build() -> Path | None:
         if not target:
             continue  # e.g. -march=native unknown to this compiler
         key = hashlib.sha256(source + repr((flags, target, cc)).encode()).hexdigest()[:16]
-        path = _cache_dir() / f"codec_native-{key}.so"
+        path = _cache_dir() / f"native-{key}.so"
         if path.exists() or _compile(cc, flags, path):
             return path
     return None
@@ -77,7 +78,7 @@ def _build() -> Path | None:
 
 def _compile(cc: str, flags: tuple[str, ...], path: Path) -> bool:
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    fd, tmp = tempfile.mkstemp(prefix=".codec_native-", suffix=".so", dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=".native-", suffix=".so", dir=path.parent)
     os.close(fd)
     try:
         done = subprocess.run(
@@ -106,6 +107,8 @@ def _load(path: Path):
     lib.encode_bf16.restype = cint
     lib.decode_quantized.argtypes = [cint, vp, vp, i64, i64, i64, vp, cint, cint]
     lib.decode_quantized.restype = cint
+    lib.outer_step.argtypes = [i64, vp, vp, vp, vp, vp, cint, cint, cint, cint] + [cfloat] * 3
+    lib.outer_step.restype = None
     return lib
 
 
@@ -116,7 +119,7 @@ def library():
     with _lock:
         if not _loaded:
             lib = None
-            if os.environ.get("DILOCO_NATIVE_CODECS", "1") != "0":
+            if os.environ.get("DILOCO_NATIVE", "1") != "0":
                 try:
                     path = _build()
                     lib = _load(path) if path is not None else None
@@ -134,6 +137,11 @@ def fits(*arrays: np.ndarray | None) -> bool:
         or (a.flags.c_contiguous and (a.dtype == np.float32 or a.dtype.itemsize in (1, 2)))
         for a in arrays
     )
+
+
+def fits_float32(*arrays: np.ndarray | None) -> bool:
+    """Every array given is a C-contiguous float32 array (or None: absent)."""
+    return all(a is None or a.dtype == np.float32 for a in arrays) and fits(*arrays)
 
 
 def address(a: np.ndarray | None) -> int | None:

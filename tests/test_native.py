@@ -1,16 +1,16 @@
-"""The C loops (training/codec_native.c) give the numpy path's bits, and the fused steps are
+"""The C loops (training/native.c) give the numpy path's bits, and the fused steps are
 what they replace."""
 
 import numpy as np
 import pytest
 
 from training import codec_kernels as kernels
-from training import codec_native, codecs
+from training import codecs, native
 
 LEVELS = {"int8": 127.0, "int4": 7.0, "int2": 1.5}
 
 needs_native = pytest.mark.skipif(
-    codec_native.library() is None, reason="no C compiler: only the numpy path exists here"
+    native.library() is None, reason="no C compiler: only the numpy path exists here"
 )
 
 
@@ -18,7 +18,7 @@ needs_native = pytest.mark.skipif(
 def numpy_only(monkeypatch):
     def run(fn, *args):
         with monkeypatch.context() as m:
-            m.setattr(codec_native, "library", lambda: None)
+            m.setattr(native, "library", lambda: None)
             return fn(*args)
 
     return run
@@ -152,3 +152,44 @@ def test_encode_step_is_the_payload_of_the_difference(codec):
         assert got[k].dtype == payload[k].dtype and got[k].shape == payload[k].shape, k
         assert np.asarray(got[k]).tobytes() == np.asarray(payload[k]).tobytes(), k
     assert all(base[n].tobytes() == want[n].tobytes() for n in base)
+
+
+@needs_native
+@pytest.mark.parametrize(
+    ("method", "momentum", "nesterov", "final", "seen"),
+    [
+        ("decoupled", 0.0, True, False, 0),
+        ("decoupled", 0.9, True, False, 0),
+        ("decoupled", 0.9, False, False, 0),
+        ("decoupled", 0.9, True, True, 0),
+        ("delayed_nesterov", 0.9, True, False, 0),  # no flush
+        ("delayed_nesterov", 0.9, True, False, 3),  # the 4th contribution flushes (period 4)
+    ],
+)
+def test_native_outer_step_matches_numpy(method, momentum, nesterov, final, seen, numpy_only):
+    from training import merge_rules as rules
+    from training.config import OuterConfig
+
+    outer = OuterConfig(method=method, lr=0.7, momentum=momentum, nesterov=nesterov)
+    rng = np.random.default_rng(6)
+    shapes = {"w": (300, 301), "b": (7,)}
+
+    def run(step):
+        params = {n: rng_copy(n, 1) for n in shapes}
+        state = rules.init_state(outer, shapes)._replace(seen=seen)
+        for k in ("momentum", "buffer"):
+            for n in getattr(state, k):
+                getattr(state, k)[n][...] = rng_copy(n, 2 if k == "momentum" else 3)
+        delta = {n: rng_copy(n, 4) for n in shapes}
+        gains = {"w": [np.float32(0.5), np.float32(1.3)]}
+        state = step(outer, 4, params, state, delta, final, gains)
+        return [params[n] for n in shapes] + [
+            v for k in ("momentum", "buffer") for v in getattr(state, k).values()
+        ]
+
+    seeds = {n: rng.integers(1 << 30) for n in shapes}
+
+    def rng_copy(n, k):
+        return np.random.default_rng(seeds[n] + k).normal(size=shapes[n]).astype(np.float32)
+
+    assert _bits(run(rules.outer_step_)) == _bits(numpy_only(run, rules.outer_step_))

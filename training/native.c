@@ -1,8 +1,10 @@
-/* The codecs' hot loops in C: one pass per cache-sized chunk instead of about seven numpy passes.
+/* The codecs' and the outer step's hot loops in C: one pass per cache-sized chunk instead of
+about seven numpy passes.
 
-Loaded by training/codec_native.py (compiled on first use with the system C compiler; without
-one, training/codec_kernels.py keeps its numpy path). Every result is bit-identical to that
-numpy path, so to the reference (tests/test_codec_golden.py, tests/test_codec_native.py):
+Loaded by training/native.py (compiled on first use with the system C compiler; without one,
+training/codec_kernels.py and training/merge_rules.py keep their numpy code). Every result is
+bit-identical to that numpy code, so to the reference (tests/test_codec_golden.py,
+tests/test_native.py):
 - only IEEE float32 add, subtract, multiply and divide, each rounded once: built with
   -ffp-contract=off (no fused multiply-add) and without -ffast-math;
 - rint (round half to even) as (v + 1.5 * 2^23) - 1.5 * 2^23 with v's sign kept (rint(-0.3)
@@ -249,4 +251,52 @@ int decode_quantized(int kind, const uint8_t *data, const float *scales, int64_t
         }
     }
     return 0;
+}
+
+/* The outer step on n elements in place (training/merge_rules.outer_step_, whose numpy loop
+   it replaces bit for bit: each operation rounded as there). g = g x factors[0] x ... (in
+   turn; g itself is not written back); then mode 0: p -= lr g; mode 1 (SGD with momentum):
+   m = m beta + g, p -= lr (g + beta m) with nesterov, else p -= lr m; mode 2 (Delayed
+   Nesterov): d += g, g = g inv, and when flush m = m beta + inv d, d = 0, g += beta m; then
+   p -= lr g. */
+void outer_step(int64_t n, float *restrict p, float *restrict g, float *restrict m,
+                float *restrict d, const float *factors, int nf, int mode, int nesterov,
+                int flush, float lr, float beta, float inv) {
+    enum { STEP = 1024 };
+    float gb[STEP];
+    for (int64_t s = 0; s < n; s += STEP) {
+        int64_t len = s + STEP < n ? STEP : n - s;
+        for (int64_t i = 0; i < len; i++) gb[i] = g[s + i];
+        for (int f = 0; f < nf; f++) {
+            float k = factors[f];
+            for (int64_t i = 0; i < len; i++) gb[i] = gb[i] * k;
+        }
+        float *ps = p + s;
+        if (mode == 0) {
+            for (int64_t i = 0; i < len; i++) ps[i] = ps[i] - lr * gb[i];
+        } else if (mode == 1) {
+            float *ms = m + s;
+            for (int64_t i = 0; i < len; i++) {
+                float mi = ms[i] * beta;
+                mi = mi + gb[i];
+                ms[i] = mi;
+                ps[i] = nesterov ? ps[i] - lr * (gb[i] + beta * mi) : ps[i] - lr * mi;
+            }
+        } else {
+            float *ms = m + s, *ds = d + s;
+            for (int64_t i = 0; i < len; i++) {
+                float di = ds[i] + gb[i];
+                float gi = gb[i] * inv;
+                if (flush) {
+                    float mi = ms[i] * beta;
+                    mi = mi + inv * di;
+                    ms[i] = mi;
+                    di = 0.0f;
+                    gi = gi + beta * mi;
+                }
+                ds[i] = di;
+                ps[i] = ps[i] - lr * gi;
+            }
+        }
+    }
 }
