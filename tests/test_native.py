@@ -10,7 +10,8 @@ from training import codecs, native
 LEVELS = {"int8": 127.0, "int4": 7.0, "int2": 1.5}
 
 needs_native = pytest.mark.skipif(
-    native.library() is None, reason="no C compiler: only the numpy path exists here"
+    native.library() is None,
+    reason="the C loops are not loaded (no C compiler, or DILOCO_NATIVE=0)",
 )
 
 
