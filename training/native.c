@@ -161,13 +161,28 @@ int encode_quantized(int kind, float levels, int64_t n, int64_t block, const flo
     return 0;
 }
 
-/* out[i0..) = x - w (sink 0) or out[i0..) += w (sink 1) */
-static void store(float *restrict out, int sink, int64_t len, const float *restrict x,
-                  const float *restrict w) {
-    if (sink)
-        for (int64_t i = 0; i < len; i++) out[i] += w[i];
-    else
-        for (int64_t i = 0; i < len; i++) out[i] = x[i] - w[i];
+/* One stretch of encode_bf16: x never aliases out (x is `a` or the scratch copy of a (op b)). */
+static uint32_t bf16_stretch(const float *restrict x, int64_t len, uint16_t *restrict d,
+                             float *restrict out, int sink) {
+    uint32_t bad = 0;
+    if (sink) {
+        for (int64_t i = 0; i < len; i++) {
+            uint32_t u = bits_of(x[i]);
+            uint32_t r = (u + (((u >> 16) & 1u) + 0x7FFFu)) >> 16;
+            bad |= (u & 0x7F800000u) == 0x7F800000u;
+            d[i] = (uint16_t)r;
+            out[i] += float_of(r << 16);
+        }
+    } else {
+        for (int64_t i = 0; i < len; i++) {
+            uint32_t u = bits_of(x[i]);
+            uint32_t r = (u + (((u >> 16) & 1u) + 0x7FFFu)) >> 16;
+            bad |= (u & 0x7F800000u) == 0x7F800000u;
+            d[i] = (uint16_t)r;
+            out[i] = x[i] - float_of(r << 16);
+        }
+    }
+    return bad;
 }
 
 /* bfloat16 bits of x = a (op b), round to nearest even, and out = x - widened (sink 0) or
@@ -176,7 +191,7 @@ static void store(float *restrict out, int sink, int64_t len, const float *restr
 int encode_bf16(int64_t n, const float *a, const float *b, int op, uint16_t *data, float *out,
                 int sink) {
     enum { STEP = 1024 };
-    float xb[STEP], w[STEP];
+    float xb[STEP];
     uint32_t bad = 0;
     for (int64_t s = 0; s < n; s += STEP) {
         int64_t len = s + STEP < n ? STEP : n - s;
@@ -185,14 +200,7 @@ int encode_bf16(int64_t n, const float *a, const float *b, int op, uint16_t *dat
             load(a, b, op, s, len, xb);
             x = xb;
         }
-        for (int64_t i = 0; i < len; i++) {
-            uint32_t u = bits_of(x[i]);
-            bad |= (u & 0x7F800000u) == 0x7F800000u;
-            uint32_t r = (u + (((u >> 16) & 1u) + 0x7FFFu)) >> 16;
-            data[s + i] = (uint16_t)r;
-            w[i] = float_of(r << 16);
-        }
-        store(out + s, sink, len, x, w);
+        bad |= bf16_stretch(x, len, data + s, out + s, sink);
     }
     return bad ? 1 : 0;
 }
