@@ -7,8 +7,7 @@ it cannot be had: no C compiler (`$CC`, else `cc`), a failed build, an unwritabl
 file's docstring says how; tests/test_native.py compares the two). Nothing else changes: the
 payload format is training/codecs.py's either way.
 
-The shared object is cached in `$DILOCO_NATIVE_CACHE`, else `$XDG_CACHE_HOME/diloco`, else
-`~/.cache/diloco`, under a name made of the hash of the source, the flags and the compiler, so
+The shared object is cached in `$XDG_CACHE_HOME/diloco`, else `~/.cache/diloco`, under a name made of the hash of the source, the flags and the compiler, so
 an edit, another compiler or another CPU builds anew (it is built for this CPU's vector units,
 -march=native, where the compiler knows the flag: the key holds the compiler's expansion of
 it, so a cache shared by machines of different CPUs never loads a foreign build); it is
@@ -32,6 +31,7 @@ import numpy as np
 
 log = logging.getLogger("diloco.native")
 
+NATIVE_ENV = "DILOCO_NATIVE"  # "0": never build or load the C loops (the numpy code runs)
 SOURCE = Path(__file__).with_name("native.c")
 FLAGS = ("-O3", "-shared", "-fPIC", "-ffp-contract=off", "-fno-fast-math", "-std=c99")
 NATIVE = ("-march=native",)  # this CPU's vector units: about 3x the speed of plain x86-64
@@ -40,8 +40,6 @@ _loaded: list = []  # [library or None] once decided
 
 
 def _cache_dir() -> Path:
-    if os.environ.get("DILOCO_NATIVE_CACHE"):
-        return Path(os.environ["DILOCO_NATIVE_CACHE"])
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "diloco"
 
@@ -119,7 +117,7 @@ def library():
     with _lock:
         if not _loaded:
             lib = None
-            if os.environ.get("DILOCO_NATIVE", "1") != "0":
+            if os.environ.get(NATIVE_ENV, "1") != "0":
                 try:
                     path = _build()
                     lib = _load(path) if path is not None else None
