@@ -10,6 +10,7 @@ from diloco_airflow.backends import BACKENDS
 from diloco_airflow.backends.registry import _CLASSES
 
 from training.faults import FAULTS_ENV
+from training.native import NATIVE_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 NAME = re.compile(r"\bDILOCO_[A-Z][A-Z0-9_]*\b")
@@ -17,7 +18,7 @@ NOT_VARIABLES = {"DILOCO_RUNNER_EOF", "DILOCO_SETTINGS"}  # a heredoc marker, a 
 
 
 def test_every_diloco_variable_in_the_code_is_declared_in_knobs():
-    declared = {k.name for k in knobs.KNOBS} | set(knobs.ISLAND_ENV) | {FAULTS_ENV}
+    declared = {k.name for k in knobs.KNOBS} | set(knobs.ISLAND_ENV) | {FAULTS_ENV, NATIVE_ENV}
     used = set()
     for folder in ("training", "plugins", "dags", "devtools"):
         for path in (ROOT / folder).rglob("*.py"):

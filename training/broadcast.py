@@ -76,26 +76,27 @@ def step(shadow: Mapping[str, np.ndarray], decoded: Mapping[str, np.ndarray]) ->
 
 
 def encode_update(
-    theta: Mapping[str, np.ndarray], shadow: Mapping[str, np.ndarray], codec: str
+    theta: Mapping[str, np.ndarray], shadow: dict[str, np.ndarray], codec: str
 ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """The syncer's part: (update payload, new shadow) of new parameters `theta` against the
-    previous version's shadow. ValueError if the difference is not finite."""
+    previous version's shadow, which becomes the new one in place (`step(shadow,
+    decode(update))` bit for bit, in one pass: codecs.encode_step). ValueError if the
+    difference is not finite (then `shadow` is partly updated: discard it)."""
     if sorted(theta) != sorted(shadow):
         raise ValueError("theta and shadow name different tensors")
-    delta = {n: np.subtract(theta[n], shadow[n], dtype=np.float32) for n in theta}
-    payload, _ = codecs.encode(delta, codec)
-    return payload, step(shadow, codecs.decode(payload, codec))
+    return codecs.encode_step(theta, shadow, codec), shadow
 
 
 def version_payloads(
     theta: Mapping[str, np.ndarray],
-    shadow: Mapping[str, np.ndarray] | None,
+    shadow: dict[str, np.ndarray] | None,
     codec: str,
     extra: dict,
 ) -> tuple[dict | None, dict | None]:
     """The syncer's extra payloads of a new version with parameters `theta` (and its
     manifest's CODEC_FIELD, set in `extra`), from the previous version's shadow (None:
-    broadcast off, nothing extra): ({"update", "shadow"} or None, the new shadow or None)."""
+    broadcast off, nothing extra), which becomes the new one in place (encode_update):
+    ({"update", "shadow"} or None, the new shadow or None)."""
     if shadow is None:
         return None, None
     update, new = encode_update(theta, shadow, codec)

@@ -65,13 +65,18 @@ def _encode_tensor(
         data, scales, new = kernels.encode_quantized(flat, r, levels, block, codec)
     except kernels.NonFinite:
         raise ValueError(f"tensor {name!r} has non-finite values") from None
+    return _quantized_entries(name, shape, codec, data, scales), new.reshape(shape)
+
+
+def _quantized_entries(name: str, shape, codec: str, data, scales) -> dict[str, np.ndarray]:
+    """The payload tensors of one quantized tensor (the layout in the module docstring)."""
     if codec == "int8":
-        return {name: data.reshape(shape), name + SCALE_SUFFIX: scales}, new.reshape(shape)
+        return {name: data.reshape(shape), name + SCALE_SUFFIX: scales}
     return {
         name: data,
         name + SCALE_SUFFIX: scales,
         name + SHAPE_SUFFIX: np.asarray(shape, dtype=np.int32),
-    }, new.reshape(shape)
+    }
 
 
 def _contiguous(value) -> np.ndarray:
@@ -108,6 +113,47 @@ def encode(
         encoded, new_residual[name] = _encode_tensor(name, x, r, codec, block)
         payload.update(encoded)
     return payload, new_residual
+
+
+def encode_step(
+    target: dict[str, np.ndarray],
+    base: dict[str, np.ndarray],
+    codec: str,
+    block: int = DEFAULT_BLOCK,
+) -> dict[str, np.ndarray]:
+    """The payload of `target - base` (float32, per name), bit for bit what `encode` gives
+    for it, and `base[n] += decode(payload)[n]` in place, in one pass per tensor (no delta,
+    residual or decoded array is made). `base` must hold writable float32 arrays of the
+    targets' shapes. ValueError as `encode` for a non-finite difference (then `base` is
+    partly updated: discard it)."""
+    _check_codec(codec)
+    payload: dict[str, np.ndarray] = {}
+    for name, value in target.items():
+        if ".__" in name:
+            raise ValueError(f"tensor name {name!r} uses the reserved '.__' marker")
+        t, b = _contiguous(value), base[name]
+        if b.dtype != np.float32 or not b.flags.c_contiguous or not b.flags.writeable:
+            raise ValueError(f"base {name!r} must be a writable, contiguous float32 array")
+        if b.shape != t.shape:
+            raise ValueError(f"base for {name!r} has shape {b.shape}, expected {t.shape}")
+        tf, bf = t.reshape(-1), b.reshape(-1)
+        try:
+            if codec == "fp32":
+                delta = np.subtract(tf, bf)
+                if not np.isfinite(delta).all():
+                    raise kernels.NonFinite
+                bf += delta
+                payload[name] = delta.reshape(t.shape)
+            elif codec == "bf16":
+                bits = kernels.encode_bf16_step(tf, bf)
+                payload[name] = bits.view(ml_dtypes.bfloat16).reshape(t.shape)
+            else:
+                levels = {"int2": codec2bit.HALF_RANGE}.get(codec, _LEVELS.get(codec))
+                data, scales = kernels.encode_quantized_step(tf, bf, levels, block, codec)
+                payload.update(_quantized_entries(name, t.shape, codec, data, scales))
+        except kernels.NonFinite:
+            raise ValueError(f"tensor {name!r} has non-finite values") from None
+    return payload
 
 
 def _get(payload: dict[str, np.ndarray], key: str, dtypes: tuple, name: str) -> np.ndarray:
@@ -184,11 +230,20 @@ def chunk_spans(size: int, block: int = DEFAULT_BLOCK) -> list[tuple[int, int]]:
 
 
 def decode_chunk(
-    codes: TensorCodes, s: int, e: int, out: np.ndarray, check: bool = True
+    codes: TensorCodes,
+    s: int,
+    e: int,
+    out: np.ndarray,
+    check: bool = True,
+    accumulate: bool = False,
 ) -> np.ndarray:
-    """Elements [s, e) of the flattened tensor as float32 in `out` (e - s elements); s from
-    `chunk_spans`. ValueError if a code there is not a valid level (check=False: the caller
-    has decoded these codes once already)."""
+    """Elements [s, e) of the flattened tensor as float32 in `out` (e - s elements), or added
+    to it (`accumulate`: out += them, rounded as that add); s from `chunk_spans`. ValueError
+    if a code there is not a valid level (check=False: the caller has decoded these codes
+    once already)."""
+    if accumulate and codes.scales is None:
+        out += decode_chunk(codes, s, e, np.empty(e - s, np.float32), check)
+        return out
     if codes.codec == "fp32":
         np.copyto(out, codes.data[s:e])
         return out
@@ -197,7 +252,15 @@ def decode_chunk(
     levels = _LEVELS.get(codes.codec, 0)
     try:
         return kernels.decode_range(
-            codes.codec, codes.data, codes.scales, s, e, codes.block, out, levels if check else 0
+            codes.codec,
+            codes.data,
+            codes.scales,
+            s,
+            e,
+            codes.block,
+            out,
+            levels if check else 0,
+            accumulate,
         )
     except ValueError:
         raise ValueError(

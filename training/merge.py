@@ -402,6 +402,8 @@ class Merger:
         shadow = None
         if broadcast.enabled(self.cfg) and broadcast.adoptable(manifest) == broadcast.SHADOW:
             shadow = broadcast.read_full(self.store, head, manifest, self.shapes[p]).tensors
+            # the new shadow is made in place (broadcast.encode_update)
+            shadow = {n: v if v.flags.writeable else v.copy() for n, v in shadow.items()}
         return fv.params, fv.outer_state, shadow
 
     def _keep_warm(

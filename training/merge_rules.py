@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from training import claims, codecs, merge_stream
+from training import claims, codecs, merge_stream, native
 from training.config import ExperimentConfig, OuterConfig
 from training.fragments import is_embedding
 from training.store import merge_records as records
@@ -51,13 +51,16 @@ class OuterFragmentState(NamedTuple):
     buffer: dict[str, np.ndarray]  # Delayed Nesterov's D; empty for other methods
 
 
+def _state_kinds(outer: OuterConfig) -> list[str]:
+    """The per-tensor state a method keeps: momentum (if any), Delayed Nesterov's buffer."""
+    kinds = ["momentum"] if outer.momentum else []
+    return kinds + (["buffer"] if outer.method == "delayed_nesterov" and outer.momentum else [])
+
+
 def init_state(outer: OuterConfig, shapes: Mapping[str, tuple[int, ...]]) -> OuterFragmentState:
-    zeros = {n: np.zeros(s, np.float32) for n, s in shapes.items()}
-    momentum = zeros if outer.momentum else {}
-    buffer = {n: np.zeros(s, np.float32) for n, s in shapes.items()}
-    return OuterFragmentState(
-        0, 0, momentum, buffer if outer.method == "delayed_nesterov" and outer.momentum else {}
-    )
+    kinds = _state_kinds(outer)
+    zeros = {k: {n: np.zeros(s, np.float32) for n, s in shapes.items()} for k in kinds}
+    return OuterFragmentState(0, 0, zeros.get("momentum", {}), zeros.get("buffer", {}))
 
 
 def outer_lr(outer: OuterConfig, steps: int) -> float:
@@ -87,8 +90,8 @@ def outer_step_(
     lr is `outer_lr` of the state's step count. `final` (an island's last, partial interval): theta -= lr g and the state does not move, so
     a few steps' remainder never buys a full momentum step (the end-of-run degradation).
     g = delta[n] multiplied in turn by each factor of `gains[n]` (Combiner.finish). Applied
-    chunk by chunk (codecs.chunk_spans), so its temporaries stay in cache. `delta` may be
-    overwritten.
+    chunk by chunk (codecs.chunk_spans), so its temporaries stay in cache, or in one pass of
+    training/native.c's loop where it loaded (the same bits). `delta` may be overwritten.
     """
     lr, beta = np.float32(outer_lr(outer, state.steps)), np.float32(outer.momentum)
     plain = final or not outer.momentum
@@ -96,7 +99,23 @@ def outer_step_(
     seen = state.seen + 1
     flush = delayed and seen % period == 0
     inv = np.float32(1.0 / period)
+    mode = 0 if plain else (2 if delayed else 1)
     for n, g_all in delta.items():
+        factors = np.asarray((gains or {}).get(n, ()), np.float32)
+        arrays = [
+            params[n],
+            g_all,
+            state.momentum[n] if mode else None,
+            state.buffer[n] if delayed else None,
+        ]
+        lib = native.library() if native.fits_float32(*arrays) else None
+        if lib is not None:  # one C pass, the numpy loop below bit for bit
+            p, g, m, d = (native.address(a) for a in arrays)
+            flags = (mode, int(outer.nesterov), int(flush))
+            lib.outer_step(
+                g_all.size, p, g, m, d, factors.ctypes.data, factors.size, *flags, lr, beta, inv
+            )
+            continue
         flat = {"p": params[n].reshape(-1), "g": g_all.reshape(-1)}
         if not plain:
             flat["m"] = state.momentum[n].reshape(-1)
@@ -148,13 +167,13 @@ def state_from_tensors(
     seen: int,
 ) -> OuterFragmentState:
     """Rebuild a fragment's state; ValueError naming the first tensor that does not fit."""
-    template = init_state(outer, shapes)
-    expected = state_tensors(template)
+    # the names and shapes init_state would make (without making its zeros)
+    expected = {f"{k}/{n}": tuple(s) for k in _state_kinds(outer) for n, s in shapes.items()}
     if sorted(tensors) != sorted(expected):
         raise ValueError(f"outer state tensors {sorted(tensors)[:4]} != {sorted(expected)[:4]}")
     for k, v in tensors.items():
-        if v.dtype != np.float32 or v.shape != expected[k].shape:
-            raise ValueError(f"outer state {k}: {v.dtype} {v.shape}, expected {expected[k].shape}")
+        if v.dtype != np.float32 or v.shape != expected[k]:
+            raise ValueError(f"outer state {k}: {v.dtype} {v.shape}, expected {expected[k]}")
     pick = {
         kind: {n[len(kind) + 1 :]: v for n, v in tensors.items() if n.startswith(kind + "/")}
         for kind in ("momentum", "buffer")
@@ -434,11 +453,13 @@ class Combiner:
         for n, shape in self.shapes.items():
             coef = direction if n in body else mean
             acc = self.acc[n].reshape(-1)
-            scaled = vote.scaled(n, coef)
-            for s, e in merge_stream.spans(shape):
-                if self.votes:
-                    acc[s:e] += scaled(s, e, buf[: e - s])
-                else:  # the first vote initializes the accumulator
+            if self.votes:
+                add = vote.add_scaled(n, coef)
+                for s, e in merge_stream.spans(shape):
+                    add(s, e, acc[s:e], buf)
+            else:  # the first vote initializes the accumulator
+                scaled = vote.scaled(n, coef)
+                for s, e in merge_stream.spans(shape):
                     scaled(s, e, acc[s:e])
         self.total_weight += weight
         self.norm_sum += weight * body_norm

@@ -36,6 +36,16 @@ class Vote:
 
         return read
 
+    def add_scaled(self, name: str, coef: np.float32) -> Callable[..., None]:
+        """(s, e, acc, buf) -> acc += coef x elements [s, e) of `name`: `acc += scaled(s, e,
+        buf)`, bit for bit (`buf`: scratch of at least e - s elements, where needed)."""
+        scaled = self.scaled(name, coef)
+
+        def add(s: int, e: int, acc: np.ndarray, buf: np.ndarray) -> None:
+            acc += scaled(s, e, buf[: e - s])
+
+        return add
+
 
 class PayloadVote(Vote):
     """A checked payload (codecs.tensor_codes per tensor), decoded on demand."""
@@ -55,6 +65,19 @@ class PayloadVote(Vote):
             return super().scaled(name, coef)
         folded = codes._replace(scales=codes.scales * coef)
         return lambda s, e, out: codecs.decode_chunk(folded, s, e, out, check=False)
+
+    def add_scaled(self, name: str, coef: np.float32) -> Callable[..., None]:
+        """Quantized codes: decoded and added into `acc` in one pass (the folded scales of
+        `scaled`), no scratch."""
+        codes = self.codes[name]
+        if codes.scales is None:
+            return super().add_scaled(name, coef)
+        folded = codes._replace(scales=codes.scales * coef)
+
+        def add(s: int, e: int, acc: np.ndarray, buf: np.ndarray) -> None:
+            codecs.decode_chunk(folded, s, e, acc, check=False, accumulate=True)
+
+        return add
 
 
 class DenseVote(Vote):

@@ -1,0 +1,196 @@
+"""The C loops (training/native.c) give the numpy path's bits, and the fused steps are
+what they replace."""
+
+import numpy as np
+import pytest
+
+from training import codec_kernels as kernels
+from training import codecs, native
+
+LEVELS = {"int8": 127.0, "int4": 7.0, "int2": 1.5}
+
+needs_native = pytest.mark.skipif(
+    native.library() is None,
+    reason="the C loops are not loaded (no C compiler, or DILOCO_NATIVE=0)",
+)
+
+
+@pytest.fixture
+def numpy_only(monkeypatch):
+    def run(fn, *args):
+        with monkeypatch.context() as m:
+            m.setattr(native, "library", lambda: None)
+            return fn(*args)
+
+    return run
+
+
+def _tensors() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(7)
+    tiny = np.full(300, 1e-38, np.float32)  # levels / absmax overflows: the chunk goes to numpy
+    tiny[::3] = 0.0
+    zeros = np.zeros(513, np.float32)
+    zeros[::2] = -0.0
+    return {
+        "chunks": rng.normal(0, 1e-2, 3 * kernels.CHUNK + 77).astype(np.float32),
+        "odd": rng.normal(0, 1, 1001).astype(np.float32),
+        "signs": np.array([-0.3, -0.0, 0.0, 0.3, -1e-30, 1e-30, 2.5, -2.5, 3e38], np.float32),
+        "tiny": tiny,
+        "zeros": zeros,
+        "heavy": (rng.standard_t(2, 4099) * 1e3).astype(np.float32),
+    }
+
+
+def _bits(arrays) -> list[bytes]:
+    return [np.ascontiguousarray(a).view(np.uint8).tobytes() for a in arrays]
+
+
+@needs_native
+@pytest.mark.parametrize("codec", ["bf16", "int8", "int4", "int2"])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_native_encode_matches_numpy(codec, with_residual, numpy_only):
+    for name, x in _tensors().items():
+        r = np.random.default_rng(1).normal(0, 1e-4, x.size).astype(np.float32)
+        r = r if with_residual else None
+        if codec == "bf16":
+            got, want = kernels.encode_bf16(x, r), numpy_only(kernels.encode_bf16, x, r)
+        else:
+            args = (x, r, LEVELS[codec], 256, codec)
+            got, want = kernels.encode_quantized(*args), numpy_only(kernels.encode_quantized, *args)
+        assert _bits(got) == _bits(want), f"{codec} {name}"
+
+
+@pytest.mark.parametrize("codec", ["int4", "int2"])
+def test_a_block_not_starting_on_a_byte_is_packed_as_numpy_does(codec, numpy_only):
+    x = np.random.default_rng(5).normal(size=1001).astype(np.float32)
+    args = (x, None, LEVELS[codec], 3, codec)
+    assert _bits(kernels.encode_quantized(*args)) == _bits(
+        numpy_only(kernels.encode_quantized, *args)
+    )
+
+
+@needs_native
+@pytest.mark.parametrize("codec", ["int8", "int4", "int2"])
+def test_native_decode_matches_numpy_written_and_added(codec, numpy_only):
+    x = _tensors()["chunks"]
+    data, scales, _ = kernels.encode_quantized(x, None, LEVELS[codec], 256, codec)
+    levels = {"int8": 127, "int4": 7, "int2": 0}[codec]
+    base = np.random.default_rng(2).normal(size=x.size).astype(np.float32)
+    for s, e in codecs.chunk_spans(x.size):
+        for accumulate in (False, True):
+            got, want = base[s:e].copy(), base[s:e].copy()
+            args = (codec, data, scales, s, e, 256)
+            kernels.decode_range(*args, got, levels, accumulate)
+            numpy_only(kernels.decode_range, *args, want, levels, accumulate)
+            assert got.tobytes() == want.tobytes()
+
+
+@needs_native
+@pytest.mark.parametrize(("codec", "bad"), [("int8", 0x80), ("int4", 0x80), ("int4", 0x08)])
+def test_native_decode_refuses_invalid_codes(codec, bad):
+    data = np.full(300 if codec == "int8" else 150, 0x11, np.uint8)
+    data[77] = bad
+    scales = np.ones(2, np.float32)
+    out = np.zeros(300, np.float32)
+    with pytest.raises(ValueError, match="codes outside"):
+        kernels.decode_range(
+            codec,
+            data.view(np.int8) if codec == "int8" else data,
+            scales,
+            0,
+            300,
+            256,
+            out,
+            {"int8": 127, "int4": 7}[codec],
+        )
+    assert not out.any()
+
+
+@pytest.mark.parametrize("codec", ["bf16", "int8", "int4", "int2"])
+def test_step_is_encode_then_decode_then_add(codec):
+    """encode_*_step(target, base): the payload of target - base, and base + decode(it)."""
+    for name, target in _tensors().items():
+        base = np.random.default_rng(3).normal(0, 1e-3, target.size).astype(np.float32)
+        delta = np.subtract(target, base, dtype=np.float32)
+        shape = (target.size,)
+        payload, _ = codecs.encode({"x": delta.reshape(shape)}, codec)
+        want = np.add(base, codecs.decode(payload, codec)["x"], dtype=np.float32)
+        stepped = base.copy()
+        if codec == "bf16":
+            got = [kernels.encode_bf16_step(target, stepped)]
+            expected = [payload["x"].view(np.uint16)]
+        else:
+            got = list(kernels.encode_quantized_step(target, stepped, LEVELS[codec], 256, codec))
+            expected = [payload["x"].reshape(-1), payload["x.__scale"]]
+        assert _bits(got) == _bits(expected), f"{codec} {name}: payload"
+        assert stepped.tobytes() == want.tobytes(), f"{codec} {name}: new base"
+
+
+@pytest.mark.parametrize("codec", ["bf16", "int8"])
+def test_non_finite_input_raises(codec):
+    x = np.ones(1000, np.float32)
+    x[999] = np.nan
+    with pytest.raises(kernels.NonFinite):
+        if codec == "bf16":
+            kernels.encode_bf16(x, None)
+        else:
+            kernels.encode_quantized(x, None, 127.0, 256, codec)
+
+
+@pytest.mark.parametrize("codec", codecs.CODECS)
+def test_encode_step_is_the_payload_of_the_difference(codec):
+    rng = np.random.default_rng(4)
+    target = {"w": rng.normal(size=(37, 30)).astype(np.float32), "b": np.float32(rng.normal())}
+    target["b"] = np.asarray(target["b"], np.float32)
+    base = {n: np.asarray(v + rng.normal(0, 1e-2, v.shape), np.float32) for n, v in target.items()}
+    delta = {n: np.subtract(target[n], base[n], dtype=np.float32) for n in target}
+    payload, _ = codecs.encode(delta, codec)
+    decoded = codecs.decode(payload, codec)
+    want = {n: np.add(base[n], decoded[n], dtype=np.float32) for n in base}
+    got = codecs.encode_step(target, base, codec)
+    assert sorted(got) == sorted(payload)
+    for k in payload:
+        assert got[k].dtype == payload[k].dtype and got[k].shape == payload[k].shape, k
+        assert np.asarray(got[k]).tobytes() == np.asarray(payload[k]).tobytes(), k
+    assert all(base[n].tobytes() == want[n].tobytes() for n in base)
+
+
+@needs_native
+@pytest.mark.parametrize(
+    ("method", "momentum", "nesterov", "final", "seen"),
+    [
+        ("decoupled", 0.0, True, False, 0),
+        ("decoupled", 0.9, True, False, 0),
+        ("decoupled", 0.9, False, False, 0),
+        ("decoupled", 0.9, True, True, 0),
+        ("delayed_nesterov", 0.9, True, False, 0),  # no flush
+        ("delayed_nesterov", 0.9, True, False, 3),  # the 4th contribution flushes (period 4)
+    ],
+)
+def test_native_outer_step_matches_numpy(method, momentum, nesterov, final, seen, numpy_only):
+    from training import merge_rules as rules
+    from training.config import OuterConfig
+
+    outer = OuterConfig(method=method, lr=0.7, momentum=momentum, nesterov=nesterov)
+    rng = np.random.default_rng(6)
+    shapes = {"w": (300, 301), "b": (7,)}
+
+    def run(step):
+        params = {n: rng_copy(n, 1) for n in shapes}
+        state = rules.init_state(outer, shapes)._replace(seen=seen)
+        for k in ("momentum", "buffer"):
+            for n in getattr(state, k):
+                getattr(state, k)[n][...] = rng_copy(n, 2 if k == "momentum" else 3)
+        delta = {n: rng_copy(n, 4) for n in shapes}
+        gains = {"w": [np.float32(0.5), np.float32(1.3)]}
+        state = step(outer, 4, params, state, delta, final, gains)
+        return [params[n] for n in shapes] + [
+            v for k in ("momentum", "buffer") for v in getattr(state, k).values()
+        ]
+
+    seeds = {n: rng.integers(1 << 30) for n in shapes}
+
+    def rng_copy(n, k):
+        return np.random.default_rng(seeds[n] + k).normal(size=shapes[n]).astype(np.float32)
+
+    assert _bits(run(rules.outer_step_)) == _bits(numpy_only(run, rules.outer_step_))
