@@ -26,8 +26,10 @@ Contract with the store (see docs/STORE.md):
   number already committed is never published twice (the store returns the first).
 
 Off the critical path (`background=True`, what `diloco island` runs): uploads, heartbeats,
-budget and stop checks, and an adopt's store reads run in an I/O thread; checkpoints in
-another, from a device copy of the state taken between steps; no per-step host sync.
+budget and stop checks run in an I/O thread (in submission order: a pseudo-gradient's marker is
+never committed before an earlier one's); an adopt's store reads in a second one, so a download
+on a slow link never delays an upload nor the other way round; checkpoints in a third, from a
+device copy of the state taken between steps; no per-step host sync.
 `background=False` (simulators, tests) does the same work inline, in the same order.
 
 Fault injection is the entry point's to hand over, never looked up on a step: `faults` (the
@@ -147,6 +149,9 @@ class Island:
         self.shard = shard_tokens(corpus.train, cfg.shard_of(name), cfg.num_shards)
         self.goodput = GoodputAccountant.for_clock(clock)
         self.io = Background(f"island-{name}-io", background)
+        # adoption reads on their own thread: a download on a slow link never queues an upload
+        # (whose next publish of the same fragment would wait for it), nor the other way round
+        self.fetch_io = Background(f"island-{name}-fetch", background)
         self.ckpt_io = Background(f"island-{name}-ckpt", background)
         self.adopter = Adopter(cfg, name, store, self.group, self.loop, self.frags, self.H)
         self.publisher = Publisher(
@@ -303,8 +308,9 @@ class Island:
         gp, state, publisher = self.goodput, self.state, self.publisher
         t = gp.now()
         self.io.check()
+        self.fetch_io.check()
         self.ckpt_io.check()
-        if self.adopter.between_steps(state, self.io):
+        if self.adopter.between_steps(state, self.fetch_io):
             t = gp.charge("waiting_for_global", t)
         inputs, targets = state.loader.next_batch()
         t = gp.charge("data_loading", t)
@@ -420,6 +426,7 @@ class Island:
             return self._run(max_steps)
         finally:
             self.io.close()
+            self.fetch_io.close()
             self.ckpt_io.close()
 
     def _on_sigterm(self, *_) -> None:
@@ -469,6 +476,7 @@ class Island:
             if single and self._done_by_flags():
                 break
         self.io.drain()
+        self.fetch_io.drain()
         done = self.group.agree(
             lambda: not self._stop and not self.group.peer_stopping() and self.finished()
         )

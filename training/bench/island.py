@@ -121,6 +121,7 @@ def measure(preset: str, P: int, H: int, repeats: int, every_rounds: int | None)
             island_block()
             bare_block()
             island.io.drain()
+            island.fetch_io.drain()
             island.ckpt_io.drain()
             merger.merge_all()
         timer.seconds.clear()
@@ -135,9 +136,11 @@ def measure(preset: str, P: int, H: int, repeats: int, every_rounds: int | None)
             times["island"].append(time.perf_counter() - t)
             cpu["island"] += time.process_time() - c
             island.io.drain()  # untimed: the I/O thread finishes its uploads, the merger
+            island.fetch_io.drain()
             island.ckpt_io.drain()  # merges them, and the island adopts in its next block
             merger.merge_all()
         island.io.close()
+        island.fetch_io.close()
         island.ckpt_io.close()
         state_bytes = sum(
             int(x.size) * x.dtype.itemsize
