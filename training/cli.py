@@ -112,11 +112,11 @@ def cmd_merge(args) -> int:
 
     cfg, estore = _load(args)
     estore = for_process(cfg, estore, "merge")
+    merger = Merger(cfg, estore)  # kept warm across passes, as the syncer's (training/syncer.py)
     while True:
         # read the exit condition before merging: a pass that starts after it held sees every
         # pseudo-gradient the (done) islands committed
         finishing = args.follow and estore.stop_requested(None) and _all_done(cfg, estore)
-        merger = Merger(cfg, estore)  # re-read each pass: islands may have joined
         for r in merger.merge_all():
             if r.version is not None:
                 print(f"version {r.version}: applied {len(r.applied)}", flush=True)
@@ -125,7 +125,9 @@ def cmd_merge(args) -> int:
         if not args.follow or finishing:
             return 0
         time.sleep(args.poll)
-        cfg = parse_config(estore.read_config())
+        latest = parse_config(estore.read_config())
+        if latest != cfg:  # islands joined: a new merger sees them
+            cfg, merger = latest, Merger(latest, estore)
 
 
 def _all_done(cfg: ExperimentConfig, estore) -> bool:
