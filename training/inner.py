@@ -74,9 +74,8 @@ class InnerLoop:
     inner_cfg: InnerConfig
     mesh: Mesh
     shard_params: bool = False
-    decay_steps: int | None = (
-        None  # the cosine schedule's length (ExperimentConfig.inner_decay_steps)
-    )
+    # the cosine schedule's length (ExperimentConfig.inner_decay_steps); None: no decay
+    decay_steps: int | None = None
 
     def __post_init__(self):
         self.tx = inner_optimizer(self.inner_cfg, self.decay_steps)

@@ -92,6 +92,11 @@ class StepResult:
         return float(self.loss_array)
 
 
+def _state_view(name: str) -> property:
+    """A read-only property forwarding to `self.state.<name>`."""
+    return property(lambda self: getattr(self.state, name), doc=f"`state.{name}` (read-only)")
+
+
 class Island:
     """One island's training loop; the same code runs as a process and in benches.
 
@@ -153,6 +158,7 @@ class Island:
         # (whose next publish of the same fragment would wait for it), nor the other way round
         self.fetch_io = Background(f"island-{name}-fetch", background)
         self.ckpt_io = Background(f"island-{name}-ckpt", background)
+        self.backgrounds = (self.io, self.fetch_io, self.ckpt_io)
         self.adopter = Adopter(cfg, name, store, self.group, self.loop, self.frags, self.H)
         self.publisher = Publisher(
             cfg, name, store, self.loop, self.frags, self.writer, self.io, clock
@@ -170,39 +176,16 @@ class Island:
         self.checkpointed_step = 0  # the step of the last checkpoint taken
         self._ckpt_future: Any = None
 
-    # -- the state, read-only views of its counters ----------------------------------------
+    # -- the state, read-only views of its counters (AttributeError before start()) ----------
 
-    @property
-    def step_count(self) -> int:
-        return self.state.step_count
-
-    @property
-    def tokens(self) -> int:
-        return self.state.tokens
-
-    @property
-    def seq(self) -> int:
-        return self.state.seq
-
-    @property
-    def publishes(self) -> int:
-        return self.state.publishes
-
-    @property
-    def bytes_sent(self) -> int:
-        return self.state.bytes_sent
-
-    @property
-    def bytes_received(self) -> int:
-        return self.state.bytes_received
-
-    @property
-    def base_version(self) -> list[int]:
-        return self.state.base_version
-
-    @property
-    def params(self) -> dict[str, Any]:
-        return self.state.params
+    step_count = _state_view("step_count")
+    tokens = _state_view("tokens")
+    seq = _state_view("seq")
+    publishes = _state_view("publishes")
+    bytes_sent = _state_view("bytes_sent")
+    bytes_received = _state_view("bytes_received")
+    base_version = _state_view("base_version")
+    params = _state_view("params")
 
     # -- start and checkpoint ---------------------------------------------------------------
 
@@ -307,9 +290,8 @@ class Island:
         checkpoint if due."""
         gp, state, publisher = self.goodput, self.state, self.publisher
         t = gp.now()
-        self.io.check()
-        self.fetch_io.check()
-        self.ckpt_io.check()
+        for bg in self.backgrounds:
+            bg.check()
         if self.adopter.between_steps(state, self.fetch_io):
             t = gp.charge("waiting_for_global", t)
         inputs, targets = state.loader.next_batch()
@@ -425,9 +407,17 @@ class Island:
         try:
             return self._run(max_steps)
         finally:
-            self.io.close()
-            self.fetch_io.close()
-            self.ckpt_io.close()
+            self.close_background()
+
+    def drain_background(self) -> None:
+        """Wait for every job of the background threads (uploads, reads, checkpoint writes)."""
+        for bg in self.backgrounds:
+            bg.drain()
+
+    def close_background(self) -> None:
+        """Stop the background threads after the jobs already submitted."""
+        for bg in self.backgrounds:
+            bg.close()
 
     def _on_sigterm(self, *_) -> None:
         self._stop = True

@@ -11,10 +11,10 @@ of milliseconds behind, and one look that misses left the island training a whol
 a stale base (the demo's staleness of 2 to 4 versions). The synchronous baseline (`outer.method
 = "sync"`) instead blocks after each publish until that round is merged (`awaiting`).
 
-An adopt is two halves: `fetch` (store reads only: the I/O thread's, in background mode) and
-`apply` (on the devices, at the first step boundary after the reads are in). Multi-host
-islands adopt what process 0 fetched (`agreed`): the same (fragment, version) list on every
-process, each with its own read of those immutable versions.
+An adopt is two halves: `fetch` (store reads only: the island's fetch thread's, in background
+mode) and `apply` (on the devices, at the first step boundary after the reads are in).
+Multi-host islands adopt what process 0 fetched (`agreed`): the same (fragment, version) list on
+every process, each with its own read of those immutable versions.
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ class Adopter:
 
     def fetch(self, state: IslandState, wants: dict[int, int | None]) -> list[tuple[int, Any, Any]]:
         """(fragment, head, broadcast.Fetched or None) per fragment of `wants` whose newest
-        version is newer than this island's: store reads only (the I/O thread's part of an
+        version is newer than this island's: store reads only (the fetch thread's part of an
         adopt). With `outer.broadcast = "codec"` the version comes as updates to this island's
         shadow where it can (training/broadcast.fetch), else whole. `wants[p]`, when not None,
         is a sequence number of this island's: a version whose merge cursors do not reach it

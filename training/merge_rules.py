@@ -87,8 +87,9 @@ def outer_step_(
       m) with Nesterov, lr m without;
     - Delayed Nesterov with period N (arXiv 2401.09135): D += g; on every N-th contribution
       m <- beta m + D / N, theta -= lr (g / N + beta m), D <- 0; otherwise theta -= lr g / N.
-    lr is `outer_lr` of the state's step count. `final` (an island's last, partial interval): theta -= lr g and the state does not move, so
-    a few steps' remainder never buys a full momentum step (the end-of-run degradation).
+    lr is `outer_lr` of the state's step count. `final` (an island's last, partial interval):
+    theta -= lr g and the state does not move, so a few steps' remainder never buys a full
+    momentum step (the end-of-run degradation).
     g = delta[n] multiplied in turn by each factor of `gains[n]` (Combiner.finish). Applied
     chunk by chunk (codecs.chunk_spans), so its temporaries stay in cache, or in one pass of
     training/native.c's loop where it loaded (the same bits). `delta` may be overwritten.

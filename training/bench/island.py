@@ -120,9 +120,7 @@ def measure(preset: str, P: int, H: int, repeats: int, every_rounds: int | None)
         for _ in range(3):  # warm-up: compiles, two publishes and an adopt per fragment
             island_block()
             bare_block()
-            island.io.drain()
-            island.fetch_io.drain()
-            island.ckpt_io.drain()
+            island.drain_background()
             merger.merge_all()
         timer.seconds.clear()
         times: dict[str, list[float]] = {"bare": [], "island": []}
@@ -135,13 +133,11 @@ def measure(preset: str, P: int, H: int, repeats: int, every_rounds: int | None)
             island_block()
             times["island"].append(time.perf_counter() - t)
             cpu["island"] += time.process_time() - c
-            island.io.drain()  # untimed: the I/O thread finishes its uploads, the merger
-            island.fetch_io.drain()
-            island.ckpt_io.drain()  # merges them, and the island adopts in its next block
+            # untimed: the I/O thread finishes its uploads, the merger merges them, and the
+            # island adopts in its next block
+            island.drain_background()
             merger.merge_all()
-        island.io.close()
-        island.fetch_io.close()
-        island.ckpt_io.close()
+        island.close_background()
         state_bytes = sum(
             int(x.size) * x.dtype.itemsize
             for x in jax.tree_util.tree_leaves((island.state.params, island.state.opt_state))
