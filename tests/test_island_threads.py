@@ -47,8 +47,6 @@ def test_a_stuck_upload_does_not_hold_back_the_adoption_of_a_new_version():
         assert not a.publisher.uploads[0].done()  # the upload of seq 0 is still held
     finally:
         gate.set()
-        a.io.drain()
-        a.io.close()
-        a.fetch_io.close()
-        a.ckpt_io.close()
+        a.drain_background()
+        a.close_background()
     assert [r.seq for r in store.list_pseudograds("a")] == [0]
