@@ -74,6 +74,12 @@ class BenchParams:
     # config overrides of Decoupled DiLoCo's runs only (`--decoupled-set KEY=VALUE`), as
     # (dotted key, value) pairs; the table's "differs" note names them
     decoupled_set: tuple[tuple[str, Any], ...] = ()
+    # seconds every process (data-parallel's and every island's) idles after each step, as a
+    # slower chip would compute: it lengthens a step and, through the link rates derived from
+    # data-parallel's step time, slows the links by the same factor, so the communication to
+    # computation ratio stays the 12B one while the syncer's fixed latency (poll, merge, object
+    # round trips) shrinks against a round, towards its 12B share (docs/WAN.md "Latency")
+    step_pad_s: float = 0.0
     assume: model12b.Assumptions = field(default_factory=model12b.Assumptions)
 
 
@@ -332,6 +338,12 @@ def main(argv: list[str] | None = None) -> int:
         metavar="KEY=VALUE",
         help="config override for Decoupled DiLoCo's runs only (e.g. fragments.count=4)",
     )
+    ap.add_argument(
+        "--step-pad-ms",
+        type=float,
+        default=0.0,
+        help="idle ms after every step of every process (a slower chip; the links slow with it)",
+    )
     args, rest = ap.parse_known_args(argv)
     if args.model_12b:
         forward = ["--merge-json", args.merge_json] if args.merge_json else []
@@ -349,6 +361,7 @@ def main(argv: list[str] | None = None) -> int:
         target=args.target,
         regional_checkpoints=args.checkpoints == "regional",
         decoupled_set=tuple(parse_sets(args.decoupled_set).items()),
+        step_pad_s=args.step_pad_ms / 1e3,
     )
     summary = run(p, args.workdir)
     a = model12b.measured_assumptions(args.merge_json)

@@ -112,6 +112,12 @@ def main(argv: list[str] | None = None) -> int:
         "--probe-steps", type=int, default=0, help="steps per probe phase after the budget"
     )
     parser.add_argument("--probe-phases", type=int, default=0)
+    parser.add_argument(
+        "--step-pad-s",
+        type=float,
+        default=0.0,
+        help="idle seconds after every step (a slower chip)",
+    )
     args = parser.parse_args(argv)
 
     import jax
@@ -174,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
             gy = jax.make_array_from_process_local_data(batch_sharding, y)
             params, opt_state, loss = step(params, opt_state, gx, gy)
             loss.block_until_ready()
+            if args.step_pad_s:
+                time.sleep(args.step_pad_s)
             times.append(time.time() - paused)
             if save_every and (i % save_every == 0 or i == steps):
                 t = time.time()

@@ -50,8 +50,9 @@ class RegionalCheckpoints:
 class LoggedIsland(Island):
     """The production island, appending one line per step to a JSON-lines file."""
 
-    def __init__(self, *args, step_log: Path, **kwargs):
+    def __init__(self, *args, step_log: Path, step_pad_s: float = 0.0, **kwargs):
         super().__init__(*args, **kwargs)
+        self._pad_s = step_pad_s
         self._log = open(step_log, "a")  # noqa: SIM115 (closed by run())
 
     def _write(self, record: dict) -> None:
@@ -64,6 +65,8 @@ class LoggedIsland(Island):
 
     def step(self):
         result = super().step()
+        if self._pad_s:  # a slower chip: the background I/O goes on meanwhile, as on a device
+            time.sleep(self._pad_s)
         self._write(
             {
                 "t": time.time(),
@@ -89,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--step-log", required=True)
     p.add_argument("--checkpoints", default=None, help="store URL for this island's checkpoints")
     p.add_argument("--max-steps", type=int, default=None)
+    p.add_argument("--step-pad-s", type=float, default=0.0, help="idle seconds after every step")
     args = p.parse_args(argv)
     estore = ExperimentStore(open_store(args.store), args.experiment)
     cfg = parse_config(estore.read_config())
@@ -101,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         args.island,
         estore,
         step_log=Path(args.step_log),
+        step_pad_s=args.step_pad_s,
         background=True,
         faults=FaultPlan.from_env(),
         chaos=IslandChaos.for_island(cfg, args.island, estore),

@@ -131,6 +131,7 @@ class Runner:
             argv += ["--address", self.wan.region_addr(i), "--out", str(d)]
             argv += ["--save-every", str(max(1, p.steps // 20))]
             argv += ["--probe-steps", str(p.dp_probe_steps), "--probe-phases", str(len(ratios))]
+            argv += ["--step-pad-s", repr(p.step_pad_s)]
             with open(d / f"region-{i}.log", "wb") as logf:
                 proc = self.wan.popen(self.wan.region(i), argv, self.env, stdout=logf, stderr=logf)
             procs.append(proc)
@@ -266,6 +267,7 @@ class Runner:
         for i, isl in enumerate(cfg.islands):
             argv = [PY, "-m", "training.bench.wan.island", "--store", store, "--experiment", name]
             argv += ["--island", isl.name, "--step-log", str(logs[i])]
+            argv += ["--step-pad-s", repr(p.step_pad_s)]
             if p.regional_checkpoints:
                 argv += ["--checkpoints", f"file://{d / f'region-{i}'}"]
             with open(d / f"{isl.name}.log", "wb") as logf:
