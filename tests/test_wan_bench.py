@@ -16,7 +16,12 @@ import pytest
 
 from training.bench.wan import bench, model12b
 from training.bench.wan.model12b import Assumptions
-from training.bench.wan.runner import _phase_throughput, _publishes_after, _tokens_at
+from training.bench.wan.runner import (
+    _phase_throughput,
+    _publishes_after,
+    _tokens_at,
+    merge_timeline,
+)
 
 
 def test_link_rate_makes_dp_communication_ratio_times_compute() -> None:
@@ -204,3 +209,40 @@ def test_bench_wan_model_12b_cli_writes_the_figure(tmp_path) -> None:
     rep = json.loads(out.read_text())
     assert rep["assumptions"]["merge_bytes_per_s"] == 4e9
     assert [r["gbps"] for r in rep["rows"] if r["overlap"]] == [2.0, 3.0, 5.0]
+
+
+def test_merge_timeline_summarises_the_mergers_records(tmp_path) -> None:
+    # two passes, three contributions: publish-to-merge 0.5, 1.0 and 2.0 s; staleness 0, 1, 2
+    def c(pub, merged, st):
+        return {"published_at": pub, "merged_at": merged, "staleness": st}
+
+    records = [
+        {"contributions": [c(10.0, 10.5, 0)]},
+        {"contributions": [c(11.0, 12.0, 1), c(10.0, 12.0, 2)]},
+    ]
+    path = tmp_path / "merges.json"
+    path.write_text(json.dumps(records))
+    got = merge_timeline(path)
+    assert got == dict(
+        passes=2,
+        contributions=3,
+        lag_p50_s=1.0,
+        lag_p95_s=2.0,
+        lag_max_s=2.0,
+        staleness_mean=1.0,
+        staleness_max=2,
+    )
+
+
+def test_merge_timeline_is_none_without_records(tmp_path) -> None:
+    assert merge_timeline(tmp_path / "absent.json") is None
+
+
+def test_direct_table_reports_the_syncer_latency_of_each_direct_run() -> None:
+    syncer = dict(passes=60, contributions=86, lag_p50_s=0.7, lag_p95_s=1.4, lag_max_s=1.7,
+                  staleness_mean=2.25, staleness_max=6)  # fmt: skip
+    summary = {
+        "measured": {"decoupled": {"direct": {"2.0": {"final_loss": 2.835, "syncer": syncer}}}}
+    }
+    row = bench.format_direct(summary).splitlines()[-1]
+    assert row == "| Decoupled DiLoCo | 2 | 2.8350 | 60 | 86 | 0.70 / 1.40 | 2.2 / 6 |"

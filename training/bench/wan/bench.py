@@ -186,6 +186,29 @@ def format_table(summary: dict) -> str:
     if extra:
         sets = ", ".join(f"{k} = {v}" for k, v in extra)
         lines.append(f"\nDecoupled DiLoCo's runs differ from the others in: {sets}")
+    pad = summary.get("params", {}).get("step_pad_s") or 0.0
+    if pad:
+        lines.append(f"\nEvery process idles {pad * 1e3:g} ms after each step (--step-pad-ms).")
+    return "\n".join(lines)
+
+
+def format_direct(summary: dict) -> str:
+    """The runs measured on shaped links from the start: held-out loss at the end and the
+    syncer's latency from the merger's records (runner.merge_timeline)."""
+    lines = [
+        "| method | Gbps-eq | loss at the end | merge passes | contributions "
+        "| publish to merge p50 / p95 s | staleness mean / max |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for m in METHODS:
+        for g, r in sorted(summary["measured"].get(m, {}).get("direct", {}).items()):
+            s = r.get("syncer") or {}
+            lag = f"{s['lag_p50_s']:.2f} / {s['lag_p95_s']:.2f}" if s else "-"
+            st = f"{s['staleness_mean']:.1f} / {s['staleness_max']}" if s else "-"
+            lines.append(
+                f"| {LABELS[m]} | {float(g):g} | {r['final_loss']:.4f} | {s.get('passes', '-')} "
+                f"| {s.get('contributions', '-')} | {lag} | {st} |"
+            )
     return "\n".join(lines)
 
 
@@ -369,6 +392,8 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(format_table(summary))
     print(f"\ntarget loss {summary['target_loss']:.4f}; wall time {summary['wall_s']:.0f} s")
+    print()
+    print(format_direct(summary))
     print()
     print(format_calibration(summary))
     print()

@@ -7,7 +7,10 @@ Every `--every` seconds it evaluates the model as it is now in the store and app
 `{"t", "loss", "tokens_merged"}` to `--out` (skipping an evaluation when the merged-token count
 has not moved); it exits after the first evaluation of a model with N tokens merged or more, or
 (`--until-loss`) with a held-out loss of L or less. Evaluation is
-`training.evaluate` (the fixed held-out batches of `diloco eval`).
+`training.evaluate` (the fixed held-out batches of `diloco eval`). With `--merges-out FILE` it
+writes, when it exits, the merger's own records of the run (`metrics/merge/`, one per merge pass,
+every applied contribution with its publish and merge times, staleness and steps) as one JSON
+list: what the bench summarises as the syncer's latency (runner.merge_timeline).
 """
 
 from __future__ import annotations
@@ -40,9 +43,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--until-tokens", type=int, required=True)
     p.add_argument("--until-loss", type=float, default=None)
     p.add_argument("--every", type=float, default=1.0)
+    p.add_argument("--merges-out", default=None, help="the merger's records, written at exit")
     args = p.parse_args(argv)
     estore = ExperimentStore(open_store(args.store), args.experiment)
     cfg = parse_config(estore.read_config())
+    try:
+        return _follow(args, cfg, estore)
+    finally:
+        if args.merges_out:
+            with open(args.merges_out, "w") as f:
+                json.dump(estore.read_metrics("merge"), f)
+
+
+def _follow(args, cfg, estore) -> int:
     last = None
     with open(args.out, "a") as out:
         while True:

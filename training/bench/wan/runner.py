@@ -258,6 +258,7 @@ class Runner:
             merger = wan.popen(bb, argv, self.env, stdout=logf, stderr=logf)
         argv = [PY, "-m", "training.bench.wan.evaluator", "--store", store, "--experiment", name]
         argv += ["--out", str(d / "curve.jsonl"), "--until-tokens", str(until_tokens)]
+        argv += ["--merges-out", str(d / "merges.json")]
         if until_loss is not None:
             argv += ["--until-loss", repr(float(until_loss))]
         with open(d / "eval.log", "wb") as logf:
@@ -307,7 +308,34 @@ class Runner:
             tokens_per_s=trained / max(t1 - t0, 1e-9),
             wire=wire,
             curve=[(r["tokens_merged"], r["loss"]) for r in curve],
+            syncer=merge_timeline(d / "merges.json"),
         )
+
+
+def merge_timeline(path: Path) -> dict | None:
+    """The syncer's latency in one run from the merger's records (evaluator `--merges-out`):
+    merge passes, contributions applied, seconds from publish (stamped by the island before its
+    upload) to merge (p50 / p95 / max), and staleness (mean / max). None without records."""
+    if not path.exists():
+        return None
+    contribs = [c for m in json.loads(path.read_text()) for c in m.get("contributions", [])]
+    if not contribs:
+        return None
+    lags = sorted(c["merged_at"] - c["published_at"] for c in contribs)
+    stale = [c["staleness"] for c in contribs]
+
+    def q(x: float) -> float:
+        return lags[min(len(lags) - 1, int(x * len(lags)))]
+
+    return dict(
+        passes=len(json.loads(path.read_text())),
+        contributions=len(contribs),
+        lag_p50_s=q(0.5),
+        lag_p95_s=q(0.95),
+        lag_max_s=lags[-1],
+        staleness_mean=sum(stale) / len(stale),
+        staleness_max=max(stale),
+    )
 
 
 def _kill(procs) -> None:
