@@ -69,6 +69,14 @@ def first_boundaries(clock: RoundClock, H: int, P: int, after: float) -> list[fl
     return [clock.boundary_after(after, off) for off in offsets_s(clock, H, P)]
 
 
+def grace_slack_s(cfg, clock: RoundClock) -> float:
+    """How late after a boundary a contribution can arrive and still join the merge of the
+    boundary's first arrivals: the merger's grace window (merge_rules.grace_seconds) for a
+    round of the fastest islands, gamma x tau x their step time (period / H), capped."""
+    o = cfg.outer
+    return float(min(o.max_grace_s, o.grace_gamma * cfg.inner.tau * clock.period_s / cfg.inner.H))
+
+
 def clock_due(
     clock: RoundClock,
     now: float,
@@ -76,20 +84,30 @@ def clock_due(
     steps_since: Sequence[int],
     H: int,
     H_m: int,
+    step_s: float = 0.0,
+    slack_s: float = 0.0,
 ) -> tuple[list[int], list[float]]:
     """The fragments due after an inner step that ended at `now`, and each fragment's next
     boundary. `next_at[p]` is fragment p's pending boundary, `steps_since[p]` the steps trained
     since p was last published (after this step), H the experiment's H (it sets the offsets) and
-    H_m this island's."""
+    H_m this island's.
+
+    `step_s` (this island's step time, 0: unknown) and `slack_s` (`grace_slack_s`): a fragment
+    is also due *before* its boundary when the next step would end more than `slack_s` after
+    it, so an island whose steps are long (a slow or jittered one) publishes at its last step
+    that still reaches the boundary's merge, instead of up to one of its steps late, past the
+    grace window, in a merge of its own (an extra, partial outer step: docs/BENCHMARKS.md,
+    scavenging)."""
     due: list[int] = []
     out = list(next_at)
     offs = offsets_s(clock, H, len(next_at))
     for p, (at, steps) in enumerate(zip(next_at, steps_since, strict=True)):
+        early = step_s > 0 and now < at and now + step_s > at + slack_s
         if steps >= MAX_ROUND_MULT * H_m:
             due.append(p)
             out[p] = clock.boundary_after(now, offs[p])
-        elif now >= at:
-            out[p] = clock.boundary_after(now, offs[p])
+        elif now >= at or (early and steps >= min_steps(H_m)):
+            out[p] = clock.boundary_after(max(now, at), offs[p])
             if steps >= min_steps(H_m):
                 due.append(p)
     return due, out
