@@ -347,7 +347,9 @@ class Island:
         since = self.publisher.since
         steps = [s["steps"] for s in since]
         timed = sum(s["timed"] for s in since)
-        step_s = sum(s["seconds"] for s in since) / timed if timed else 0.0
+        step_s = 0.0  # islands[].reach_merge off: publish at the first step past a boundary
+        if timed and self.spec.reach_merge:
+            step_s = sum(s["seconds"] for s in since) / timed
         due, self._next_at = rounds.clock_due(
             self.round_clock,
             now,

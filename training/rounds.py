@@ -16,6 +16,15 @@ period that is too long, or a hostile clock record, cannot stall an island). A r
 therefore publishes its partial interval at the next boundary and is back in phase; token
 weighting weighs the partial interval down.
 
+A slow island (steps of several fast steps) that follows that rule lands up to one of its long
+steps after the boundary, past the merger's grace window (about half a fast step): each round
+then holds two merges, the fast islands' shrunk by `outer.partial_scaling` and the slow one's
+alone, each an outer momentum step. With `islands[].reach_merge` (the scavenging slots set it)
+an island also publishes at its last step before the boundary whose next step would end past
+the grace window (`grace_slack_s`), so its contribution waits for the boundary's merge and is
+applied with the others, token-weighted (docs/BENCHMARKS.md, scavenging: +25% from 1.21x to
+0.96x of the base run's time).
+
 The clock record, `control/rounds.json` (docs/STORE.md), is written once (create-only) by the
 syncer shard that owns fragment 0, when it first sees a valid contribution to it (islands never
 write shared objects): `t0` is that contribution's publish time and the period is
@@ -96,8 +105,8 @@ def clock_due(
     is also due *before* its boundary when the next step would end more than `slack_s` after
     it, so an island whose steps are long (a slow or jittered one) publishes at its last step
     that still reaches the boundary's merge, instead of up to one of its steps late, past the
-    grace window, in a merge of its own (an extra, partial outer step: docs/BENCHMARKS.md,
-    scavenging)."""
+    grace window, in a merge of its own (an extra, partial outer step). `step_s` 0 (the
+    island's `reach_merge` off) is the plain rule: due at the first step at or past it."""
     due: list[int] = []
     out = list(next_at)
     offs = offsets_s(clock, H, len(next_at))

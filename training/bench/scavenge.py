@@ -95,7 +95,7 @@ def bench_config(quick: bool, a: Assumptions, burst: float, shards: int) -> Expe
     cfg = base_config(quick, None, None)
     slots, speed = slots_for(burst) if burst else (0, 1.0)
     islands = [{"name": f"island-{i}", "speed": 1.0} for i in range(N_BASE)]
-    islands += [{"name": f"scav-{k}", "speed": speed} for k in range(slots)]
+    islands += [{"name": f"scav-{k}", "speed": speed, "reach_merge": True} for k in range(slots)]
     budget = N_BASE * STEPS_PER_ISLAND[quick] * a.batch_size * cfg.data.seq_len
     return with_overrides(
         cfg,
