@@ -21,9 +21,19 @@ def summary(tmp_path_factory):
         ["bench", "quality", "--data", str(corpus), "--seeds", "2", "--methods", "dp,decoupled"]
         + ["--tokens", "3000", "--json", str(out), "--set", f"model={TINY}"]
         + ["--set", "data.seq_len=16", "--set", "data.batch_size=4", "--set", "inner.H=2"]
+        + ["--trace", "1", "--trace-out", str(root / "trace.txt")]
     )
     assert code == 0
     return json.loads(out.read_text())
+
+
+def test_trace_records_every_version_of_each_diloco_run(summary):
+    # --trace 1: one merge record per published version, numbered 1, 2, ... in each seed's run
+    traces = summary["traces"]
+    assert sorted(traces) == ["decoupled"] and len(traces["decoupled"]) == 2
+    for records in traces["decoupled"]:
+        versions = [r["version"] for r in records if r["kind"] == "merge"]
+        assert versions == list(range(1, len(versions) + 1)) and versions
 
 
 def test_json_keeps_its_keys_and_adds_the_seed_statistics(summary):

@@ -119,3 +119,10 @@ def test_alpha_with_kept_overlap_is_refused_not_ignored():
     # adoption keeps the overlap steps by default and then never blends: alpha would do nothing
     with pytest.raises(ConfigError, match="inner.keep_overlap = false"):
         parse_config({"name": "e", "islands": [{"name": "a"}], "inner": {"alpha": 0.3}})
+
+
+def test_fractional_momentum_without_partial_scaling_is_refused_not_ignored():
+    # without partial_scaling every merge has share 1: fractional momentum would do nothing
+    outer = {"fractional_momentum": True, "partial_scaling": False}
+    with pytest.raises(ConfigError, match="outer.partial_scaling"):
+        parse_config({"name": "e", "islands": [{"name": "a"}], "outer": outer})

@@ -207,3 +207,28 @@ def test_an_islands_two_pending_contributions_are_summed_into_one_vote():
     new = store.load_params()
     for k in theta:
         np.testing.assert_allclose(new[k], theta[k] - expected[k], rtol=1e-5, atol=1e-6)
+
+
+def _one_step(share: float, fractional: bool) -> tuple[float, float]:
+    """theta, m after one Nesterov outer step from theta 0, m 1 with g = 0.2 at `share`."""
+    cfg = OuterConfig(method="decoupled", lr=0.5, momentum=0.8, fractional_momentum=fractional)
+    shapes = {"w": (1,)}
+    state = rules.init_state(cfg, shapes)
+    state.momentum["w"][...] = 1.0
+    params = {"w": np.zeros(1, np.float32)}
+    state = rules.outer_step_(
+        cfg, 1, params, state, {"w": np.full(1, 0.2, np.float32)}, share=share
+    )
+    return float(params["w"][0]), float(state.momentum["w"][0])
+
+
+def test_fractional_momentum_makes_a_half_merge_half_an_outer_step():
+    # share 0.5: m = 0.8^0.5 x 1 + 0.2 = 1.094427; theta = -0.5 (0.2 + 0.5 x 0.8 x m) = -0.318885
+    # (the plain rule: m = 1.0, theta = -0.5 (0.2 + 0.8) = -0.5, the whole momentum re-applied)
+    theta, m = _one_step(0.5, fractional=True)
+    assert (theta, m) == pytest.approx((-0.318885, 1.094427), abs=1e-6)
+    assert _one_step(0.5, fractional=False) == pytest.approx((-0.5, 1.0), abs=1e-6)
+
+
+def test_fractional_momentum_leaves_a_full_merge_as_it_was():
+    assert _one_step(1.0, fractional=True) == _one_step(1.0, fractional=False)

@@ -246,3 +246,12 @@ def test_direct_table_reports_the_syncer_latency_of_each_direct_run() -> None:
     }
     row = bench.format_direct(summary).splitlines()[-1]
     assert row == "| Decoupled DiLoCo | 2 | 2.8350 | 60 | 86 | 0.70 / 1.40 | 2.2 / 6 |"
+
+
+def test_12b_downloads_per_round_multiply_the_island_downlink() -> None:
+    # quorum 1 with 4 regions: each island reads 4 updates per fragment and round, so its
+    # downlink is 4x the one-merged-update figure; the synchronous method's is unchanged
+    one = model12b.figure(Assumptions(), 2.0)
+    four = model12b.figure(replace(Assumptions(), downloads_per_round=4), 2.0)
+    assert four["island_gbps_down"] == pytest.approx(4 * one["island_gbps_down"])
+    assert four["sync_step_s"] == pytest.approx(one["sync_step_s"])

@@ -291,6 +291,12 @@ class OuterConfig(_Frozen):
         description="decoupled: scale a merge of n of M active islands by n/M, so momentum "
         "sees one full round per M single-island merges (as Delayed Nesterov's g/N)",
     )
+    fractional_momentum: bool = Field(
+        False,
+        description="decoupled, with partial_scaling: a merge of n of M islands is n/M of an "
+        "outer step for the momentum too (decay beta^(n/M), Nesterov look-ahead x n/M), so "
+        "out-of-phase partial merges do not each re-apply the whole momentum",
+    )
     clip_multiplier: float = Field(5.0, gt=1, description="clip norms above k x running median")
     rounds: Literal["steps", "clock"] = Field(
         "clock",
@@ -312,6 +318,15 @@ class OuterConfig(_Frozen):
         "pseudo-gradient codec (training/broadcast.py: about 8x fewer bytes with int4), and "
         "the whole float32 shadow only when too far behind (with codec fp32: as fp32)",
     )
+
+    @model_validator(mode="after")
+    def _fractional_needs_shares(self) -> OuterConfig:
+        if self.fractional_momentum and not self.partial_scaling:
+            raise ValueError(
+                "outer.fractional_momentum scales the momentum by a partial merge's share, "
+                "which only outer.partial_scaling computes: set it true too"
+            )
+        return self
 
 
 class FragmentConfig(_Frozen):

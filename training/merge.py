@@ -332,6 +332,7 @@ class Merger:
             if not voted:
                 continue
             delta, gains = combiner.finish()
+            share = 1.0
             if self.cfg.outer.method == "decoupled" and self.cfg.outer.partial_scaling:
                 share = min(1.0, len({c.island for c in voted}) / max(len(active), 1))
                 if share < 1.0:
@@ -345,6 +346,7 @@ class Merger:
                 delta,
                 final=all(c.final for c in voted),
                 gains=gains,
+                share=share,
             )
             del delta, combiner
             for c in voted:

@@ -79,6 +79,7 @@ def outer_step_(
     delta: dict[str, np.ndarray],
     final: bool = False,
     gains: Mapping[str, Sequence[np.float32]] | None = None,
+    share: float = 1.0,
 ) -> OuterFragmentState:
     """theta <- outer step(theta, delta), in place on `params` and the state's arrays.
 
@@ -90,6 +91,11 @@ def outer_step_(
     lr is `outer_lr` of the state's step count. `final` (an island's last, partial interval):
     theta -= lr g and the state does not move, so a few steps' remainder never buys a full
     momentum step (the end-of-run degradation).
+    `share` < 1 with `outer.fractional_momentum` (a merge of n of M islands, share n/M): the
+    step is that fraction of an outer step for the momentum as well: m <- beta^share m + g;
+    Nesterov theta -= lr (g + share beta m), else theta -= lr (share m + (1 - share) g). At
+    share 1 both are the plain rule; two half-merges of g/2 come out near one full merge of g
+    (where each would otherwise re-apply beta m whole). numpy only (no C loop for it yet).
     g = delta[n] multiplied in turn by each factor of `gains[n]` (Combiner.finish). Applied
     chunk by chunk (codecs.chunk_spans), so its temporaries stay in cache, or in one pass of
     training/native.c's loop where it loaded (the same bits). `delta` may be overwritten.
@@ -101,6 +107,10 @@ def outer_step_(
     flush = delayed and seen % period == 0
     inv = np.float32(1.0 / period)
     mode = 0 if plain else (2 if delayed else 1)
+    frac = mode == 1 and outer.fractional_momentum and share < 1.0
+    decay = np.float32(outer.momentum**share) if frac else beta
+    look = np.float32(outer.momentum * share) if frac else beta
+    keep = np.float32(share) if frac else np.float32(1.0)
     for n, g_all in delta.items():
         factors = np.asarray((gains or {}).get(n, ()), np.float32)
         arrays = [
@@ -109,7 +119,7 @@ def outer_step_(
             state.momentum[n] if mode else None,
             state.buffer[n] if delayed else None,
         ]
-        lib = native.library() if native.fits_float32(*arrays) else None
+        lib = native.library() if not frac and native.fits_float32(*arrays) else None
         if lib is not None:  # one C pass, the numpy loop below bit for bit
             p, g, m, d = (native.address(a) for a in arrays)
             flags = (mode, int(outer.nesterov), int(flush))
@@ -141,11 +151,13 @@ def outer_step_(
                 c["p"] -= lr * g
             else:
                 m = c["m"]
-                m *= beta
+                m *= decay
                 m += g
                 if outer.nesterov:
-                    g += beta * m
+                    g += look * m
                     c["p"] -= lr * g
+                elif frac:
+                    c["p"] -= lr * (keep * m + (np.float32(1.0) - keep) * g)
                 else:
                     c["p"] -= lr * m
     if final:

@@ -131,8 +131,10 @@ def run_one(
     start_spread: float,
     progress=None,
     merge_latency: float = 0.0,
+    trace_every: int = 0,
 ) -> dict:
-    """One method at one seed (cfg.seed); `merge_latency`: see `sim.run_islands`."""
+    """One method at one seed (cfg.seed); `merge_latency`, `trace_every` (DiLoCo methods: a
+    per-merge trace record every N-th version, training/bench/trace.py): see `sim.run_islands`."""
     mcfg = method_config(cfg, method)
     if method == "dp":
         return run_data_parallel(mcfg, eval_dt, progress)
@@ -142,6 +144,7 @@ def run_one(
         progress,
         offsets=start_offsets(mcfg, start_spread),
         merge_latency=merge_latency,
+        trace_every=trace_every,
     )
 
 
@@ -155,9 +158,11 @@ def run(
     start_spread: float = START_SPREAD_S,
     verbose: bool = False,
     merge_latency: float = 0.0,
+    trace_every: int = 0,
 ) -> dict:
     """Every method at seeds 0..seeds-1 (seed-major: each seed's set of runs completes together).
-    `merge_latency`: virtual seconds from a publish to its merge (0: at once)."""
+    `merge_latency`: virtual seconds from a publish to its merge (0: at once). `trace_every` N
+    > 0: each DiLoCo run's per-merge trace (every N-th version) in `traces[method][seed]`."""
     size = ("quick" if quick else "full") if isinstance(quick, bool) else quick
     cfg = base_config(size, data, token_budget, overrides)
     tokens_per_time = cfg.data.batch_size * cfg.data.seq_len  # dp / sync pace: one batch a second
@@ -177,7 +182,13 @@ def run(
                 )
 
             out = run_one(
-                scfg, method, eval_dt, start_spread, progress if verbose else None, merge_latency
+                scfg,
+                method,
+                eval_dt,
+                start_spread,
+                progress if verbose else None,
+                merge_latency,
+                trace_every,
             )
             out["wall_s"] = time.time() - started
             out["seed"] = seed
@@ -191,6 +202,10 @@ def run(
             )
     summary = summarize(cfg, results)
     summary.update(size=size, start_spread_s=start_spread, merge_latency_s=merge_latency)
+    if trace_every:
+        summary["traces"] = {
+            m: [r.get("trace") or [] for r in runs] for m, runs in results.items() if m != "dp"
+        }
     return summary
 
 
@@ -360,6 +375,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--json", dest="json_out", default=None)
     parser.add_argument("--plot", default=None, help="PNG of eval loss vs virtual time")
     parser.add_argument("-v", "--verbose", action="store_true", help="print every evaluation")
+    parser.add_argument(
+        "--trace", type=int, default=0, metavar="N", help="per-merge trace of every N-th version"
+    )
+    parser.add_argument("--trace-out", default=None, help="write the traces as text here")
     args = parser.parse_args(argv)
     if args.quick and args.size not in (None, "quick"):
         parser.error("--quick contradicts --size " + args.size)
@@ -370,6 +389,8 @@ def main(argv: list[str]) -> int:
         parser.error("--start-spread must be >= 0")
     if args.merge_latency < 0:
         parser.error("--merge-latency must be >= 0")
+    if args.trace < 0:
+        parser.error("--trace must be >= 0")
     methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
     unknown = set(methods) - set(METHODS)
     if unknown or not methods:
@@ -377,12 +398,21 @@ def main(argv: list[str]) -> int:
     overrides = parse_sets(args.set, parser)
     summary = run(
         size, args.data, methods, args.tokens, overrides, args.seeds, args.start_spread,
-        args.verbose, args.merge_latency,
+        args.verbose, args.merge_latency, args.trace,
     )  # fmt: skip
     print()
     print(format_table(summary))
     if summary["target_loss"] is not None:
         print(f"\ntarget loss {summary['target_loss']:.4f} (data-parallel at half the tokens)")
+    if args.trace_out and summary.get("traces"):
+        from training.bench.trace import format_trace
+
+        text = [
+            f"== {m} seed {seed}\n{format_trace(records)}"
+            for m, per_seed in summary["traces"].items()
+            for seed, records in enumerate(per_seed)
+        ]
+        Path(args.trace_out).write_text("\n\n".join(text) + "\n")
     if args.json_out:
         Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json_out).write_text(json.dumps(summary, indent=1))

@@ -75,6 +75,11 @@ class Assumptions:
     H: int = 24
     up_codec: str = "int4"
     down_codec: str = "int4"  # the merged fragment as sent down (see docs/WAN.md)
+    # updates each island downloads per fragment and round: 1 when one version per round
+    # holds every island's contribution (a quorum of all, or a grace window that catches
+    # them); up to `regions` with quorum 1, each island's contribution a version of its own
+    # (the update broadcast reads every version's update: docs/WAN.md "Latency scaled")
+    downloads_per_round: int = 1
     dp_grad_bytes: float = 2.0  # bf16 gradients
     merge_bytes_per_s: float = 10e9  # the syncer's merge throughput (bytes moved per second)
     merge_source: str = "assumed"
@@ -123,7 +128,7 @@ def figure(a: Assumptions, gbps: float, overlap: bool = True) -> dict:
     t_c = step_time(a)
     link = gbps * 1e9 / 8  # bytes per second each way
     up = n * CODEC_BYTES[a.up_codec] / a.H  # per island per step (average)
-    down = n * CODEC_BYTES[a.down_codec] / a.H
+    down = n * CODEC_BYTES[a.down_codec] * a.downloads_per_round / a.H
     # host-side encoding blocks the step only when transfers are in line (on device otherwise)
     encode = 0.0 if overlap else n * 4 / a.H / a.encode_bytes_per_s
     # data-parallel: M x the island batch per step, all-reduce after the backward pass
@@ -316,6 +321,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chips-per-island", type=int, default=Assumptions.chips_per_island)
     p.add_argument("--regions", type=int, default=Assumptions.regions)
     p.add_argument("--down-codec", choices=sorted(CODEC_BYTES), default=Assumptions.down_codec)
+    p.add_argument(
+        "--downloads-per-round",
+        type=int,
+        default=Assumptions.downloads_per_round,
+        help="updates an island downloads per fragment and round (quorum 1: up to --regions)",
+    )
     p.add_argument("--json", dest="json_out", default=None)
     args = p.parse_args(argv)
     a = measured_assumptions(
@@ -325,6 +336,7 @@ def main(argv: list[str] | None = None) -> int:
         chips_per_island=args.chips_per_island,
         regions=args.regions,
         down_codec=args.down_codec,
+        downloads_per_round=args.downloads_per_round,
     )
     rep = report(a)
     print(format_report(rep))
