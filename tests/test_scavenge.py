@@ -64,12 +64,6 @@ def test_join_params_ask_for_the_stored_experiment_with_only_the_slots_added():
     )
 
 
-def test_scavenged_slots_publish_in_time_for_the_base_islands_merges():
-    # a slower slot would otherwise merge alone one long step late (training/rounds.py)
-    cfg = rules.parse_scavenge_config({"islands": 2, "speed": 0.5})
-    assert [i["reach_merge"] for i in rules.scavenged_islands(cfg)] == [True, True]
-
-
 def test_the_window_opens_at_the_run_start_and_closes_after_its_minutes():
     cfg = rules.parse_scavenge_config({"window_minutes": 10})
     win = rules.window(1000.0, cfg)

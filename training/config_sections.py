@@ -433,13 +433,6 @@ class IslandConfig(_Frozen):
         "default: the hardware's chip count when it names one, else every device it sees; "
         "its batch must divide evenly over them",
     )
-    reach_merge: bool = Field(
-        False,
-        description="clock rounds: also publish before a round boundary when the next step "
-        "would end past the merger's grace window, so a slow island joins the boundary's merge "
-        "instead of merging alone one long step later (the diloco_scavenge DAG sets it on its "
-        "slots; docs/BENCHMARKS.md, scavenging)",
-    )
 
     _name = field_validator("name")(lambda cls, v: validate_name("island", v))
 

@@ -344,21 +344,9 @@ class Island:
         """The fragments to publish after the step that just ended (training/rounds.py)."""
         if self.round_clock is None:
             return fragments_due(self.state.step_count, self.H, self.P)
-        since = self.publisher.since
-        steps = [s["steps"] for s in since]
-        timed = sum(s["timed"] for s in since)
-        step_s = 0.0  # islands[].reach_merge off: publish at the first step past a boundary
-        if timed and self.spec.reach_merge:
-            step_s = sum(s["seconds"] for s in since) / timed
+        steps = [s["steps"] for s in self.publisher.since]
         due, self._next_at = rounds.clock_due(
-            self.round_clock,
-            now,
-            self._next_at,
-            steps,
-            self.cfg.inner.H,
-            self.H,
-            step_s,
-            rounds.grace_slack_s(self.cfg, self.round_clock),
+            self.round_clock, now, self._next_at, steps, self.cfg.inner.H, self.H
         )
         return due
 

@@ -16,15 +16,6 @@ period that is too long, or a hostile clock record, cannot stall an island). A r
 therefore publishes its partial interval at the next boundary and is back in phase; token
 weighting weighs the partial interval down.
 
-A slow island (steps of several fast steps) that follows that rule lands up to one of its long
-steps after the boundary, past the merger's grace window (about half a fast step): each round
-then holds two merges, the fast islands' shrunk by `outer.partial_scaling` and the slow one's
-alone, each an outer momentum step. With `islands[].reach_merge` (the scavenging slots set it)
-an island also publishes at its last step before the boundary whose next step would end past
-the grace window (`grace_slack_s`), so its contribution waits for the boundary's merge and is
-applied with the others, token-weighted (docs/BENCHMARKS.md, scavenging: +25% from 1.21x to
-0.96x of the base run's time).
-
 The clock record, `control/rounds.json` (docs/STORE.md), is written once (create-only) by the
 syncer shard that owns fragment 0, when it first sees a valid contribution to it (islands never
 write shared objects): `t0` is that contribution's publish time and the period is
@@ -78,14 +69,6 @@ def first_boundaries(clock: RoundClock, H: int, P: int, after: float) -> list[fl
     return [clock.boundary_after(after, off) for off in offsets_s(clock, H, P)]
 
 
-def grace_slack_s(cfg, clock: RoundClock) -> float:
-    """How late after a boundary a contribution can arrive and still join the merge of the
-    boundary's first arrivals: the merger's grace window (merge_rules.grace_seconds) for a
-    round of the fastest islands, gamma x tau x their step time (period / H), capped."""
-    o = cfg.outer
-    return float(min(o.max_grace_s, o.grace_gamma * cfg.inner.tau * clock.period_s / cfg.inner.H))
-
-
 def clock_due(
     clock: RoundClock,
     now: float,
@@ -93,30 +76,20 @@ def clock_due(
     steps_since: Sequence[int],
     H: int,
     H_m: int,
-    step_s: float = 0.0,
-    slack_s: float = 0.0,
 ) -> tuple[list[int], list[float]]:
     """The fragments due after an inner step that ended at `now`, and each fragment's next
     boundary. `next_at[p]` is fragment p's pending boundary, `steps_since[p]` the steps trained
     since p was last published (after this step), H the experiment's H (it sets the offsets) and
-    H_m this island's.
-
-    `step_s` (this island's step time, 0: unknown) and `slack_s` (`grace_slack_s`): a fragment
-    is also due *before* its boundary when the next step would end more than `slack_s` after
-    it, so an island whose steps are long (a slow or jittered one) publishes at its last step
-    that still reaches the boundary's merge, instead of up to one of its steps late, past the
-    grace window, in a merge of its own (an extra, partial outer step). `step_s` 0 (the
-    island's `reach_merge` off) is the plain rule: due at the first step at or past it."""
+    H_m this island's."""
     due: list[int] = []
     out = list(next_at)
     offs = offsets_s(clock, H, len(next_at))
     for p, (at, steps) in enumerate(zip(next_at, steps_since, strict=True)):
-        early = step_s > 0 and now < at and now + step_s > at + slack_s
         if steps >= MAX_ROUND_MULT * H_m:
             due.append(p)
             out[p] = clock.boundary_after(now, offs[p])
-        elif now >= at or (early and steps >= min_steps(H_m)):
-            out[p] = clock.boundary_after(max(now, at), offs[p])
+        elif now >= at:
+            out[p] = clock.boundary_after(now, offs[p])
             if steps >= min_steps(H_m):
                 due.append(p)
     return due, out

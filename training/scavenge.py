@@ -145,13 +145,7 @@ def scavenged_islands(cfg: ScavengeConfig) -> list[dict[str, Any]]:
     a slot already in the experiment keeps its own)."""
     hw = hardware_for(cfg)
     return [
-        {
-            "name": n,
-            "speed": cfg.speed,
-            "backend": cfg.backend,
-            "hardware": dict(hw),
-            "reach_merge": True,  # a slower slot joins the base islands' merges (rounds.py)
-        }
+        {"name": n, "speed": cfg.speed, "backend": cfg.backend, "hardware": dict(hw)}
         for n in slot_names(cfg.name_prefix, cfg.islands)
     ]
 
