@@ -45,3 +45,8 @@ def test_slots_of_a_burst():
     assert sb.slots_for(0.25) == (1, 0.5)  # of 2 base islands: one at half speed
     assert sb.slots_for(1.0) == (2, 1.0)
     assert sb.slots_for(3.0) == (6, 1.0)
+
+
+def test_the_bench_merges_a_slower_burst_island_with_fractional_momentum():
+    # its lone, out-of-phase merges re-applied the whole momentum: +25% was 1.21x the base time
+    assert sb.bench_config(True, sb.Assumptions(), 0.25, 3).outer.fractional_momentum

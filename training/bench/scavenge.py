@@ -89,9 +89,21 @@ def slots_for(burst: float) -> tuple[int, float]:
     return slots, extra / slots
 
 
+# A burst island slower than the base ones (+25% of 2: one at speed 0.5) finishes its round up
+# to one of its long steps after the boundary, past the merger's grace window: every round then
+# holds two partial merges (the base pair's, x 2/3 by outer.partial_scaling, and its own, x 1/3),
+# and with the plain outer step each re-applies the whole momentum: 13 of its 18 lone merges
+# made the eval loss worse (up to +0.07), +25% took 1.21x the base time (docs/BENCHMARKS.md).
+# outer.fractional_momentum makes such a merge n/M of an outer step for the momentum too.
+# An experiment setting: a scavenging experiment sets it when it is created (a join keeps the
+# experiment's settings).
+SCAVENGE_SETTINGS = {"outer.fractional_momentum": True}
+
+
 def bench_config(quick: bool, a: Assumptions, burst: float, shards: int) -> ExperimentConfig:
     """The base islands and `burst`'s slots; `shards` data shards in every run, so the base
-    islands train on the same data in all of them."""
+    islands train on the same data in all of them. With SCAVENGE_SETTINGS (all runs, the base
+    too: its two islands always merge together, share 1, so it does not change there)."""
     cfg = base_config(quick, None, None)
     slots, speed = slots_for(burst) if burst else (0, 1.0)
     islands = [{"name": f"island-{i}", "speed": 1.0} for i in range(N_BASE)]
@@ -107,6 +119,7 @@ def bench_config(quick: bool, a: Assumptions, burst: float, shards: int) -> Expe
             "data.num_shards": shards,
             "token_budget": budget,
             "seed": a.seed,
+            **SCAVENGE_SETTINGS,
         },
     )
 
