@@ -388,6 +388,36 @@ def format_table(out: dict) -> str:
     return "\n".join(lines)
 
 
+def plot(out: dict, path: str) -> None:
+    """Wall-clock to the target relative to the base run against the burst, ours and the
+    paper's, per method (1.0: no gain)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4))
+    for i, m in enumerate(LABELS):
+        rows = [r for r in out["rows"] if r["method"] == m and r["time_to_target_rel"]]
+        if not rows:
+            continue
+        xs = [100 * r["burst"] for r in rows]
+        ax.plot(xs, [r["time_to_target_rel"] for r in rows], "o-", color=f"C{i}", label=LABELS[m])
+        if m != "dp_failures":
+            ax.plot(xs, [r["paper"] for r in rows], "x--", color=f"C{i}", alpha=0.6,
+                    label=f"{LABELS[m].split(' (')[0]}, paper")  # fmt: skip
+    ax.axhline(1.0, color="grey", ls=":", lw=1)
+    ax.set_xscale("log")
+    ax.set_xticks([25, 50, 100, 300], ["+25%", "+50%", "+100%", "+300%"])
+    ax.set_xlabel("burst compute during the window")
+    ax.set_ylabel("wall-clock to target / base run")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv: list[str]) -> int:
     d = Assumptions()
     p = argparse.ArgumentParser(
@@ -398,6 +428,7 @@ def main(argv: list[str]) -> int:
     )
     p.add_argument("--quick", action="store_true", help="a short base run (a test)")
     p.add_argument("--json", metavar="OUT", help="write {assumptions, base, rows}")
+    p.add_argument("--plot", metavar="PNG", help="wall-clock ratio against the burst")
     p.add_argument("--bursts", default=",".join(str(b) for b in BURSTS))
     for f in ("base_hours", "window_open", "window_len", "join_s", "reclaim_mtbi_h"):
         p.add_argument(f"--{f.replace('_', '-')}", type=float, default=getattr(d, f))
@@ -424,4 +455,6 @@ def main(argv: list[str]) -> int:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(out, indent=2) + "\n")
         print(f"wrote {path}")
+    if args.plot:
+        plot(out, args.plot)
     return 0

@@ -212,6 +212,41 @@ def format_direct(summary: dict) -> str:
     return "\n".join(lines)
 
 
+def plot(summary: dict, path: str) -> None:
+    """Two panels per Gbps-eq: speed-up over data-parallel to the target loss (the 20x line;
+    a method that did not reach it is marked) and goodput."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = summary["rows"]
+    gbps = sorted({r["gbps"] for r in rows})
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.8))
+    width = 0.8 / len(METHODS)
+    for i, m in enumerate(METHODS):
+        mine = {r["gbps"]: r for r in rows if r["method"] == m}
+        xs = [k + (i - (len(METHODS) - 1) / 2) * width for k in range(len(gbps))]
+        speed = [mine[g]["speedup_vs_dp"] or 0.0 for g in gbps]
+        ax1.bar(xs, speed, width, color=f"C{i}", label=LABELS[m])
+        for x, v in zip(xs, speed, strict=True):
+            ax1.annotate("not reached" if not v else f"{v:.0f}x", (x, v), ha="center",
+                         va="bottom", fontsize=7, rotation=90 if not v else 0)  # fmt: skip
+        ax2.bar(xs, [100 * (mine[g]["goodput"] or 0.0) for g in gbps], width, color=f"C{i}")
+    ax1.axhline(20, color="grey", ls=":", lw=1, label="target 20x")
+    for ax, label in ((ax1, "speed-up over data-parallel to the target loss"), (ax2, "goodput %")):
+        ax.set_xticks(range(len(gbps)), [f"{g:g} Gbps-eq" for g in gbps])
+        ax.set_title(label, fontsize=9)
+        ax.grid(alpha=0.3, axis="y")
+    ax1.legend(fontsize=7)
+    extra = summary.get("params", {}).get("decoupled_set") or ()
+    if extra:
+        fig.suptitle("Decoupled: " + ", ".join(f"{k}={v}" for k, v in extra), fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def format_calibration(summary: dict) -> str:
     lines = [
         "| method | Gbps-eq | predicted tokens/s (in line) | measured tokens/s | measured / predicted |",
@@ -354,6 +389,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--checkpoints", choices=("regional", "bucket"), default="regional")
     ap.add_argument("--workdir", default=None, help="keep logs here (default: a temp dir)")
     ap.add_argument("--json", dest="json_out", default=None)
+    ap.add_argument("--plot", default=None, help="PNG: speed-up and goodput per Gbps-eq")
     ap.add_argument(
         "--decoupled-set",
         action="append",
@@ -401,4 +437,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.json_out:
         Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json_out).write_text(json.dumps(summary, indent=1))
+    if args.plot:
+        plot(summary, args.plot)
     return 0
