@@ -50,3 +50,13 @@ def test_slots_of_a_burst():
 def test_the_bench_merges_a_slower_burst_island_with_fractional_momentum():
     # its lone, out-of-phase merges re-applied the whole momentum: +25% was 1.21x the base time
     assert sb.bench_config(True, sb.Assumptions(), 0.25, 3).outer.fractional_momentum
+
+
+def test_plot_writes_a_png_of_every_method(tmp_path):
+    rows = [
+        dict(method=m, burst=b, time_to_target_rel=0.9, paper=0.8)
+        for m in ("decoupled", "dp", "dp_failures")
+        for b in (0.25, 3.0)
+    ]
+    sb.plot({"rows": rows}, str(tmp_path / "s.png"))
+    assert (tmp_path / "s.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -255,3 +255,13 @@ def test_12b_downloads_per_round_multiply_the_island_downlink() -> None:
     four = model12b.figure(replace(Assumptions(), downloads_per_round=4), 2.0)
     assert four["island_gbps_down"] == pytest.approx(4 * one["island_gbps_down"])
     assert four["sync_step_s"] == pytest.approx(one["sync_step_s"])
+
+
+def test_plot_writes_a_png_also_when_a_method_misses_the_target(tmp_path):
+    rows = [
+        dict(method=m, gbps=g, speedup_vs_dp=None if m == "decoupled" else 1.0, goodput=0.5)
+        for m in bench.METHODS
+        for g in (2.0, 5.0)
+    ]
+    bench.plot({"rows": rows, "params": {}}, str(tmp_path / "w.png"))
+    assert (tmp_path / "w.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
