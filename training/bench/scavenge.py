@@ -408,6 +408,7 @@ def plot(out: dict, path: str) -> None:
                     label=f"{LABELS[m].split(' (')[0]}, paper")  # fmt: skip
     ax.axhline(1.0, color="grey", ls=":", lw=1)
     ax.set_xscale("log")
+    ax.minorticks_off()
     ax.set_xticks([25, 50, 100, 300], ["+25%", "+50%", "+100%", "+300%"])
     ax.set_xlabel("burst compute during the window")
     ax.set_ylabel("wall-clock to target / base run")
