@@ -318,7 +318,8 @@ def merge_timeline(path: Path) -> dict | None:
     upload) to merge (p50 / p95 / max), and staleness (mean / max). None without records."""
     if not path.exists():
         return None
-    contribs = [c for m in json.loads(path.read_text()) for c in m.get("contributions", [])]
+    records = json.loads(path.read_text())
+    contribs = [c for m in records for c in m.get("contributions", [])]
     if not contribs:
         return None
     lags = sorted(c["merged_at"] - c["published_at"] for c in contribs)
@@ -328,7 +329,7 @@ def merge_timeline(path: Path) -> dict | None:
         return lags[min(len(lags) - 1, int(x * len(lags)))]
 
     return dict(
-        passes=len(json.loads(path.read_text())),
+        passes=len(records),
         contributions=len(contribs),
         lag_p50_s=q(0.5),
         lag_p95_s=q(0.95),
