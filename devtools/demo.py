@@ -73,7 +73,7 @@ def _base_conf(name: str, store_url: str, budget: int) -> dict:
         "store_url": store_url,
         "model_preset": "tiny",
         "islands": [{"name": n, "speed": 1.0, "backend": "local", "hardware": {}} for n in ISLANDS],
-        "H": 30,
+        "H": 20,
         "fragments": 2,
         "codec": "int8",
         "outer_method": "decoupled",

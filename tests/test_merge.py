@@ -3,7 +3,14 @@
 import numpy as np
 import pytest
 
-from tests.helpers import new_store, publish_delta, publish_payload, random_delta, small_config
+from tests.helpers import (
+    FakeClock,
+    new_store,
+    publish_delta,
+    publish_payload,
+    random_delta,
+    small_config,
+)
 from training import codecs
 from training.merge import Merger
 from training.pseudograd import pseudo_gradient
@@ -89,7 +96,9 @@ def test_two_mergers_racing_from_the_same_head_apply_once():
 
 
 def test_decoupled_merges_at_quorum_when_grace_is_zero():
-    cfg = small_config(outer={"method": "decoupled", "quorum": 1}, inner={"tau": 0})
+    cfg = small_config(
+        outer={"method": "decoupled", "quorum": 1, "grace_min_steps": 0.0}, inner={"tau": 0}
+    )
     store = new_store(cfg)
     theta = store.load_params()
     publish_delta(store, cfg, "a", 0, random_delta(theta, 0))
@@ -99,13 +108,49 @@ def test_decoupled_merges_at_quorum_when_grace_is_zero():
 
 def test_decoupled_waits_inside_the_grace_window():
     # tau 4 steps x step_time 1 s, gamma 0.5: grace = 0.5 * (4 * 1 - 0 - sync) <= 2 s
-    cfg = small_config(outer={"method": "decoupled", "grace_gamma": 0.5}, inner={"tau": 4})
+    cfg = small_config(
+        outer={"method": "decoupled", "grace_gamma": 0.5, "grace_min_steps": 0.0},
+        inner={"tau": 4},
+    )
     store = new_store(cfg)
     theta = store.load_params()
     publish_delta(store, cfg, "a", 0, random_delta(theta, 0))  # published_at 0.0
     waiting = Merger(cfg, store, clock=lambda: 0.5).merge_once()
     assert waiting.version is None and 0.5 < waiting.waiting_until <= 2.0
     assert Merger(cfg, store, clock=lambda: 2.5).merge_once().version == 1
+
+
+def test_the_grace_floor_waits_two_steps_for_an_island_of_the_same_round():
+    # tau 0: the adaptive window is 0 (the syncer is "too slow"); the floor is
+    # grace_min_steps 2 x step_time 1 s = 2 s after the merger first saw a (t = 1.0)
+    cfg = small_config(outer={"method": "decoupled", "grace_min_steps": 2.0}, inner={"tau": 0})
+    store = new_store(cfg)
+    theta = store.load_params()
+    clock = FakeClock(1.0)
+    merger = Merger(cfg, store, clock=clock)
+    publish_delta(store, cfg, "a", 0, random_delta(theta, 0))  # published_at 0.0
+    assert merger.merge_once().waiting_until == 3.0
+    clock.t = 2.5
+    publish_delta(store, cfg, "b", 0, random_delta(theta, 1))  # inside the window
+    merged = merger.merge_once()
+    assert sorted(merged.applied) == ["a/00000000-f000", "b/00000000-f000"]
+    assert merged.versions == {0: 1}  # one outer step for both
+
+
+def test_the_grace_floor_counts_from_the_first_sight_not_the_publish():
+    # a published at 0.0, seen at 10.0 (a slow upload): the floor still waits 2 x 1 s from
+    # 10.0 (the adaptive window alone, from the publish, would have merged at once)
+    cfg = small_config(outer={"method": "decoupled", "grace_min_steps": 2.0}, inner={"tau": 0})
+    store = new_store(cfg)
+    theta = store.load_params()
+    clock = FakeClock(10.0)
+    merger = Merger(cfg, store, clock=clock)
+    publish_delta(store, cfg, "a", 0, random_delta(theta, 0))
+    assert merger.merge_once().waiting_until == 12.0
+    clock.t = 11.9
+    assert merger.merge_once().waiting_until == 12.0  # the same window, not a new one
+    clock.t = 12.0
+    assert merger.merge_once().applied == ["a/00000000-f000"]  # b never came: a alone
 
 
 def test_token_weights_favor_the_island_with_more_tokens():

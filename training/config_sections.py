@@ -277,6 +277,14 @@ class OuterConfig(_Frozen):
         description="adaptive grace window: wait gamma x (tau x step time - time to quorum - "
         "sync time) for more islands after the quorum",
     )
+    grace_min_steps: float = Field(
+        2.0,
+        ge=0,
+        description="decoupled: the grace window is at least this many inner steps (the "
+        "group's median step time): islands that publish at the same clock boundary a step or "
+        "two apart merge in one outer step even when the syncer is slower than tau steps; "
+        "0: the adaptive window alone",
+    )
     max_grace_s: float = Field(30.0, ge=0, description="the grace window's cap, seconds")
     max_staleness: int = Field(16, gt=0, description="drop contributions older than this")
     rda: bool = Field(

@@ -153,6 +153,9 @@ class Merger:
         self._manifests: dict[str, dict] = {}  # version dir -> manifest (immutable once committed)
         self._repaired: set[str] = set()  # version dirs whose ledger entries this merger wrote
         self._round_clock_known = not rounds.clock_rounds(cfg)
+        # fragment -> {candidate id: when this merger first saw it} (the grace floor's start;
+        # rebuilt every pass from the pending candidates, so it holds no applied ones)
+        self._seen: dict[int, dict[str, float]] = {}
 
     def _manifest(self, head: HeadPointer) -> dict:
         """The manifest of a committed version, read once per version (a poll re-reads only
@@ -266,7 +269,12 @@ class Merger:
                 self._quarantine(pg_id, reason, result)
         if p == 0 and candidates and not self._round_clock_known:
             self._set_round_clock(candidates)
-        groups, wait = rules.select(self.cfg, candidates, active, self.clock(), ms["sync_s"])
+        now = self.clock()
+        seen = self._seen.get(p, {})
+        self._seen[p] = seen = {c.id: seen.get(c.id, now) for c in candidates}
+        groups, wait = rules.select(
+            self.cfg, candidates, active, now, ms["sync_s"], min(seen.values(), default=now)
+        )
         if wait is not None:
             result.waiting_until = min(result.waiting_until or wait, wait)
         if not groups:

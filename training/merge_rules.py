@@ -304,12 +304,30 @@ def capped_weights(outer: OuterConfig, group: Sequence[Candidate]) -> dict[str, 
 
 
 def grace_seconds(cfg: ExperimentConfig, group: Sequence[Candidate], sync_s: float) -> float:
-    """gamma * (tau * step_time - time to quorum - sync time), capped, >= 0."""
+    """The paper's adaptive window: gamma * (tau * step_time - time to quorum - sync time),
+    capped at max_grace_s, >= 0, counted from the first publish; step_time is the group's
+    median (one island's claim cannot stretch it)."""
     o = cfg.outer
     step_s = float(np.median([c.step_time_s for c in group]))
     quorum_at = group[min(o.quorum, len(group)) - 1].published_at
     slack = cfg.inner.tau * step_s - (quorum_at - group[0].published_at) - sync_s
     return float(min(o.max_grace_s, max(0.0, o.grace_gamma * slack)))
+
+
+def grace_floor_seconds(cfg: ExperimentConfig, group: Sequence[Candidate]) -> float:
+    """grace_min_steps x the group's median step time, capped at max_grace_s: counted from
+    when the merger first saw the group (not from the publish: an upload on a loaded host can
+    take longer than a step, and the window must not be spent before the merger knows).
+
+    The adaptive window waits while the merged result would still reach the islands within
+    their tau overlap steps. When the syncer takes longer than that (a slow shared CPU, short
+    steps) it is 0, and every merge fired on its first contribution: islands publishing at the
+    same clock boundary a fraction of a step apart merged one by one (the demo: 1.5
+    contributions per merge for 3 islands in phase). The floor waits a step or two for them:
+    the result is late either way, and islands keep looking for it (Adopter.rearm)."""
+    o = cfg.outer
+    step_s = float(np.median([c.step_time_s for c in group]))
+    return float(min(o.max_grace_s, max(0.0, o.grace_min_steps * step_s)))
 
 
 def select(
@@ -318,9 +336,11 @@ def select(
     active: set[str],
     now: float,
     sync_s: float,
+    seen_at: float | None = None,
 ) -> tuple[list[list[Candidate]], float | None]:
     """The groups of one fragment's candidates to apply now (one outer step each, in order),
-    and when to look again if the grace window holds them back (else None)."""
+    and when to look again if the grace window holds them back (else None). `seen_at`: when
+    the merger first saw any of them (default: now); the grace floor counts from there."""
     cands = sorted(candidates, key=lambda c: (c.published_at, c.island, c.seq))
     if not cands:
         return [], None
@@ -337,7 +357,10 @@ def select(
     islands = {c.island for c in cands}
     if len(islands) < min(cfg.outer.quorum, max(len(active), 1)):
         return [], None
-    deadline = cands[0].published_at + grace_seconds(cfg, cands, sync_s)
+    deadline = max(
+        cands[0].published_at + grace_seconds(cfg, cands, sync_s),
+        (now if seen_at is None else seen_at) + grace_floor_seconds(cfg, cands),
+    )
     if not active <= islands and now < deadline:
         return [], deadline
     regular = [c for c in cands if not c.final]
