@@ -268,7 +268,10 @@ Merger(cfg, for_process(cfg, store, "merge")).merge_all()
 
 @pytest.mark.integration
 def test_merge_process_is_killed_at_the_point_and_the_next_one_recovers(tmp_path):
-    cfg = small_config("chaos-mk", chaos={"kill_merge_at": "global.after-cas"})
+    # no grace floor: each one-shot merge process applies a's publish at once (b never comes)
+    cfg = small_config(
+        "chaos-mk", chaos={"kill_merge_at": "global.after-cas"}, outer={"grace_min_steps": 0.0}
+    )
     url = f"file://{tmp_path}/store"
     store = ExperimentStore(open_store(url), cfg.name)
     store.write_config(json.loads(cfg.to_json()))

@@ -36,7 +36,10 @@ def _delta(store) -> dict[str, np.ndarray]:
 def test_merge_task_is_killed_mid_write_once_and_its_retry_repairs_the_ledger(tmp_path):
     from diloco_airflow.experiment_end import merge_experiments
 
-    cfg = small_config("chaos-op", chaos={"kill_merge_at": "global.after-cas"})
+    # no grace floor: the one-shot merge task applies a's publish at once (b comes later)
+    cfg = small_config(
+        "chaos-op", chaos={"kill_merge_at": "global.after-cas"}, outer={"grace_min_steps": 0.0}
+    )
     url, store = _file_store(tmp_path, cfg)
     publish_delta(store, cfg, "a", 0, _delta(store))
     env = dict(os.environ, JAX_PLATFORMS="cpu", DILOCO_FAULTS="")

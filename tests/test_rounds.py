@@ -51,6 +51,24 @@ def test_before_its_boundary_nothing_is_due():
     assert clock_due(CLOCK, 109.0, [110.0], [9], H=8, H_m=8) == ([], [110.0])
 
 
+def test_a_step_ending_within_half_a_step_before_its_boundary_is_the_nearest_to_it():
+    # step 4 s: a step ending 1.9 s before 110 is nearer 110 than the next one (2.1 s after):
+    # due now, and the next boundary is 120, not 110 again
+    assert clock_due(CLOCK, 108.1, [110.0], [8], H=8, H_m=8, step_s=4.0) == ([0], [120.0])
+    # 2.1 s before: the next step (1.9 s after) is nearer
+    assert clock_due(CLOCK, 107.9, [110.0], [8], H=8, H_m=8, step_s=4.0) == ([], [110.0])
+
+
+def test_a_step_end_a_rounding_error_before_the_boundary_reaches_it():
+    # the island that set the clock: its step ends fall on the boundaries, and a sum of step
+    # times can land 1e-12 below one (t0 + k * period): without its step time it would be a
+    # whole step late
+    at = 100.0 + 3 * 10.0
+    now = 100.0 + 0.1 * 300 - 1e-12
+    assert clock_due(CLOCK, now, [at], [8], H=8, H_m=8) == ([], [at])
+    assert clock_due(CLOCK, now, [at], [8], H=8, H_m=8, step_s=1.25) == ([0], [140.0])
+
+
 def test_the_first_clock_record_stands():
     store = new_store(small_config())
     assert store.create_round_clock(5.0, 2.0) and not store.create_round_clock(7.0, 3.0)

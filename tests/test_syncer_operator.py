@@ -9,6 +9,7 @@ from airflow.sdk.exceptions import TaskDeferred
 from diloco_airflow.syncer import EvalTrigger, EvaluatorOperator, ShardTrigger, SyncerShardOperator
 
 from tests.helpers import new_store, publish_delta, small_config
+from training.config import with_overrides
 from training.syncer import mark_run_ended
 
 FAST = {"shards": 2, "idle_s": 0.3, "poll_s": 0.05, "eval_every_s": 0.1}
@@ -68,7 +69,8 @@ def test_the_evaluator_evaluates_a_new_merge_then_defers_until_the_next(exp):
     _publish(store, cfg, 0)
     from training.merge import Merger
 
-    assert Merger(cfg, store).merge_once().applied
+    # one pass merges at once (no grace floor: b, the other island, would be waited for)
+    assert Merger(with_overrides(cfg, {"outer.grace_min_steps": 0.0}), store).merge_once().applied
     op = EvaluatorOperator(task_id="evaluate", store_url=url, experiment=cfg.name, run_id="r")
     with pytest.raises(TaskDeferred) as deferred:
         op.execute({})

@@ -330,6 +330,7 @@ def experiment_view(
             codec=cfg.codec,
             quorum=cfg.outer.quorum,
             grace_gamma=cfg.outer.grace_gamma,
+            grace_min_steps=cfg.outer.grace_min_steps,
             max_grace_s=cfg.outer.max_grace_s,
             heartbeat_s=cfg.heartbeat_s,
             islands=len(cfg.islands),

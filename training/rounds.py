@@ -9,8 +9,14 @@ kills).
 
 `outer.rounds = "clock"` (the default for the asynchronous methods): round k ends at
 `T_k = t0 + k * period`, the same instants for every island. Fragment p is due at the island's
-first inner step that ends at or after `T_k + offset_p` (offset_p = the step offset of
-`fragment_offsets` as a share of the period). An interval of fewer than `H_m // 2` steps rolls
+inner step whose end is nearest `T_k + offset_p` (offset_p = the step offset of
+`fragment_offsets` as a share of the period): the first step that ends at or after the boundary
+less half the island's mean step time. (With "at or after the boundary" the island whose
+contribution set the clock, whose step ends fall on the boundaries, published on time or a whole
+step late by a rounding error or a jitter: in the quality bench the speed-0.25 island lost its
+boundary by a float rounding at t = 96 and was 4 virtual s late, merging alone, every round
+after. Nearest-end bounds every island's offset from the boundary by half its step, and the
+grace floor, grace_min_steps steps, covers that.) An interval of fewer than `H_m // 2` steps rolls
 over to the next boundary; an interval that reaches `2 * H_m` steps is published at once (a
 period that is too long, or a hostile clock record, cannot stall an island). A restarted island
 therefore publishes its partial interval at the next boundary and is back in phase; token
@@ -76,20 +82,24 @@ def clock_due(
     steps_since: Sequence[int],
     H: int,
     H_m: int,
+    step_s: float = 0.0,
 ) -> tuple[list[int], list[float]]:
     """The fragments due after an inner step that ended at `now`, and each fragment's next
     boundary. `next_at[p]` is fragment p's pending boundary, `steps_since[p]` the steps trained
-    since p was last published (after this step), H the experiment's H (it sets the offsets) and
-    H_m this island's."""
+    since p was last published (after this step), H the experiment's H (it sets the offsets),
+    H_m this island's and `step_s` its mean step time (0: not known yet; then a boundary is
+    reached only at or after it). A step that ends less than step_s / 2 before a boundary is the
+    nearest to it: the boundary is reached (and the next one is the one after it)."""
     due: list[int] = []
     out = list(next_at)
     offs = offsets_s(clock, H, len(next_at))
+    early = max(0.0, float(step_s)) / 2 if math.isfinite(step_s) else 0.0
     for p, (at, steps) in enumerate(zip(next_at, steps_since, strict=True)):
         if steps >= MAX_ROUND_MULT * H_m:
             due.append(p)
             out[p] = clock.boundary_after(now, offs[p])
-        elif now >= at:
-            out[p] = clock.boundary_after(now, offs[p])
+        elif now >= at - early:
+            out[p] = clock.boundary_after(max(now, at), offs[p])
             if steps >= min_steps(H_m):
                 due.append(p)
     return due, out
