@@ -157,7 +157,8 @@ _DROP = object()
 
 
 def _run(method: str, ops_before: list, ops_between: list) -> None:
-    cfg = small_config(islands=("a", "b", "c"), outer={"method": method})
+    # no grace floor: each one-shot merge_all applies what is there (c may never publish)
+    cfg = small_config(islands=("a", "b", "c"), outer={"method": method, "grace_min_steps": 0.0})
     store = new_store(cfg)
     theta = store.load_params()
     hostile = Hostile(cfg, store, theta)
