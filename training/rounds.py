@@ -14,8 +14,8 @@ inner step whose end is nearest `T_k + offset_p` (offset_p = the step offset of
 less half the island's mean step time. (With "at or after the boundary" the island whose
 contribution set the clock, whose step ends fall on the boundaries, published on time or a whole
 step late by a rounding error or a jitter: in the quality bench the speed-0.25 island lost its
-boundary by a float rounding at t = 96 and was 4 virtual s late, merging alone, every round
-after. Nearest-end bounds every island's offset from the boundary by half its step, and the
+boundary at t = 96 that way and was 4 virtual s late, merging alone, every round after.
+Nearest-end bounds every island's offset from the boundary by half its step, and the
 grace floor, grace_min_steps steps, covers that.) An interval of fewer than `H_m // 2` steps rolls
 over to the next boundary; an interval that reaches `2 * H_m` steps is published at once (a
 period that is too long, or a hostile clock record, cannot stall an island). A restarted island
