@@ -120,15 +120,20 @@ def test_decoupled_waits_inside_the_grace_window():
     assert Merger(cfg, store, clock=lambda: 2.5).merge_once().version == 1
 
 
-def test_the_grace_floor_waits_two_steps_for_an_island_of_the_same_round():
-    # tau 0: the adaptive window is 0 (the syncer is "too slow"); the floor is
-    # grace_min_steps 2 x step_time 1 s = 2 s after the merger first saw a (t = 1.0)
+def _floor_merger(t: float):
+    """tau 0 (the adaptive window is 0: the syncer is "too slow"), grace_min_steps 2, islands
+    a and b; a has published (published_at 0.0, step_time 1 s); the merger's clock at `t`."""
     cfg = small_config(outer={"method": "decoupled", "grace_min_steps": 2.0}, inner={"tau": 0})
     store = new_store(cfg)
     theta = store.load_params()
-    clock = FakeClock(1.0)
-    merger = Merger(cfg, store, clock=clock)
-    publish_delta(store, cfg, "a", 0, random_delta(theta, 0))  # published_at 0.0
+    clock = FakeClock(t)
+    publish_delta(store, cfg, "a", 0, random_delta(theta, 0))
+    return cfg, store, theta, clock, Merger(cfg, store, clock=clock)
+
+
+def test_the_grace_floor_waits_two_steps_for_an_island_of_the_same_round():
+    # the floor: 2 x step_time 1 s = 2 s after the merger first saw a (t = 1.0)
+    cfg, store, theta, clock, merger = _floor_merger(1.0)
     assert merger.merge_once().waiting_until == 3.0
     clock.t = 2.5
     publish_delta(store, cfg, "b", 0, random_delta(theta, 1))  # inside the window
@@ -140,12 +145,7 @@ def test_the_grace_floor_waits_two_steps_for_an_island_of_the_same_round():
 def test_the_grace_floor_counts_from_the_first_sight_not_the_publish():
     # a published at 0.0, seen at 10.0 (a slow upload): the floor still waits 2 x 1 s from
     # 10.0 (the adaptive window alone, from the publish, would have merged at once)
-    cfg = small_config(outer={"method": "decoupled", "grace_min_steps": 2.0}, inner={"tau": 0})
-    store = new_store(cfg)
-    theta = store.load_params()
-    clock = FakeClock(10.0)
-    merger = Merger(cfg, store, clock=clock)
-    publish_delta(store, cfg, "a", 0, random_delta(theta, 0))
+    _, _, _, clock, merger = _floor_merger(10.0)
     assert merger.merge_once().waiting_until == 12.0
     clock.t = 11.9
     assert merger.merge_once().waiting_until == 12.0  # the same window, not a new one

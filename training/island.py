@@ -344,12 +344,15 @@ class Island:
         """The fragments to publish after the step that just ended (training/rounds.py)."""
         if self.round_clock is None:
             return fragments_due(self.state.step_count, self.H, self.P)
-        since = self.publisher.since
-        steps = [s["steps"] for s in since]
-        timed = max(since, key=lambda s: s["timed"])
-        step_s = timed["seconds"] / timed["timed"] if timed["timed"] else 0.0
+        steps = [s["steps"] for s in self.publisher.since]
         due, self._next_at = rounds.clock_due(
-            self.round_clock, now, self._next_at, steps, self.cfg.inner.H, self.H, step_s
+            self.round_clock,
+            now,
+            self._next_at,
+            steps,
+            self.cfg.inner.H,
+            self.H,
+            self.publisher.step_time_s(),
         )
         return due
 

@@ -85,6 +85,15 @@ class Publisher:
                 s["seconds"] += elapsed
                 s["timed"] += 1
 
+    @staticmethod
+    def mean_step_s(interval: dict) -> float:
+        """An interval's mean step time (its timed steps; 0.0 before any)."""
+        return interval["seconds"] / interval["timed"] if interval["timed"] else 0.0
+
+    def step_time_s(self) -> float:
+        """The island's mean step time over its longest-timed open interval (0.0: none yet)."""
+        return self.mean_step_s(max(self.since, key=lambda s: s["timed"]))
+
     def trim(self) -> None:
         """Drop the losses no interval counts any more."""
         first = min(s["first"] for s in self.since)
@@ -117,7 +126,7 @@ class Publisher:
             steps=s["steps"],
             tokens=s["tokens"],
             codec=cfg.codec,
-            step_time_s=s["seconds"] / s["timed"] if s["timed"] else 0.0,
+            step_time_s=self.mean_step_s(s),
             published_at=self.clock(),
             island_step=state.step_count,
             island_tokens=state.tokens,

@@ -303,12 +303,16 @@ def capped_weights(outer: OuterConfig, group: Sequence[Candidate]) -> dict[str, 
 # -- selection -----------------------------------------------------------------------------------
 
 
+def median_step_s(group: Sequence[Candidate]) -> float:
+    """The group's median claimed step time: one island's claim cannot stretch a window."""
+    return float(np.median([c.step_time_s for c in group]))
+
+
 def grace_seconds(cfg: ExperimentConfig, group: Sequence[Candidate], sync_s: float) -> float:
     """The paper's adaptive window: gamma * (tau * step_time - time to quorum - sync time),
-    capped at max_grace_s, >= 0, counted from the first publish; step_time is the group's
-    median (one island's claim cannot stretch it)."""
+    capped at max_grace_s, >= 0, counted from the first publish (step_time: median_step_s)."""
     o = cfg.outer
-    step_s = float(np.median([c.step_time_s for c in group]))
+    step_s = median_step_s(group)
     quorum_at = group[min(o.quorum, len(group)) - 1].published_at
     slack = cfg.inner.tau * step_s - (quorum_at - group[0].published_at) - sync_s
     return float(min(o.max_grace_s, max(0.0, o.grace_gamma * slack)))
@@ -326,8 +330,7 @@ def grace_floor_seconds(cfg: ExperimentConfig, group: Sequence[Candidate]) -> fl
     contributions per merge for 3 islands in phase). The floor waits a step or two for them:
     the result is late either way, and islands keep looking for it (Adopter.rearm)."""
     o = cfg.outer
-    step_s = float(np.median([c.step_time_s for c in group]))
-    return float(min(o.max_grace_s, max(0.0, o.grace_min_steps * step_s)))
+    return float(min(o.max_grace_s, max(0.0, o.grace_min_steps * median_step_s(group))))
 
 
 def select(
