@@ -354,8 +354,19 @@ def test_check_on_unreachable_gs_endpoint_fails_after_a_short_backoff_at_most(mo
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # closed again once the block ends: connection refused
     monkeypatch.setenv("STORAGE_EMULATOR_HOST", f"http://127.0.0.1:{port}")
-    naps: list[float] = []  # the clients' retry loops back off through time.sleep
-    monkeypatch.setattr(time, "sleep", naps.append)
+    # The clients' retry loops back off through time.sleep. Count this thread's naps only: a
+    # daemon thread left by an earlier test (a retry loop of its own) may sleep meanwhile, and
+    # CI once counted its 18 s of backoff here.
+    naps: list[float] = []
+    me, real_sleep = threading.get_ident(), time.sleep
+
+    def nap(seconds: float) -> None:
+        if threading.get_ident() == me:
+            naps.append(seconds)
+        else:
+            real_sleep(seconds)
+
+    monkeypatch.setattr(time, "sleep", nap)
     with pytest.raises(StoreUnreachable, match="cannot reach"):
         open_store("gs://bucket/x").check()
     assert sum(naps) < 5  # at most a short backoff (counted, not waited): no retry loop
