@@ -11,7 +11,8 @@ and `Merger` classes over an in-memory store; only time is simulated: an island 
 1/v virtual seconds per inner step, merges take no virtual time, and the event loop always runs
 the island whose next step ends first. A run is deterministic given its seed.
 
-Seeds: `--seeds N` runs seeds 0..N-1 for every method. The seed sets the model's initialization,
+Seeds: `--seeds N` runs seeds 0..N-1 for every method (`--first-seed K`: seeds K..K+N-1, so that
+seeds can be spread over machines and their JSON files read together). The seed sets the model's initialization,
 the islands' data order, and the islands' start offsets (island i starts U(0, start_spread)
 virtual seconds late), so runs of one seed are paired across methods. Per method the table gives
 the mean and standard deviation of the final eval loss and the paired difference to
@@ -159,8 +160,10 @@ def run(
     verbose: bool = False,
     merge_latency: float = 0.0,
     trace_every: int = 0,
+    first_seed: int = 0,
 ) -> dict:
-    """Every method at seeds 0..seeds-1 (seed-major: each seed's set of runs completes together).
+    """Every method at seeds first_seed..first_seed+seeds-1 (seed-major: each seed's set of runs
+    completes together).
     `merge_latency`: virtual seconds from a publish to its merge (0: at once). `trace_every` N
     > 0: each DiLoCo run's per-merge trace (every N-th version) in `traces[method][seed]`."""
     size = ("quick" if quick else "full") if isinstance(quick, bool) else quick
@@ -169,7 +172,7 @@ def run(
     eval_dt = cfg.token_budget / tokens_per_time / 20
     results: dict[str, list[dict]] = {m: [] for m in methods}
     total, done = seeds * len(methods), 0
-    for seed in range(seeds):
+    for seed in range(first_seed, first_seed + seeds):
         scfg = with_overrides(cfg, {"seed": seed})
         for method in methods:
             started = time.time()
@@ -261,7 +264,6 @@ def summarize(cfg: ExperimentConfig, results: dict[str, list[dict]]) -> dict:
             row["vs_dp"] = stats.paired_interval(losses, dp_losses).to_dict()
             row["vs_dp_pct"] = stats.relative_interval(losses, dp_losses).to_dict()
         rows[method] = row
-    n_seeds = len(next(iter(results.values()))) if results else 0
     return dict(
         target_loss=_mean_or_none(targets) if targets else None,
         token_budget=cfg.token_budget,
@@ -271,7 +273,7 @@ def summarize(cfg: ExperimentConfig, results: dict[str, list[dict]]) -> dict:
         model=cfg.model.preset,
         params=cfg.model.param_count(),
         data=cfg.data.source,
-        seeds=list(range(n_seeds)),
+        seeds=[r["seed"] for r in next(iter(results.values()), [])],
         methods=rows,
     )
 
@@ -360,6 +362,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--size", choices=sorted(SIZES), default=None, help="default: full")
     parser.add_argument("--seeds", type=int, default=1, help="seeds 0..N-1 per method")
     parser.add_argument(
+        "--first-seed", type=int, default=0, help="start the seeds here: K..K+N-1 (default 0)"
+    )
+    parser.add_argument(
         "--start-spread", type=float, default=START_SPREAD_S, help="island start offsets (s)"
     )
     parser.add_argument(
@@ -385,6 +390,8 @@ def main(argv: list[str]) -> int:
     size = "quick" if args.quick else args.size or "full"
     if args.seeds < 1:
         parser.error("--seeds must be >= 1")
+    if args.first_seed < 0:
+        parser.error("--first-seed must be >= 0")
     if args.start_spread < 0:
         parser.error("--start-spread must be >= 0")
     if args.merge_latency < 0:
@@ -398,7 +405,7 @@ def main(argv: list[str]) -> int:
     overrides = parse_sets(args.set, parser)
     summary = run(
         size, args.data, methods, args.tokens, overrides, args.seeds, args.start_spread,
-        args.verbose, args.merge_latency, args.trace,
+        args.verbose, args.merge_latency, args.trace, args.first_seed,
     )  # fmt: skip
     print()
     print(format_table(summary))
@@ -410,7 +417,7 @@ def main(argv: list[str]) -> int:
         text = [
             f"== {m} seed {seed}\n{format_trace(records)}"
             for m, per_seed in summary["traces"].items()
-            for seed, records in enumerate(per_seed)
+            for seed, records in zip(summary["seeds"], per_seed, strict=True)
         ]
         Path(args.trace_out).write_text("\n\n".join(text) + "\n")
     if args.json_out:
