@@ -120,11 +120,11 @@ PAGE_STORES = Knob(
 
 # -- developer tools (devtools/) ----------------------------------------------------------------
 AIRFLOW_PORT = Knob("DILOCO_AIRFLOW_PORT", 8080, int, "port of the local Airflow's API server/UI")
-DEMO_TOKENS = Knob("DILOCO_DEMO_TOKENS", 1_200_000, int, "token budget of `make demo`")
+DEMO_TOKENS = Knob("DILOCO_DEMO_TOKENS", 2_000_000, int, "token budget of `make demo`")
 DEMO_PROFILE = Knob(
     "DILOCO_DEMO_PROFILE", "default", str, "`make demo`'s settings: default, or paper (P = 24)"
 )
-DEMO_TIMEOUT_S = Knob("DILOCO_DEMO_TIMEOUT_S", 480.0, float, "how long `make demo` waits")
+DEMO_TIMEOUT_S = Knob("DILOCO_DEMO_TIMEOUT_S", 600.0, float, "how long `make demo` waits")
 
 KNOBS: tuple[Knob, ...] = (
     RETRY_DELAY_S,
