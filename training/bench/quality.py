@@ -14,10 +14,11 @@ the island whose next step ends first. A run is deterministic given its seed.
 Seeds: `--seeds N` runs seeds 0..N-1 for every method (`--first-seed K`: seeds K..K+N-1, so that
 seeds can be spread over machines and their JSON files read together). The seed sets the model's
 initialization, the islands' data order, and the islands' start offsets (island i starts
-U(0, start_spread) virtual seconds late), so runs of one seed are paired across methods. Per method the table gives
-the mean and standard deviation of the final eval loss and the paired difference to
-data-parallel with a 95% t-interval (training/bench/stats.py); a method whose config differs from
-data-parallel's in anything but `outer.method` says where (computed from the two configs).
+U(0, start_spread) virtual seconds late), so runs of one seed are paired across methods. Per
+method the table gives the mean and standard deviation of the final eval loss and the paired
+difference to data-parallel with a 95% t-interval (training/bench/stats.py); a method whose
+config differs from data-parallel's in anything but `outer.method` says where (computed from
+the two configs).
 
 Equal tokens means tokens *in the global model*: a method's run ends when its merged pseudo-
 gradients account for the token budget (work still on the islands does not count), and data-
