@@ -405,9 +405,18 @@ def main(argv: list[str]) -> int:
         parser.error(f"unknown methods {sorted(unknown)}; known: {', '.join(METHODS)}")
     overrides = parse_sets(args.set, parser)
     summary = run(
-        size, args.data, methods, args.tokens, overrides, args.seeds, args.start_spread,
-        args.verbose, args.merge_latency, args.trace, args.first_seed,
-    )  # fmt: skip
+        size,
+        args.data,
+        methods,
+        token_budget=args.tokens,
+        overrides=overrides,
+        seeds=args.seeds,
+        start_spread=args.start_spread,
+        verbose=args.verbose,
+        merge_latency=args.merge_latency,
+        trace_every=args.trace,
+        first_seed=args.first_seed,
+    )
     print()
     print(format_table(summary))
     if summary["target_loss"] is not None:
