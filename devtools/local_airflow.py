@@ -39,6 +39,7 @@ for _p in (ROOT, ROOT / "plugins"):  # `python -m devtools.local_airflow` from t
         sys.path.insert(0, str(_p))
 
 from diloco_airflow import knobs  # noqa: E402
+from diloco_airflow.backends.local import group_members  # noqa: E402
 from diloco_airflow.backends.registry import BACKENDS  # noqa: E402
 from diloco_airflow.pools import CONTROL_POOL, pool_for  # noqa: E402
 
@@ -411,13 +412,21 @@ def _q(text: str) -> str:
 
 
 def group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    """Whether any process of group ``pgid`` still runs. A zombie does not count: it has exited
+    and only waits for its parent (or, orphaned, for PID 1, which in a container may take a
+    second or more) to reap it."""
+    return bool(group_members(pgid))
+
+
+def groups_still_alive(pgids: list[int], timeout_s: float = 10.0) -> list[int]:
+    """The groups of ``pgids`` still alive after up to ``timeout_s`` (a SIGKILLed process takes a
+    moment to exit under load): [] as soon as every one has gone."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        alive = [g for g in pgids if group_alive(g)]
+        if not alive or time.monotonic() >= deadline:
+            return alive
+        time.sleep(0.1)
 
 
 def stop_islands(runs_root: str | Path) -> list[int]:

@@ -7,7 +7,7 @@ import socket
 from contextlib import contextmanager
 from pathlib import Path
 
-from devtools.local_airflow import LocalAirflow, group_alive, stop_islands
+from devtools.local_airflow import LocalAirflow, groups_still_alive, stop_islands
 
 
 def free_port() -> int:
@@ -42,5 +42,5 @@ def running_airflow(tmp_path: Path, **extra_env: str):
         pgids = [p.pid for p in af.procs.values()]
         af.stop()
         island_groups = stop_islands(runs)
-        for pgid in pgids + island_groups:
-            assert not group_alive(pgid), f"process group {pgid} outlived the test"
+        alive = groups_still_alive(pgids + island_groups)
+        assert not alive, f"process groups {alive} outlived the test"

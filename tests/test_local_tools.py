@@ -16,7 +16,13 @@ from pathlib import Path
 
 import pytest
 
-from devtools.local_airflow import AirflowError, HomeLock, LocalAirflow, group_alive
+from devtools.local_airflow import (
+    AirflowError,
+    HomeLock,
+    LocalAirflow,
+    group_alive,
+    groups_still_alive,
+)
 from tests.airflow_fixture import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,6 +32,31 @@ def _dead_pid() -> int:
     proc = subprocess.Popen(["true"])
     proc.wait()
     return proc.pid
+
+
+def test_a_killed_group_whose_leader_is_an_unreaped_zombie_is_not_alive():
+    # the CI failure of stop 20: an island group SIGKILLed at teardown, orphaned, and not yet
+    # reaped by PID 1, counted as "outlived the test"; here we are the parent that has not reaped
+    proc = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    os.killpg(proc.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+        assert time.monotonic() < deadline, "the killed process never became a zombie"
+        time.sleep(0.01)
+    try:
+        assert not group_alive(proc.pid)
+    finally:
+        proc.wait()
+
+
+def test_a_running_group_is_still_alive_after_the_wait():
+    proc = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    try:
+        assert groups_still_alive([proc.pid], timeout_s=0.2) == [proc.pid]
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert groups_still_alive([proc.pid], timeout_s=0.2) == []
 
 
 def test_a_second_lock_on_a_live_owners_home_is_refused_with_one_line(tmp_path):
