@@ -84,6 +84,41 @@ def test_data_parallel_counts_the_all_reduce_both_ways(summary):
     assert dp["bytes_received"] == dp["bytes_sent"] > 0
 
 
+def test_data_parallel_is_also_compared_at_each_runs_own_final_tokens(summary):
+    # DP runs last in each seed and is evaluated at the Decoupled run's final tokens too
+    row, dp = summary["methods"]["decoupled"], summary["methods"]["dp"]
+    at = row["dp_eval_losses_at_tokens"]
+    assert len(at) == 2 and row["vs_dp_at_tokens_pct"]["n"] == 2
+    # a 3000-token budget, batch 4 x 16 x 4 islands = 256 tokens a DP step: DP ends at 3072
+    assert dp["tokens"] == 3072 and row["tokens"] > dp["tokens"]
+    assert at != dp["eval_losses"], "evaluated at the budget, not at the run's own tokens"
+
+
+def test_data_parallel_past_the_budget_is_the_same_trajectory(corpus):
+    # evaluated at 4096 tokens beside a 3000-token budget: the curve to the budget is the
+    # plain run's, bit for bit, and the loss at 4096 is the final loss of a 4096-token run
+    from training.baseline import run_data_parallel
+    from training.bench.quality import base_config, method_config
+    from training.config import with_overrides
+
+    overrides = {
+        "model": json.loads(TINY),
+        "data.seq_len": 16,
+        "data.batch_size": 4,
+        "inner.H": 2,
+    }
+    cfg = method_config(base_config("quick", str(corpus), 3000, overrides), "dp")
+    plain = run_data_parallel(cfg, eval_dt=2.0)
+    longer = run_data_parallel(cfg, eval_dt=2.0, also_at=[4096, 1000])
+    whole = run_data_parallel(with_overrides(cfg, {"token_budget": 4096}), eval_dt=1e9)
+    assert longer["curve"].losses == plain["curve"].losses
+    assert (longer["tokens"], longer["merges"]) == (plain["tokens"], plain["merges"]) == (3072, 12)
+    assert longer["bytes_sent"] == plain["bytes_sent"]
+    # 1000 tokens: the first step at or past it is step 4 (1024 tokens)
+    assert [a[:2] for a in longer["at_tokens"]] == [[1000, 1024], [4096, 4096]]
+    assert longer["at_tokens"][1][2] == whole["curve"].losses[-1]
+
+
 def test_the_table_names_config_differences(summary, capsys):
     from training.bench.quality import format_table
 

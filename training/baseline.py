@@ -7,6 +7,7 @@ It is not a merge method (``outer.method`` has no ``dp``): it uses no store and 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -45,13 +46,22 @@ class Curve:
         return dict(times=self.times, tokens=self.tokens, losses=self.losses)
 
 
-def run_data_parallel(cfg: ExperimentConfig, eval_dt: float, progress=None) -> dict:
+def run_data_parallel(
+    cfg: ExperimentConfig, eval_dt: float, progress=None, also_at: Sequence[int] = ()
+) -> dict:
     """Data-parallel: one AdamW step on all islands' batches, at the slowest island's pace.
 
     Time is virtual: a step takes 1 / (the slowest island's speed) seconds. The held-out loss is
     recorded at 0, every `eval_dt` virtual seconds (`progress(t, tokens, loss)` after each) and
-    at the end. Returns {"curve": Curve, "tokens", "bytes_sent", "bytes_received" (per island,
-    a ring all-reduce of fp32 gradients per step), "merges" (steps), "quarantined": 0}.
+    at the budget. Returns {"curve": Curve (up to the budget), "tokens", "bytes_sent",
+    "bytes_received" (per island, a ring all-reduce of fp32 gradients per step, to the budget),
+    "merges" (steps to the budget), "quarantined": 0, "at_tokens"}.
+
+    `also_at`: token counts at which to evaluate as well, before or past the budget (a DiLoCo
+    run's tokens at its end, which overshoots the budget by part of a round): training goes on
+    past the budget to the largest, on the same trajectory (the default inner schedule is
+    constant: the steps to the budget do not depend on where the run stops). "at_tokens" is
+    [[target, tokens, loss], ...], sorted, the loss after the first step with tokens >= target.
     """
     loop = loop_for(cfg)
     corpus = corpus_for(cfg)
@@ -73,30 +83,41 @@ def run_data_parallel(cfg: ExperimentConfig, eval_dt: float, progress=None) -> d
     next_eval = eval_dt
     n_params = sum(int(np.prod(v.shape)) for v in params.values())
     m = len(cfg.islands)
-    steps = 0
-    while tokens < cfg.token_budget:
+    pending = sorted({int(x) for x in also_at})
+    at_tokens: list[list] = [[x, 0, curve.losses[0]] for x in pending if x <= 0]
+    pending = [x for x in pending if x > 0]
+    steps = budget_steps = 0
+    while tokens < cfg.token_budget or pending:
         batches = [ld.next_batch() for ld in loaders]
         x = np.concatenate([b[0] for b in batches])
         y = np.concatenate([b[1] for b in batches])
         params, opt_state, _ = loop.step(params, opt_state, x, y)
-        tokens += x.size
+        before, tokens = tokens, tokens + x.size
         steps += 1
         t += step_time
-        if t >= next_eval:
-            curve.add(t, tokens, loop.eval_loss(params, evals))
-            next_eval += eval_dt
-            if progress:
-                progress(t, tokens, curve.losses[-1])
-    if curve.tokens[-1] != tokens:
-        curve.add(t, tokens, loop.eval_loss(params, evals))
-    per_island = steps * 2 * (m - 1) / m * 4 * n_params  # ring all-reduce: as much in as out
+        loss = None
+        if before < cfg.token_budget:
+            budget_steps = steps
+            if t >= next_eval or tokens >= cfg.token_budget:
+                loss = loop.eval_loss(params, evals)
+                curve.add(t, tokens, loss)
+                if t >= next_eval:
+                    next_eval += eval_dt
+                if progress:
+                    progress(t, tokens, loss)
+        while pending and tokens >= pending[0]:
+            if loss is None:
+                loss = loop.eval_loss(params, evals)
+            at_tokens.append([pending.pop(0), tokens, loss])
+    per_island = budget_steps * 2 * (m - 1) / m * 4 * n_params  # ring all-reduce: in and out
     return dict(
         curve=curve,
-        tokens=tokens,
+        tokens=curve.tokens[-1],
         bytes_sent=per_island,
         bytes_received=per_island,
-        merges=steps,
+        merges=budget_steps,
         quarantined=0,
+        at_tokens=at_tokens,
     )
 
 

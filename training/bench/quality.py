@@ -22,7 +22,12 @@ the two configs).
 
 Equal tokens means tokens *in the global model*: a method's run ends when its merged pseudo-
 gradients account for the token budget (work still on the islands does not count), and data-
-parallel's when its steps have consumed it.
+parallel's when its steps have consumed it. A DiLoCo run's last merge overshoots the budget by
+part of a round (up to 8% at the `small` size, where a round is a third of the budget), so data-
+parallel, run last in each seed, goes on past the budget on the same trajectory and is evaluated
+at each other method's final token count as well: the column "vs DP at equal tokens" (JSON
+`vs_dp_at_tokens_pct`, and `dp_eval_losses_at_tokens` per seed) compares at exactly those tokens;
+"vs DP" compares with data-parallel at the budget, as before.
 
 Data-parallel steps on the concatenation of the four islands' batches and, being synchronous, at
 the pace of the slowest island (4 virtual seconds a step). Its traffic per island is a ring
@@ -40,6 +45,7 @@ import argparse
 import json
 import logging
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import get_args
 
@@ -134,12 +140,15 @@ def run_one(
     progress=None,
     merge_latency: float = 0.0,
     trace_every: int = 0,
+    dp_also_at: Sequence[int] = (),
 ) -> dict:
     """One method at one seed (cfg.seed); `merge_latency`, `trace_every` (DiLoCo methods: a
-    per-merge trace record every N-th version, training/bench/trace.py): see `sim.run_islands`."""
+    per-merge trace record every N-th version, training/bench/trace.py): see `sim.run_islands`;
+    `dp_also_at` (data-parallel): the other methods' final token counts, where it is evaluated
+    too (`run_data_parallel`'s `also_at`)."""
     mcfg = method_config(cfg, method)
     if method == "dp":
-        return run_data_parallel(mcfg, eval_dt, progress)
+        return run_data_parallel(mcfg, eval_dt, progress, also_at=dp_also_at)
     return run_islands(
         mcfg,
         eval_dt,
@@ -173,9 +182,11 @@ def run(
     eval_dt = cfg.token_budget / tokens_per_time / 20
     results: dict[str, list[dict]] = {m: [] for m in methods}
     total, done = seeds * len(methods), 0
+    # data-parallel last in each seed: it is also evaluated at the other methods' final tokens
+    order = [m for m in methods if m != "dp"] + [m for m in methods if m == "dp"]
     for seed in range(first_seed, first_seed + seeds):
         scfg = with_overrides(cfg, {"seed": seed})
-        for method in methods:
+        for method in order:
             started = time.time()
 
             def progress(t, tokens, loss, method=method, seed=seed):
@@ -193,6 +204,9 @@ def run(
                 progress if verbose else None,
                 merge_latency,
                 trace_every,
+                dp_also_at=[results[m][-1]["tokens"] for m in order if m != "dp"]
+                if method == "dp"
+                else (),
             )
             out["wall_s"] = time.time() - started
             out["seed"] = seed
@@ -219,6 +233,18 @@ def _target(dp_runs: list[dict], budget: int) -> list[float]:
     for r in dp_runs:
         c = r["curve"]
         out.append(c.losses[next(i for i, t in enumerate(c.tokens) if t >= budget / 2)])
+    return out
+
+
+def _dp_at_tokens(runs: list[dict], dp_runs: list[dict]) -> list[float] | None:
+    """Per seed: data-parallel's eval loss at the tokens this method's run ended with (its
+    `at_tokens`), or None where a data-parallel run has no such point (read from elsewhere)."""
+    out = []
+    for r, d in zip(runs, dp_runs, strict=True):
+        hit = [loss for target, _, loss in d.get("at_tokens", []) if target == r["tokens"]]
+        if r["seed"] != d["seed"] or not hit:
+            return None
+        out.append(hit[0])
     return out
 
 
@@ -264,6 +290,10 @@ def summarize(cfg: ExperimentConfig, results: dict[str, list[dict]]) -> dict:
         if dp_losses is not None and method != "dp":
             row["vs_dp"] = stats.paired_interval(losses, dp_losses).to_dict()
             row["vs_dp_pct"] = stats.relative_interval(losses, dp_losses).to_dict()
+            at = _dp_at_tokens(runs, dp_runs)
+            if at is not None:
+                row["dp_eval_losses_at_tokens"] = at
+                row["vs_dp_at_tokens_pct"] = stats.relative_interval(losses, at).to_dict()
         rows[method] = row
     return dict(
         target_loss=_mean_or_none(targets) if targets else None,
@@ -304,9 +334,10 @@ def format_table(summary: dict) -> str:
     lines = [
         head,
         "",
-        "| method | eval loss (mean ± std) | vs DP (paired, 95% CI) | tokens | virtual time to "
-        "target | sent / island | received / island | DP bytes / ours | merges | differs from DP in |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| method | eval loss (mean ± std) | vs DP (paired, 95% CI) | vs DP at equal tokens | "
+        "tokens | virtual time to target | sent / island | received / island | DP bytes / ours | "
+        "merges | differs from DP in |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for method, r in rows.items():
         ttt = f"{r['time_to_target']:.0f}" if r["time_to_target"] is not None else "not reached"
@@ -314,7 +345,9 @@ def format_table(summary: dict) -> str:
         diff = stats.format_diff({k: tuple(v) for k, v in r["config_diff"].items()})
         lines.append(
             f"| {r['label']} | {r['eval_loss']:.4f} ± {r['eval_loss_std']:.4f} | "
-            f"{_pct(r.get('vs_dp_pct')) if method != 'dp' else '-'} | {r['tokens'] / 1e6:.2f}M | "
+            f"{_pct(r.get('vs_dp_pct')) if method != 'dp' else '-'} | "
+            f"{_pct(r.get('vs_dp_at_tokens_pct')) if method != 'dp' else '-'} | "
+            f"{r['tokens'] / 1e6:.2f}M | "
             f"{ttt} | {_mib(r['bytes_sent'])} | {_mib(r['bytes_received'])} | {ratio} | "
             f"{r['merges']:.0f} | {diff or '-'} |"
         )
