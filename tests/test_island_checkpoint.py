@@ -102,6 +102,29 @@ def test_resume_restores_the_saved_state_exactly(threaded):
     island.ckpt_io.close()
 
 
+def test_a_resumed_interval_counts_the_steps_it_holds_from_before_the_checkpoint():
+    # P = 2, H = 4: fragment 0 publishes at steps 4 and 8, fragment 1 (offset 2) at 2 and 6.
+    # The checkpoint at step 6 is 2 steps into fragment 0's interval; resumed there, its
+    # publish at step 8 holds steps 5-8 (the anchor is restored exactly), so its manifest must
+    # say 4 steps and 4 x 128 tokens, not the 2 since the resume (the chaos e2e's missing
+    # tokens: every restart under-counted its open intervals, and token weighting with them)
+    cfg = _cfg(fragments={"count": 2}, inner={"H": 4, "tau": 10})
+    store = new_store(cfg)
+    island = Island(cfg, "a", store)
+    island.start()
+    for _ in range(6):
+        island.step()
+    assert store.load_checkpoint("a")[1]["step"] == 6
+    restored = Island(cfg, "a", store)
+    restored.start()
+    for _ in range(2):
+        restored.step()
+    restored.io.drain()
+    ref = max((r for r in store.list_pseudograds("a") if r.fragment == 0), key=lambda r: r.seq)
+    assert ref.manifest["island_step"] == 8
+    assert (ref.manifest["steps"], ref.manifest["tokens"]) == (4, 4 * 128)
+
+
 def test_the_checkpoint_reader_refuses_state_that_does_not_fit_the_model():
     cfg = _cfg(fragments={"count": 2}, inner={"H": 4, "tau": 10})
     store = new_store(cfg)
@@ -139,6 +162,26 @@ def test_the_checkpoint_reader_refuses_state_that_does_not_fit_the_model():
     for anchor in (["params"], ["x", "params"], "saved", [["saved"], "params"]):
         with pytest.raises(BadCheckpoint):
             parse_checkpoint_meta(dump_json({**meta, "anchor": anchor}), "a", meta["step"])
+
+
+@pytest.mark.parametrize(
+    "since, why",
+    [
+        ("3 steps", "one open interval per fragment"),
+        ([{"steps": 1, "tokens": 1, "seconds": 0.0, "timed": 0}], "one open interval per"),
+        ([{"steps": 7, "tokens": 1, "seconds": 0.0, "timed": 0}] * 2, "steps 7"),  # > step 6
+        ([{"steps": 2, "tokens": 1, "seconds": 0.0, "timed": 3}] * 2, "timed 3"),
+        ([{"steps": 2, "tokens": -1, "seconds": 0.0, "timed": 0}] * 2, "tokens -1"),
+        ([{"steps": 2, "tokens": 1, "seconds": -1.0, "timed": 0}] * 2, "seconds -1"),
+        ([{"steps": 2, "tokens": 1, "seconds": 0.0, "timed": 0, "x": 1}] * 2, "is not"),
+        ([{"steps": 2, "tokens": 1, "seconds": 0.0}] * 2, "is not"),
+    ],
+)
+def test_the_reader_refuses_open_intervals_a_resume_could_not_count_on(since, why):
+    meta = {"island": "a", "step": 6, "base_version": [0, 0], "since": since}
+    with pytest.raises(BadCheckpoint, match="since") as err:
+        parse_checkpoint_meta(dump_json(meta), "a", 6)
+    assert why in str(err.value)
 
 
 def test_a_background_snapshot_is_a_copy_the_next_step_cannot_donate():

@@ -216,7 +216,8 @@ class Island:
             )
             self.adopter.adopt(self.state, range(self.P))
             self.goodput.charge("checkpoint_restore", t)
-        self.publisher.reset(range(self.P), self.state.step_count)
+        # the open intervals the checkpoint's anchors hold count on (their steps and tokens)
+        self.publisher.resume(self.state.step_count, ckpt[1].get("since") if ckpt else None)
         beat = (self.store.heartbeats().get(self.name) or {}) if self.writer else {}
         self.lost_steps = self.goodput.resume(
             ckpt[1].get("goodput") if ckpt else None,
@@ -254,6 +255,7 @@ class Island:
         # the next steps donate the parameters and moments: a background write is from a copy
         tensors, meta = self.state.checkpoint(self.loop, self.frags, copy=self.ckpt_io.threaded)
         meta["goodput"] = self.goodput.state()
+        meta["since"] = self.publisher.open_intervals()
         step = meta["step"]
         published = self.io.last()  # the publishes this meta counts: committed before LATEST
 

@@ -66,6 +66,32 @@ class Publisher:
         for p in fragments:
             self.since[p] = dict(steps=0, tokens=0, seconds=0.0, timed=0, first=step)
 
+    def open_intervals(self) -> list[dict]:
+        """Each fragment's open interval now (steps, tokens, seconds, timed), for a checkpoint:
+        its anchor holds those steps, so the next pseudo-gradient after a resume counts them."""
+        return [
+            dict(
+                steps=int(s["steps"]),
+                tokens=int(s["tokens"]),
+                seconds=float(s["seconds"]),
+                timed=int(s["timed"]),
+            )
+            for s in self.since
+        ]
+
+    def resume(self, step: int, since: list[dict] | None) -> None:
+        """Count on from a checkpoint at `step` whose open intervals were `since` (None: a
+        fresh start, or a checkpoint from before they were kept: count from `step`). The losses
+        of the steps before `step` are gone: an interval's mean loss is over those it has."""
+        self.reset(range(len(self.frags)), step)
+        for p, interval in enumerate(since or []):
+            self.since[p].update(
+                steps=interval["steps"],
+                tokens=interval["tokens"],
+                seconds=interval["seconds"],
+                timed=interval["timed"],
+            )
+
     # -- each step ----------------------------------------------------------------------------
 
     def dispatched(self, step: int, loss) -> None:
@@ -140,7 +166,7 @@ class Publisher:
             total = 0.0
             for value in jax.device_get(losses):
                 total += float(value)
-            manifest["loss"] = total / max(s["steps"], 1)
+            manifest["loss"] = total / max(len(losses), 1)
             self.store.publish_pseudograd(self.name, seq, p, host, manifest)
             state.bytes_sent += codecs.payload_nbytes(host)
 

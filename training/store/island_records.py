@@ -104,7 +104,8 @@ checkpointed parameters; `saved`, its own tensors `anchor/<name>` in the checkpo
 def parse_checkpoint_meta(data: Any, island: str, step: int | None = None) -> dict[str, Any]:
     """A checkpoint's meta.json: names `island` and `step`; if present, base_version an int or
     a list of ints >= 0, seq and tokens ints >= 0, anchor a list (as long as base_version)
-    of ANCHOR_KINDS, publishes, bytes_sent and bytes_received ints >= 0. BadCheckpoint."""
+    of ANCHOR_KINDS, publishes, bytes_sent and bytes_received ints >= 0, since one open interval
+    per fragment (`_check_interval`). BadCheckpoint."""
     m = load_object(data, safejson.CHECKPOINT_META, BadCheckpoint, f"checkpoint meta of {island}")
     f = Fields(m, BadCheckpoint, f"checkpoint meta of {island}")
     if m.get("island") != island:
@@ -127,7 +128,28 @@ def parse_checkpoint_meta(data: Any, island: str, step: int | None = None) -> di
         and all(isinstance(k, str) and k in ANCHOR_KINDS for k in anchor)
     ):
         f.fail(f"anchor {show(anchor)} is not one of {ANCHOR_KINDS} per fragment")
+    since = m.get("since")
+    if since is not None:
+        if not isinstance(since, list) or len(since) != len(bases):
+            f.fail(f"since {show(since)} is not one open interval per fragment")
+        for p, interval in enumerate(since):
+            _check_interval(interval, got, f"checkpoint meta of {island}: since[{p}]")
     return m
+
+
+INTERVAL_KEYS = frozenset({"steps", "tokens", "seconds", "timed"})
+
+
+def _check_interval(interval: Any, step: int, what: str) -> None:
+    """One fragment's open interval at a checkpoint: steps (at most the checkpoint's step),
+    tokens, timed (at most steps) ints >= 0 and seconds a finite number >= 0, nothing else."""
+    if not isinstance(interval, dict) or set(interval) != INTERVAL_KEYS:
+        raise BadCheckpoint(one_line(f"{what}: {show(interval)} is not {sorted(INTERVAL_KEYS)}"))
+    f = Fields(interval, BadCheckpoint, what)
+    steps = f.int("steps", 0, step)
+    f.int("tokens")
+    f.int("timed", 0, steps)
+    f.real("seconds", lo=0.0)
 
 
 def _goodput_state_ok(s: Any) -> bool:
