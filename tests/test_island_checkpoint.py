@@ -40,6 +40,17 @@ def _record_saves(store) -> list[int]:
     return steps
 
 
+def _two_fragments_at_step_6() -> tuple:
+    """P = 2, H = 4: an island stepped to its checkpoint at step 6 (cfg, store, island)."""
+    cfg = _cfg(fragments={"count": 2}, inner={"H": 4, "tau": 10})
+    store = new_store(cfg)
+    island = Island(cfg, "a", store)
+    island.start()
+    for _ in range(6):
+        island.step()
+    return cfg, store, island
+
+
 def test_the_policy_is_every_k_rounds_or_every_t_seconds():
     due = checkpointing.checkpoint_due
     assert due(CheckpointConfig(every_rounds=2), 2, 0.0)
@@ -108,12 +119,7 @@ def test_a_resumed_interval_counts_the_steps_it_holds_from_before_the_checkpoint
     # publish at step 8 holds steps 5-8 (the anchor is restored exactly), so its manifest must
     # say 4 steps and 4 x 128 tokens, not the 2 since the resume (the chaos e2e's missing
     # tokens: every restart under-counted its open intervals, and token weighting with them)
-    cfg = _cfg(fragments={"count": 2}, inner={"H": 4, "tau": 10})
-    store = new_store(cfg)
-    island = Island(cfg, "a", store)
-    island.start()
-    for _ in range(6):
-        island.step()
+    cfg, store, island = _two_fragments_at_step_6()
     assert store.load_checkpoint("a")[1]["step"] == 6
     restored = Island(cfg, "a", store)
     restored.start()
@@ -126,12 +132,7 @@ def test_a_resumed_interval_counts_the_steps_it_holds_from_before_the_checkpoint
 
 
 def test_the_checkpoint_reader_refuses_state_that_does_not_fit_the_model():
-    cfg = _cfg(fragments={"count": 2}, inner={"H": 4, "tau": 10})
-    store = new_store(cfg)
-    island = Island(cfg, "a", store)
-    island.start()
-    for _ in range(6):
-        island.step()
+    cfg, store, island = _two_fragments_at_step_6()
     tensors, meta = store.load_checkpoint("a")
     loop = island.loop
 

@@ -31,6 +31,7 @@ from training.background import Background
 from training.device_codec import DeviceEncoder
 from training.island_state import IslandState
 from training.runtime import shared
+from training.store.island_records import INTERVAL_KEYS
 from training.store.layout import pseudograd_id
 
 RUN_AHEAD = 2
@@ -69,15 +70,7 @@ class Publisher:
     def open_intervals(self) -> list[dict]:
         """Each fragment's open interval now (steps, tokens, seconds, timed), for a checkpoint:
         its anchor holds those steps, so the next pseudo-gradient after a resume counts them."""
-        return [
-            dict(
-                steps=int(s["steps"]),
-                tokens=int(s["tokens"]),
-                seconds=float(s["seconds"]),
-                timed=int(s["timed"]),
-            )
-            for s in self.since
-        ]
+        return [{k: s[k] for k in INTERVAL_KEYS} for s in self.since]
 
     def resume(self, step: int, since: list[dict] | None) -> None:
         """Count on from a checkpoint at `step` whose open intervals were `since` (None: a
@@ -85,12 +78,7 @@ class Publisher:
         of the steps before `step` are gone: an interval's mean loss is over those it has."""
         self.reset(range(len(self.frags)), step)
         for p, interval in enumerate(since or []):
-            self.since[p].update(
-                steps=interval["steps"],
-                tokens=interval["tokens"],
-                seconds=interval["seconds"],
-                timed=interval["timed"],
-            )
+            self.since[p].update({k: interval[k] for k in INTERVAL_KEYS})
 
     # -- each step ----------------------------------------------------------------------------
 

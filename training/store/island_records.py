@@ -137,6 +137,7 @@ def parse_checkpoint_meta(data: Any, island: str, step: int | None = None) -> di
     return m
 
 
+# the counts of a fragment's open interval a checkpoint keeps (training/island_publish.py)
 INTERVAL_KEYS = frozenset({"steps", "tokens", "seconds", "timed"})
 
 
