@@ -183,6 +183,69 @@ def test_a_weight_over_8x_the_others_is_capped():
     np.testing.assert_allclose(theta[k] - new[k], 8750 / 11250, rtol=1e-5)
 
 
+def _stale_pair(anchor: str):
+    """Island a's delta merged as version 1, then island b's, computed against version 0
+    (staleness 1), with plain outer SGD at lr 1 on one contribution per merge."""
+    cfg = small_config(
+        outer={
+            "method": "decoupled",
+            "lr": 1.0,
+            "momentum": 0.0,
+            "rda": False,
+            "partial_scaling": False,
+            "quorum": 1,
+            "grace_min_steps": 0.0,
+            "anchor": anchor,
+        }
+    )
+    store = new_store(cfg)
+    theta = store.load_params()
+    da, db = random_delta(theta, 0), random_delta(theta, 1)
+    merger = Merger(cfg, store, clock=lambda: 1e9)
+    publish_delta(store, cfg, "a", 0, da)
+    assert merger.merge_once().version == 1
+    publish_delta(store, cfg, "b", 0, db, base_version=0)
+    assert merger.merge_once().version == 2
+    return store, theta, da, db
+
+
+@pytest.mark.parametrize("anchor", ["base", "now"])
+def test_a_stale_contribution_is_anchored_where_outer_anchor_says(anchor):
+    # v1 = theta - da. base: v2 = v1 - db = theta - da - db (a's progress kept).
+    # now: v2 = v1 - (db + v1 - theta) = theta - db, b's own parameters (appendix D.2's rule).
+    store, theta, da, db = _stale_pair(anchor)
+    new = store.load_params()
+    for k in theta:
+        want = theta[k] - db[k] - (da[k] if anchor == "base" else 0)
+        np.testing.assert_allclose(new[k], want, atol=1e-6, err_msg=k)
+
+
+def test_anchor_now_falls_back_to_the_base_anchor_when_the_base_is_unreadable():
+    cfg = small_config(
+        outer={
+            "method": "decoupled",
+            "lr": 1.0,
+            "momentum": 0.0,
+            "rda": False,
+            "partial_scaling": False,
+            "grace_min_steps": 0.0,
+            "anchor": "now",
+        }
+    )
+    store = new_store(cfg)
+    theta = store.load_params()
+    da, db = random_delta(theta, 0), random_delta(theta, 1)
+    merger = Merger(cfg, store, clock=lambda: 1e9)
+    publish_delta(store, cfg, "a", 0, da)
+    merger.merge_once()
+    base = store.find_version(0, 0)
+    store.store.delete(store._key(f"{base.dir}/params.safetensors"))  # version 0's payload gone
+    publish_delta(store, cfg, "b", 0, db, base_version=0)
+    assert merger.merge_once().applied == ["b/00000000-f000"]
+    k = "blocks/0/mlp_up/kernel"
+    np.testing.assert_allclose(store.load_params()[k], theta[k] - da[k] - db[k], atol=1e-6)
+
+
 def _hostile(store, cfg, theta, kind):
     good = random_delta(theta, 7)
     if kind == "shape":

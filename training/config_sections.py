@@ -305,6 +305,13 @@ class OuterConfig(_Frozen):
         "outer step for the momentum too (decay beta^(n/M), Nesterov look-ahead x n/M), so "
         "out-of-phase partial merges do not each re-apply the whole momentum",
     )
+    anchor: Literal["base", "now"] = Field(
+        "base",
+        description="where a stale contribution's outer gradient is anchored: base, "
+        "Theta(base) - theta_m as the island published it (the others' progress since its base "
+        "is kept); now, Theta(now) - theta_m (the paper's appendix D.2): the merger adds the "
+        "fragment's change since the contribution's base version. The same at staleness 0",
+    )
     clip_multiplier: float = Field(5.0, gt=1, description="clip norms above k x running median")
     rounds: Literal["steps", "clock"] = Field(
         "clock",

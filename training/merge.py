@@ -293,6 +293,7 @@ class Merger:
         last_claim = dict(ms.get("last_claim") or {})
         tokens_merged = int(manifest["tokens_merged"])
         applied, details = [], []
+        bases: dict[int, dict[str, np.ndarray]] = {}  # outer.anchor = now: base version params
         for group in groups:
             combiner = rules.Combiner(
                 self.shapes[p], self.cfg.outer.rda and self.cfg.outer.method != "sync"
@@ -304,7 +305,7 @@ class Merger:
             caps = rules.capped_weights(self.cfg.outer, group)
             for island, contribs in sorted(by_island.items()):
                 vote, kept, vote_norms, (total_sq, body_sq) = self._vote(
-                    contribs, norms, params_norm, result, combiner
+                    contribs, norms, params_norm, result, combiner, (head, params, bases)
                 )
                 if vote is None:
                     continue
@@ -431,12 +432,15 @@ class Merger:
         while sum(w[4] for w in self._warm.values()) > self.warm_bytes:
             self._warm.pop(next(iter(self._warm)))
 
-    def _vote(self, contribs, norms, params_norm, result, combiner):
+    def _vote(self, contribs, norms, params_norm, result, combiner, now=None):
         """One island's vote on a fragment: its pending contributions, each checked and its
         norms computed in one streaming pass, summed (they are consecutive increments: an
         island never publishes the same progress twice). Returns (vote or None, the
         contributions in it, their norms, the vote's (squared norm, squared body norm)).
-        At most one payload and one summed vote are held at a time."""
+        At most one payload and one summed vote are held at a time.
+
+        `now` = (HEAD, its params as they stand, a cache of base versions' params): with
+        `outer.anchor = "now"` a stale contribution is re-anchored at them (`_anchored_now`)."""
         vote: merge_stream.Vote | None = None
         kept, vote_norms, sqs = [], [], (0.0, 0.0)
         limit = rules.clip_limit(self.cfg.outer, norms)
@@ -455,6 +459,8 @@ class Merger:
                 continue
             try:
                 this = rules.check_payload(payload, c.codec, shapes, c.fragment)
+                if now is not None and self.cfg.outer.anchor == "now" and c.staleness > 0:
+                    this = self._anchored_now(c, this, *now, buf)
                 total_sq, body_sq = rules.vote_sq_norms(this, shapes, combiner.body, buf)
             except (ValueError, KeyError) as err:
                 self._quarantine(c.id, str(err).strip("'\""), result)
@@ -473,6 +479,35 @@ class Merger:
         if vote is not None and sqs is None:
             sqs = merge_stream.sq_norms(vote, self.shapes[kept[0].fragment], combiner.body, buf)
         return vote, kept, vote_norms, sqs or (0.0, 0.0)
+
+    def _anchored_now(self, c, vote, head, params, bases, buf) -> merge_stream.Vote:
+        """`outer.anchor = "now"`: the contribution's outer gradient anchored at the fragment as
+        it stands, Theta(now) - theta_m = Delta + (Theta(now) - Theta(base)), with Theta(base)
+        the committed version it was computed against (version HEAD - staleness; read once per
+        merge). A base the store no longer holds (garbage-collected) leaves the vote as
+        published, anchored at its base, and says so in the log."""
+        version = head.version - c.staleness
+        if version not in bases:
+            try:
+                at = self.store.find_version(c.fragment, version)
+                bases[version] = self.store.load_fragment(
+                    at, max_nbytes=self._fragment_limits[c.fragment]
+                ).params
+            except (TransientStoreError, StoreUnreachable):
+                raise  # the store's fault, not the base's: retry later
+            except StoreError as err:  # collected (ObjectNotFound) or refused
+                log.warning(
+                    "%s: anchored at its base, version %d unreadable: %s", c.id, version, err
+                )
+                bases[version] = None
+        base = bases[version]
+        if base is None:
+            return vote
+        drift = merge_stream.DenseVote(
+            {n: np.subtract(params[n], base[n], dtype=np.float32) for n in self.shapes[c.fragment]},
+            owned=True,
+        )
+        return merge_stream.add_votes(drift, vote, self.shapes[c.fragment], buf)
 
     @staticmethod
     def _claim(c: rules.Candidate) -> claims.Claim:
