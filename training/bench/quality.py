@@ -372,7 +372,12 @@ def plot(summary: dict, path: str) -> None:
     ax.set_xlabel("virtual time (s; speed-1 island = 1 step/s)")
     ax.set_ylabel("held-out eval loss (nats/byte)")
     ax.set_ylim(top=min(4.0, ax.get_ylim()[1]))
-    ax.set_title(f"{summary.get('size', '')}: seeds {len(summary['seeds'])}", fontsize=9)
+    seeds = summary["seeds"]
+    ax.set_title(
+        f"{summary.get('size', '')}: seeds {seeds[0]}-{seeds[-1]} (n = {len(seeds)}; "
+        f"thick: seed {seeds[0]})",
+        fontsize=9,
+    )
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
