@@ -183,21 +183,18 @@ def test_a_weight_over_8x_the_others_is_capped():
     np.testing.assert_allclose(theta[k] - new[k], 8750 / 11250, rtol=1e-5)
 
 
+def _anchor_config(anchor: str):
+    """Plain outer SGD at lr 1, one contribution per merge, nothing rescaled."""
+    outer = {"method": "decoupled", "lr": 1.0, "momentum": 0.0, "rda": False}
+    return small_config(
+        outer={**outer, "partial_scaling": False, "grace_min_steps": 0.0, "anchor": anchor}
+    )
+
+
 def _stale_pair(anchor: str):
     """Island a's delta merged as version 1, then island b's, computed against version 0
-    (staleness 1), with plain outer SGD at lr 1 on one contribution per merge."""
-    cfg = small_config(
-        outer={
-            "method": "decoupled",
-            "lr": 1.0,
-            "momentum": 0.0,
-            "rda": False,
-            "partial_scaling": False,
-            "quorum": 1,
-            "grace_min_steps": 0.0,
-            "anchor": anchor,
-        }
-    )
+    (staleness 1)."""
+    cfg = _anchor_config(anchor)
     store = new_store(cfg)
     theta = store.load_params()
     da, db = random_delta(theta, 0), random_delta(theta, 1)
@@ -221,17 +218,7 @@ def test_a_stale_contribution_is_anchored_where_outer_anchor_says(anchor):
 
 
 def test_anchor_now_falls_back_to_the_base_anchor_when_the_base_is_unreadable():
-    cfg = small_config(
-        outer={
-            "method": "decoupled",
-            "lr": 1.0,
-            "momentum": 0.0,
-            "rda": False,
-            "partial_scaling": False,
-            "grace_min_steps": 0.0,
-            "anchor": "now",
-        }
-    )
+    cfg = _anchor_config("now")
     store = new_store(cfg)
     theta = store.load_params()
     da, db = random_delta(theta, 0), random_delta(theta, 1)
