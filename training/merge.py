@@ -293,7 +293,7 @@ class Merger:
         last_claim = dict(ms.get("last_claim") or {})
         tokens_merged = int(manifest["tokens_merged"])
         applied, details = [], []
-        bases: dict[int, dict[str, np.ndarray]] = {}  # outer.anchor = now: base version params
+        bases: dict[int, dict[str, np.ndarray] | None] = {}  # outer.anchor = now: base params
         for group in groups:
             combiner = rules.Combiner(
                 self.shapes[p], self.cfg.outer.rda and self.cfg.outer.method != "sync"
@@ -484,8 +484,9 @@ class Merger:
         """`outer.anchor = "now"`: the contribution's outer gradient anchored at the fragment as
         it stands, Theta(now) - theta_m = Delta + (Theta(now) - Theta(base)), with Theta(base)
         the committed version it was computed against (version HEAD - staleness; read once per
-        merge). A base the store no longer holds (garbage-collected) leaves the vote as
-        published, anchored at its base, and says so in the log."""
+        merge and held to its end: one fragment per distinct stale base, at most
+        `outer.max_staleness`). A base the store no longer holds (garbage-collected) or refuses
+        leaves the vote as published, anchored at its base, and says so in the log."""
         version = head.version - c.staleness
         if version not in bases:
             try:
