@@ -293,7 +293,8 @@ class Merger:
         last_claim = dict(ms.get("last_claim") or {})
         tokens_merged = int(manifest["tokens_merged"])
         applied, details = [], []
-        bases: dict[int, dict[str, np.ndarray] | None] = {}  # outer.anchor = now: base params
+        # outer.anchor = now: stale votes re-anchored at the params as they stand (`_vote`)
+        now = (head, params, {}) if self.cfg.outer.anchor == "now" else None
         for group in groups:
             combiner = rules.Combiner(
                 self.shapes[p], self.cfg.outer.rda and self.cfg.outer.method != "sync"
@@ -305,7 +306,7 @@ class Merger:
             caps = rules.capped_weights(self.cfg.outer, group)
             for island, contribs in sorted(by_island.items()):
                 vote, kept, vote_norms, (total_sq, body_sq) = self._vote(
-                    contribs, norms, params_norm, result, combiner, (head, params, bases)
+                    contribs, norms, params_norm, result, combiner, now
                 )
                 if vote is None:
                     continue
@@ -439,8 +440,8 @@ class Merger:
         contributions in it, their norms, the vote's (squared norm, squared body norm)).
         At most one payload and one summed vote are held at a time.
 
-        `now` = (HEAD, its params as they stand, a cache of base versions' params): with
-        `outer.anchor = "now"` a stale contribution is re-anchored at them (`_anchored_now`)."""
+        `now` (only with `outer.anchor = "now"`) = (HEAD, its params as they stand, a cache of
+        base versions' params): a stale contribution is re-anchored at them (`_anchored_now`)."""
         vote: merge_stream.Vote | None = None
         kept, vote_norms, sqs = [], [], (0.0, 0.0)
         limit = rules.clip_limit(self.cfg.outer, norms)
@@ -459,7 +460,7 @@ class Merger:
                 continue
             try:
                 this = rules.check_payload(payload, c.codec, shapes, c.fragment)
-                if now is not None and self.cfg.outer.anchor == "now" and c.staleness > 0:
+                if now is not None and c.staleness > 0:
                     this = self._anchored_now(c, this, *now, buf)
                 total_sq, body_sq = rules.vote_sq_norms(this, shapes, combiner.body, buf)
             except (ValueError, KeyError) as err:
