@@ -1,12 +1,12 @@
 """diloco_scavenge: extra islands join a running experiment for a time window, then leave.
 
 Its schedule is `DILOCO_SCAVENGE_SCHEDULE` (cron or preset; default none: trigger it by hand);
-its window and everything else are the Params form (`training.scavenge.ScavengeConfig`).
+its window and everything else are the Params form (`training.config.scavenge.ScavengeConfig`).
 `plan` checks that the experiment runs and joins the scavenged islands (spot / preemptible
 queued resources on `tpu_vm`, processes locally); per island, `join` starts it, `wait`
 (deferred) ends when the window closes or the capacity is reclaimed, `leave` writes its stop
 marker and records the leave, `teardown` releases it. Structure only: the work is in
-plugins/diloco_airflow/scavenge.py, the rules in training/scavenge.py.
+plugins/diloco_airflow/scavenge.py, the rules in training/config/scavenge.py.
 """
 
 from __future__ import annotations

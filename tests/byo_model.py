@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from training.config import ModelConfig
-from training.model import compute_dtype, cross_entropy
+from training.config.experiment import ModelConfig
+from training.model.definition import compute_dtype, cross_entropy
 
 
 class Mixer(nnx.Module):

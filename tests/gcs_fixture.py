@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from training.store.objectstore import ObjectStore, open_store
+from training.store.objectstore import ObjectStore
+from training.store.registry import open_store
 
 BUCKET = "bucket"
 

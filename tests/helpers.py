@@ -6,11 +6,11 @@ import uuid
 
 import numpy as np
 
-from training import codecs
-from training.config import parse_config
-from training.merge import initial_version
+from training.codecs import host as codecs
+from training.config.experiment import parse_config
+from training.merge.merger import initial_version
 from training.store.experiment import ExperimentStore
-from training.store.objectstore import open_store
+from training.store.registry import open_store
 
 SMALL_MODEL = {"preset": "tiny", "d_model": 32, "n_heads": 2, "d_ff": 64, "max_seq_len": 32}
 

@@ -97,9 +97,9 @@ def test_data_parallel_is_also_compared_at_each_runs_own_final_tokens(summary):
 def test_data_parallel_past_the_budget_is_the_same_trajectory(corpus):
     # evaluated at 4096 tokens beside a 3000-token budget: the curve to the budget is the
     # plain run's, bit for bit, and the loss at 4096 is the final loss of a 4096-token run
-    from training.baseline import run_data_parallel
     from training.bench.quality import base_config, method_config
-    from training.config import with_overrides
+    from training.config.experiment import with_overrides
+    from training.model.baseline import run_data_parallel
 
     overrides = {
         "model": json.loads(TINY),

@@ -9,7 +9,7 @@ import pytest
 from training.bench import science
 from training.bench.trace import MergeTracer, format_trace, merges
 from training.store.experiment import ExperimentStore
-from training.store.objectstore import open_store
+from training.store.registry import open_store
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""Update broadcast (outer.broadcast = "codec", training/broadcast.py): the syncer writes each
+"""Update broadcast (outer.broadcast = "codec", training/protocol/broadcast.py): the syncer writes each
 version's codec-encoded update from the previous shadow and the shadow itself; islands adopt
 the shadow by applying updates, bit for bit as the syncer computed it, or read it whole."""
 
@@ -8,10 +8,12 @@ import numpy as np
 import pytest
 
 from tests.helpers import new_store, publish_delta, random_delta, small_config
-from training import broadcast, codecs, inner
-from training.island import Island
-from training.merge import Merger
-from training.runtime import fragment_names
+from training.codecs import host as codecs
+from training.island.process import Island
+from training.merge.merger import Merger
+from training.model import inner
+from training.model.runtime import fragment_names
+from training.protocol import broadcast
 
 
 def _cfg(codec="int4", mode="codec", islands=("a", "b")):
@@ -303,7 +305,7 @@ def test_a_multi_host_follower_adopts_process_zeros_version_bit_for_bit():
     """Two processes of one island (in one test process, in lockstep): the follower takes
     version 1 by update like process 0; when it has seen version 2 but process 0 chose
     version 3, it reads the chosen version whole. Both hold the stored shadow."""
-    from training.multihost import ProcessGroup
+    from training.island.multihost import ProcessGroup
 
     cfg = small_config(
         codec="int4",

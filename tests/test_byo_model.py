@@ -7,10 +7,11 @@ import pytest
 
 from tests.byo_model import SMOOTHING
 from tests.helpers import new_store, small_config
-from training import cli, model
-from training.config import ConfigError, ModelConfig, parse_config
-from training.island import Island
-from training.merge import Merger
+from training import cli
+from training.config.experiment import ConfigError, ModelConfig, parse_config
+from training.island.process import Island
+from training.merge.merger import Merger
+from training.model import definition as model
 
 BYO = {**{"preset": "tiny", "d_model": 32, "max_seq_len": 32}, "factory": "tests.byo_model:make"}
 

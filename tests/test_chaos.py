@@ -11,7 +11,8 @@ import time
 import pytest
 
 from tests.helpers import FakeClock, new_store, small_config
-from training.chaos import (
+from training.config.experiment import ChaosConfig, ConfigError
+from training.faults.chaos import (
     ChaosStore,
     IslandChaos,
     arm_merge_kill,
@@ -20,11 +21,10 @@ from training.chaos import (
     run_monkey,
     victim_chooser,
 )
-from training.config import ChaosConfig, ConfigError
-from training.island import Island
-from training.merge import Merger, initial_version
+from training.island.process import Island
+from training.merge.merger import Merger, initial_version
 from training.store.experiment import ExperimentStore
-from training.store.objectstore import open_store
+from training.store.registry import open_store
 
 
 def _unique(prefix: str) -> str:
@@ -155,7 +155,7 @@ def test_stalled_island_stops_stepping_and_heartbeating_until_stopped():
 
 def test_an_island_built_without_chaos_runs_no_chaos_code(monkeypatch):
     # the config names island a for a slow-down and a stall, but chaos is the entry point's
-    # to hand over: an island built without it never calls into training/chaos.py
+    # to hand over: an island built without it never calls into training/faults/chaos.py
     cfg = small_config(
         "chaos-none", chaos={"slow_island": "a", "slow_factor": 3.0, "stall_island": "a"}
     )
@@ -255,11 +255,11 @@ def test_merge_kill_is_armed_once_and_validated():
 
 _MERGE_SCRIPT = """
 import sys
-from training.chaos import for_process
-from training.config import parse_config
-from training.merge import Merger
+from training.faults.chaos import for_process
+from training.config.experiment import parse_config
+from training.merge.merger import Merger
 from training.store.experiment import ExperimentStore
-from training.store.objectstore import open_store
+from training.store.registry import open_store
 store = ExperimentStore(open_store(sys.argv[1]), "chaos-mk")
 cfg = parse_config(store.read_config())
 Merger(cfg, for_process(cfg, store, "merge")).merge_all()

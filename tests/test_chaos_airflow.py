@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from tests.helpers import new_store, publish_delta, small_config
-from training.island import Island
+from training.island.process import Island
 from training.store.experiment import ExperimentStore
 
 _MERGE_TASK = """

@@ -1,6 +1,6 @@
 """Claims of steps and tokens are bounded by what an island can have done; weights are capped.
 
-Numbers are derived by hand from training/claims.py's rules. The experiment: H = 32, batch 16 x
+Numbers are derived by hand from training/protocol/claims.py's rules. The experiment: H = 32, batch 16 x
 seq 64 = 1024 tokens per step, tau = 2, 1000 steps/s at most, 5 s of clock skew.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from training.claims import Beat, Claim, Limits, cap_weights, check_claim, check_claims
+from training.protocol.claims import Beat, Claim, Limits, cap_weights, check_claim, check_claims
 
 L = Limits(H=32, tokens_per_step=1024, tau=2, max_steps_per_s=1000.0, clock_skew_s=5.0)
 NOW = 10_000.0

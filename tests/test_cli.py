@@ -7,7 +7,7 @@ import pytest
 
 from training import cli
 from training.store.experiment import ExperimentStore
-from training.store.objectstore import open_store
+from training.store.registry import open_store
 
 
 def _run(capsys, *argv):

@@ -11,7 +11,7 @@ import pytest
 
 from tests.helpers import new_store, publish_delta, random_delta, small_config
 from training import cli
-from training.merge import Merger
+from training.merge.merger import Merger
 from training.store.layout import iso
 
 

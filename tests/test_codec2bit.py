@@ -1,11 +1,12 @@
-"""The 2-bit codec (training/codec2bit.py) through training/codecs.py."""
+"""The 2-bit codec (training/codecs/int2.py) through training/codecs/host.py."""
 
 import math
 
 import numpy as np
 import pytest
 
-from training import codec2bit, codecs
+from training.codecs import host as codecs
+from training.codecs import int2 as codec2bit
 
 
 def test_levels_and_packing_by_hand():

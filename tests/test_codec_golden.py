@@ -11,7 +11,7 @@ import hashlib
 import numpy as np
 import pytest
 
-from training import codecs
+from training.codecs import host as codecs
 
 
 def _inputs() -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save
 
-from training import codecs
+from training.codecs import host as codecs
 
 N = 1000  # not a multiple of the block
 LEVELS = {"int8": 127, "int4": 7}

@@ -4,7 +4,13 @@ import json
 
 import pytest
 
-from training.config import ConfigError, ExperimentConfig, load_config, parse_config, with_overrides
+from training.config.experiment import (
+    ConfigError,
+    ExperimentConfig,
+    load_config,
+    parse_config,
+    with_overrides,
+)
 
 
 @pytest.mark.parametrize(
@@ -77,7 +83,7 @@ def test_config_json_is_stable():
 
 
 def test_dp_is_refused_as_a_merge_method_with_the_reason():
-    from training.config import ConfigError, parse_config
+    from training.config.experiment import ConfigError, parse_config
 
     with pytest.raises(ConfigError, match="'dp' .* is not a merge method"):
         parse_config({"name": "x", "outer": {"method": "dp"}})
@@ -86,15 +92,15 @@ def test_dp_is_refused_as_a_merge_method_with_the_reason():
 def test_the_codec_lists_are_the_configs_codec_type():
     from typing import get_args
 
-    from training import codecs
-    from training.config import Codec
+    from training.codecs import host as codecs
+    from training.config.experiment import Codec
     from training.store import merge_records
 
     assert codecs.CODECS == merge_records.CODECS == get_args(Codec)
 
 
 def test_parse_sets_reads_json_values_else_strings_and_refuses_an_item_without_equals():
-    from training.config import ConfigError, parse_sets
+    from training.config.experiment import ConfigError, parse_sets
 
     assert parse_sets(["outer.lr=0.5", "name=exp-1", "islands=[]"]) == {
         "outer.lr": 0.5,
@@ -107,8 +113,8 @@ def test_parse_sets_reads_json_values_else_strings_and_refuses_an_item_without_e
 
 def test_every_config_field_has_a_description():
     """The descriptions feed the trigger form and `diloco init --help`: write one for a new
-    field (training/config.py, `Field(..., description=...)`)."""
-    from training.config import field_docs
+    field (training/config/experiment.py, `Field(..., description=...)`)."""
+    from training.config.experiment import field_docs
 
     docs = field_docs()
     assert "outer.lr" in docs and "islands[].backend" in docs and "syncer.shards" in docs

@@ -111,7 +111,7 @@ print(time.perf_counter() - t, "jax" in sys.modules)
 def test_params_match_config_presets():
     from diloco_airflow import params
 
-    from training.config import GEMMA_PRESETS, PRESETS
+    from training.config.experiment import GEMMA_PRESETS, PRESETS
 
     assert [*PRESETS, *GEMMA_PRESETS] == params.PRESETS
 
@@ -127,7 +127,7 @@ def test_default_params_make_a_valid_config():
 def test_syncer_params_are_derived_from_the_config():
     from diloco_airflow.params import config_from_params, experiment_params
 
-    from training.config import SyncerConfig
+    from training.config.experiment import SyncerConfig
 
     params = experiment_params()
     for name, info in SyncerConfig.model_fields.items():
@@ -141,7 +141,7 @@ def test_syncer_params_are_derived_from_the_config():
 def test_bad_params_fail_with_one_line():
     from diloco_airflow.params import config_from_params, experiment_params
 
-    from training.config import ConfigError
+    from training.config.experiment import ConfigError
 
     values = {k: p.value for k, p in experiment_params().items()}
     values["overrides"] = {"data.seq_len": 10_000}

@@ -1,12 +1,12 @@
-"""training/dashboard.py: the pure rules behind the DiLoCo page (states, links, curves, cache)."""
+"""training/views/dashboard.py: the pure rules behind the DiLoCo page (states, links, curves, cache)."""
 
 from __future__ import annotations
 
 import pytest
 
 from tests.helpers import new_store, small_config
-from training import dashboard
-from training.catalog import list_experiments
+from training.views import dashboard
+from training.views.catalog import list_experiments
 
 
 @pytest.mark.parametrize(

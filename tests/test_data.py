@@ -5,7 +5,7 @@ import fsspec
 import numpy as np
 import pytest
 
-from training import data
+from training.data import corpus as data
 
 
 @pytest.fixture(scope="module")

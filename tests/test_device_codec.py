@@ -4,8 +4,8 @@ import jax
 import numpy as np
 import pytest
 
-from training import codecs
-from training.device_codec import DeviceEncoder
+from training.codecs import host as codecs
+from training.island.encode import DeviceEncoder
 from training.store.tensors import encode_tensors
 
 SHAPES = {"w": (33, 20), "b": (7,), "e": (600,), "s": ()}

@@ -168,7 +168,7 @@ def test_a_run_triggered_like_the_form_merges_from_its_first_publish(airflow, gc
     fragments = {c["fragment"] for m in merges for c in m["contributions"]}
     assert fragments == {0, 1}, "both shards' fragments merged"
     assert s["applied_twice"] == 0
-    from training.config import parse_config
+    from training.config.experiment import parse_config
 
     cfg = parse_config(estore.read_config())
     per_interval = cfg.inner.H * cfg.data.batch_size * cfg.data.seq_len  # one island's interval

@@ -5,7 +5,7 @@ fake-gcs-server; `diloco_experiment` runs the same small experiment (same seed, 
 islands, `tiny` preset) twice, one run after the other:
 
 1. without faults;
-2. in chaos mode (`chaos` Param = `training.config.ChaosConfig`): the DAG's `chaos_monkey` task
+2. in chaos mode (`chaos` Param = `training.config.experiment.ChaosConfig`): the DAG's `chaos_monkey` task
    SIGKILLs running islands (mean 20 s apart, 3 kills), one island stalls (alive, silent: its
    wait task sees the heartbeat stop, stops it and relaunches it), the process of syncer shard 0
    SIGKILLs itself after its head compare-and-swap and before its ledger entries (the shard
@@ -44,7 +44,7 @@ ISLAND_TOKENS = 150_000
 RUN_TIMEOUT_S = 330.0
 LOSS_TOLERANCE = 0.03
 # chaos.seed 10 with a mean of 20 s: kills due about 25, 53 and 65 s after the monkey starts,
-# victims a, c, a while all three run (training.chaos.kill_times / victim_chooser), so the
+# victims a, c, a while all three run (training.faults.chaos.kill_times / victim_chooser), so the
 # stalled island is normally left to the heartbeat check
 CHAOS = {
     "kill_mtbi_s": 20.0,

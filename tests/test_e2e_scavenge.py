@@ -46,8 +46,8 @@ def _wait(what: str, ready, timeout_s: float, airflow) -> None:
 def test_a_scavenged_island_joins_for_its_window_is_merged_and_leaves(airflow, gcs_bucket):  # noqa: F811
     from diloco_airflow.store import open_experiment
 
-    from training.config import parse_config
-    from training.status import collect_status, format_status
+    from training.config.experiment import parse_config
+    from training.views.status import collect_status, format_status
 
     name = f"scav-{uuid.uuid4().hex[:8]}"
     store_url = f"{gcs_bucket}/scav-{uuid.uuid4().hex[:8]}"

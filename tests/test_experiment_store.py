@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from tests.gcs_fixture import BACKENDS, gcs_bucket, open_backend  # noqa: F401
-from training.names import validate_name
+from training.config.names import validate_name
 from training.store.experiment import (
     DoubleApply,
     ExperimentExists,

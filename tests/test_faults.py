@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from training.faults import FaultPlan, parse_plan
+from training.faults.points import FaultPlan, parse_plan
 
 
 def test_a_plan_is_parsed_once_from_the_environment():
@@ -21,7 +21,7 @@ def test_a_plan_is_parsed_once_from_the_environment():
 
 def test_a_plan_kills_the_process_at_the_planned_visit():
     code = (
-        "from training.faults import FaultPlan\n"
+        "from training.faults.points import FaultPlan\n"
         "plan = FaultPlan({'x': 2})\n"
         "plan.hit('y'); plan.hit('x'); print('first', flush=True); plan.hit('x'); print('second')"
     )

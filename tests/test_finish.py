@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 
 from tests.helpers import new_store, publish_delta, small_config
-from training.evaluate import evaluate_current, finish_at_best
-from training.merge import Merger
+from training.merge.merger import Merger
+from training.model.evaluate import evaluate_current, finish_at_best
 
 
 def _worse_run():

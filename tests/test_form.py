@@ -14,8 +14,8 @@ from diloco_airflow import params as form
 from diloco_airflow.backends.base import HARDWARE_KEYS
 from diloco_airflow.backends.registry import BACKENDS, enabled_backends
 
-from training.config import ChaosConfig, ExperimentConfig, IslandConfig
-from training.hardware import gke_tpu_slice
+from training.config.experiment import ChaosConfig, ExperimentConfig, IslandConfig
+from training.config.hardware import gke_tpu_slice
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -72,7 +72,7 @@ def test_the_documented_hardware_keys_are_the_ones_the_backends_read():
     for backend, files in sources.items():
         text = "".join((ROOT / "plugins/diloco_airflow" / f).read_text() for f in files)
         keys = {a or b for a, b in read.findall(text)}
-        if backend == "gke":  # gke_tpu_slice (training.hardware) reads the slice's shape
+        if backend == "gke":  # gke_tpu_slice (training.config.hardware) reads the slice's shape
             keys |= {a or b for a, b in read.findall(shared)}
         assert keys - set(HARDWARE_KEYS[backend]) == set(), backend
         assert set(HARDWARE_KEYS[backend]) - keys == set(), backend

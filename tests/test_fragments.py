@@ -4,7 +4,7 @@ import math
 import numpy as np
 import pytest
 
-from training import fragments
+from training.protocol import fragments
 
 
 def model_shapes(n_layers: int = 6, d: int = 64, vocab: int = 256, seq: int = 128) -> dict:

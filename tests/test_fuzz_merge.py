@@ -19,10 +19,10 @@ from hypothesis import strategies as st
 
 from tests.helpers import new_store, publish_delta, random_delta, small_config
 from tests.test_fuzz_records import JSON_VALUES
-from training.merge import Merger
-from training.status import collect_status
+from training.merge.merger import Merger
 from training.store.safejson import dump_json
 from training.store.tensors import encode_tensors, sha256
+from training.views.status import collect_status
 
 FAST = settings(
     max_examples=6,

@@ -1,6 +1,6 @@
 """Property-based tests of every store reader: whatever the bytes, only the documented error
 type escapes (training/store/keys.py, safejson.py, merge_records.py, island_records.py, tensors.py,
-training/codecs.py).
+training/codecs/host.py).
 
 Inputs: random bytes, mutations of valid objects (fields deleted, replaced by values of the
 wrong type, huge numbers, deep nesting, unicode; bytes flipped, truncated, spliced), and names
@@ -19,8 +19,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from training import codecs
-from training.claims import norm_median
+from training.codecs import host as codecs
+from training.protocol.claims import norm_median
 from training.store import island_records, keys, merge_records, safejson
 from training.store.tensors import BadTensors, decode_tensors, encode_tensors, sha256
 

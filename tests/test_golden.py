@@ -12,11 +12,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from training import inner, model
-from training.config import parse_config
-from training.data import BatchLoader, shard_tokens
-from training.evaluate import held_out_batches
-from training.runtime import corpus_for, loop_for
+from training.config.experiment import parse_config
+from training.data.corpus import BatchLoader, shard_tokens
+from training.model import definition as model
+from training.model import inner
+from training.model.evaluate import held_out_batches
+from training.model.runtime import corpus_for, loop_for
 
 STEPS = 5
 GOLDEN = {  # training losses of steps 1..5, then the held-out loss (2026-12-01, jax 0.10.2, CPU)

@@ -3,10 +3,10 @@
 import pytest
 
 from tests.helpers import FakeClock, new_store, small_config
-from training.config import IslandConfig
-from training.goodput import CATEGORIES, GoodputAccountant, chips_of, experiment_goodput
-from training.island import Island
-from training.status import collect_status, format_status
+from training.config.experiment import IslandConfig
+from training.island.goodput import CATEGORIES, GoodputAccountant, chips_of, experiment_goodput
+from training.island.process import Island
+from training.views.status import collect_status, format_status
 
 
 def test_categories_add_up_by_hand():

@@ -1,5 +1,5 @@
 """Hostile and corrupt pseudo-gradients: rejected, quarantined with their reason, counted, while
-the merge goes on with the good ones (docs/STORE.md "Validation on reads", training/merge.py).
+the merge goes on with the good ones (docs/STORE.md "Validation on reads", training/merge/merger.py).
 
 Every case commits one bad pseudo-gradient from island "a" next to a good one from island "b",
 runs one merge, and checks: only the good one is applied, the bad one is quarantined with the
@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 from tests.helpers import new_store, publish_delta, random_delta, small_config
-from training.merge import Merger
-from training.outer import global_norm
+from tests.reference_outer import global_norm
+from training.merge.merger import Merger
 from training.store.experiment import dump_json
 from training.store.tensors import encode_tensors, sha256
 

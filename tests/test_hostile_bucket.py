@@ -18,13 +18,13 @@ import numpy as np
 import pytest
 
 from tests.helpers import new_store, publish_delta, random_delta, small_config
+from tests.reference_outer import global_norm
 from training.cli import main
-from training.merge import Merger
-from training.outer import global_norm
-from training.status import collect_status
+from training.merge.merger import Merger
 from training.store.experiment import ExperimentStore, dump_json
-from training.store.objectstore import open_store
+from training.store.registry import open_store
 from training.store.tensors import encode_tensors, sha256
+from training.views.status import collect_status
 
 GOOD = "b/00000000-f000"
 BAD = "a/00000000-f000"
@@ -153,7 +153,7 @@ def test_an_absurd_self_consistent_claim_is_quarantined_and_stops_nothing():
 def test_a_flood_of_plausible_claims_on_one_base_is_bounded_by_time(monkeypatch):
     """Many claims of 2H steps each, all on version 1 published a moment ago, cannot all be.
     At 10 steps/s and 5 s of skew, tau = 0: n claims of 8 steps need 8 n <= 10 x (t + 5)."""
-    monkeypatch.setattr("training.claims.MAX_STEPS_PER_S", 10.0)
+    monkeypatch.setattr("training.protocol.claims.MAX_STEPS_PER_S", 10.0)
     cfg, store, theta = _setup()
     publish_delta(store, cfg, "b", 0, random_delta(theta, 1))
     assert Merger(cfg, store).merge_once().version == 1

@@ -19,7 +19,7 @@ import tracemalloc
 import pytest
 
 from tests.helpers import new_store, publish_delta, random_delta, small_config
-from training.merge import Merger
+from training.merge.merger import Merger
 from training.store.safejson import dump_json
 
 GIB = 2**30

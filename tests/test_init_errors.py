@@ -9,13 +9,13 @@ from airflow.sdk.exceptions import AirflowFailException
 from diloco_airflow.experiment_setup import permanent_reason, run_init
 from diloco_airflow.params import experiment_params
 
-from training.config import ConfigError, check_budget, parse_config
+from training.config.experiment import ConfigError, check_budget, parse_config
 from training.store.objectstore import (
     StoreConnectionError,
     StoreUnreachable,
     TransientStoreError,
-    open_store,
 )
+from training.store.registry import open_store
 
 
 def _values(store_url: str, **changes) -> dict:

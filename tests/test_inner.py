@@ -10,8 +10,9 @@ import jax
 import numpy as np
 import pytest
 
-from training import inner, model
-from training.config import InnerConfig, ModelConfig
+from training.config.experiment import InnerConfig, ModelConfig
+from training.model import definition as model
+from training.model import inner
 
 
 def _setup():
@@ -80,8 +81,9 @@ SCRIPT = textwrap.dedent(
     import json, os, sys
     import numpy as np
     import jax
-    from training import inner, model
-    from training.config import InnerConfig, ModelConfig
+    from training.model import inner
+    from training.model import definition as model
+    from training.config.experiment import InnerConfig, ModelConfig
     cfg, icfg = ModelConfig(), InnerConfig(warmup_steps=2)
     x = np.random.default_rng(0).integers(0, 256, (8, 32)).astype(np.int32)
     out = {}

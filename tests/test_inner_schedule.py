@@ -2,8 +2,8 @@
 
 import pytest
 
-from training.config import InnerConfig, parse_config
-from training.inner import inner_schedule
+from training.config.experiment import InnerConfig, parse_config
+from training.model.inner import inner_schedule
 
 
 def _cfg(**over):

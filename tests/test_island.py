@@ -3,9 +3,10 @@
 import numpy as np
 
 from tests.helpers import new_store, small_config
-from training import codecs, inner
-from training.island import Island
-from training.merge import Merger
+from training.codecs import host as codecs
+from training.island.process import Island
+from training.merge.merger import Merger
+from training.model import inner
 
 
 def _island(**sections):

@@ -5,9 +5,10 @@ import numpy as np
 import pytest
 
 from tests.helpers import new_store, small_config
-from training import checkpointing, inner
-from training.config import CheckpointConfig
-from training.island import Island
+from training.config.experiment import CheckpointConfig
+from training.island import checkpoint as checkpointing
+from training.island.process import Island
+from training.model import inner
 from training.store.island_records import BadCheckpoint, parse_checkpoint_meta
 from training.store.safejson import dump_json
 

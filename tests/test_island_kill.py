@@ -8,9 +8,9 @@ import sys
 import pytest
 
 from tests.helpers import small_config
-from training.merge import Merger, initial_version
+from training.merge.merger import Merger, initial_version
 from training.store.experiment import ExperimentStore
-from training.store.objectstore import open_store
+from training.store.registry import open_store
 
 pytestmark = pytest.mark.integration
 

@@ -1,4 +1,4 @@
-"""The island's training state is one typed structure (training/island_state.py): made fresh or
+"""The island's training state is one typed structure (training/island/state.py): made fresh or
 resumed by `start()`, checkpointed from, and nothing else the loop reads appears later."""
 
 import dataclasses
@@ -7,10 +7,10 @@ import json
 import numpy as np
 
 from tests.helpers import new_store, small_config
-from training import inner
-from training.island import Island
-from training.island_state import IslandState
-from training.merge import Merger
+from training.island.process import Island
+from training.island.state import IslandState
+from training.merge.merger import Merger
+from training.model import inner
 
 
 def _cfg(**sections):

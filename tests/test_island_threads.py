@@ -1,10 +1,10 @@
-"""An island's uploads and its adoption reads run on separate threads (training/island.py)."""
+"""An island's uploads and its adoption reads run on separate threads (training/island/process.py)."""
 
 import threading
 
 from tests.helpers import new_store, small_config
-from training.island import Island
-from training.merge import Merger
+from training.island.process import Island
+from training.merge.merger import Merger
 
 
 class _GatedPublish:

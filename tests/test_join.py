@@ -9,8 +9,8 @@ import pytest
 
 from tests.gcs_fixture import BACKENDS, gcs_bucket, open_backend  # noqa: F401
 from tests.helpers import new_store, publish_delta, random_delta, small_config
-from training.config import ConfigError, join_islands, parse_config
-from training.merge import Merger
+from training.config.experiment import ConfigError, join_islands, parse_config
+from training.merge.merger import Merger
 from training.store.experiment import ExperimentStore
 
 
@@ -23,7 +23,7 @@ def _dict(cfg) -> dict:
     return json.loads(cfg.to_json())
 
 
-# ------------------------------------------------------------------ the rule (training.config)
+# ------------------------------------------------------------------ the rule (training.config.experiment)
 def test_join_takes_the_lowest_free_shard_and_keeps_everything_else():
     existing = _dict(_cfg(num_shards=4))
     joined = join_islands(existing, [{"name": "c"}, {"name": "d", "speed": 2.0}])
@@ -168,7 +168,7 @@ def test_sync_merge_lets_a_stopped_dead_island_go():
 
 
 def test_a_joined_island_trains_and_its_pseudograds_are_merged():
-    from training.island import Island
+    from training.island.process import Island
 
     cfg = _cfg(num_shards=3, outer={"method": "nesterov"})
     store = new_store(cfg)

@@ -9,8 +9,8 @@ from diloco_airflow import knobs
 from diloco_airflow.backends import BACKENDS
 from diloco_airflow.backends.registry import _CLASSES
 
-from training.faults import FAULTS_ENV
-from training.native import NATIVE_ENV
+from training.codecs.native import NATIVE_ENV
+from training.faults.points import FAULTS_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 NAME = re.compile(r"\bDILOCO_[A-Z][A-Z0-9_]*\b")

@@ -24,7 +24,7 @@ from google.auth.credentials import AnonymousCredentials
 
 from tests.fake_tpu_api import FakeTpuApi
 from training.store.experiment import ExperimentStore
-from training.store.objectstore import open_store
+from training.store.registry import open_store
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 

@@ -11,9 +11,9 @@ from tests.helpers import (
     random_delta,
     small_config,
 )
-from training import codecs
-from training.merge import Merger
-from training.pseudograd import pseudo_gradient
+from training.codecs import host as codecs
+from training.merge.merger import Merger
+from training.protocol.pseudograd import pseudo_gradient
 
 
 def _applied_lists(store):

@@ -2,7 +2,7 @@
 twice: the next merge completes the round (docs/STORE.md "Exactly-once application").
 
 The killed merge is a real subprocess (`python -m training.cli merge`, killed by DILOCO_FAULTS at
-a named fault point of training/faults.py); the recovery runs the same CLI in-process.
+a named fault point of training/faults/points.py); the recovery runs the same CLI in-process.
 """
 
 from __future__ import annotations

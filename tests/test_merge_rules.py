@@ -6,11 +6,11 @@ import numpy as np
 import optax
 import pytest
 
+from tests import reference_outer as outer
 from tests.helpers import new_store, publish_delta, random_delta, small_config
-from training import merge_rules as rules
-from training import outer
-from training.config import OuterConfig
-from training.merge import Merger
+from training.config.experiment import OuterConfig
+from training.merge import rules
+from training.merge.merger import Merger
 
 SHAPES = {"blocks/0/w": (3, 4), "blocks/1/b": (5,), "embed/tokens": (6, 2)}
 
@@ -132,7 +132,8 @@ BIG = {"blocks/0/w": (3, 100_003), "embed/tokens": (300_001,)}  # several chunks
 def test_a_payload_read_in_chunks_folds_as_its_decoded_arrays(codec):
     """Same norms, same fold (quantized codes fold the vote's coefficient into their block
     scales, rounded once: equal to float32 rounding; fp32 / bf16 bit for bit)."""
-    from training import codecs, merge_stream
+    from training.codecs import host as codecs
+    from training.merge import stream as merge_stream
 
     rng = np.random.default_rng(4)
     deltas = [{k: rng.normal(0, 1e-2, s).astype(np.float32) for k, s in BIG.items()}]
@@ -164,7 +165,7 @@ def test_a_payload_read_in_chunks_folds_as_its_decoded_arrays(codec):
 
 
 def test_a_payload_value_problem_is_found_by_the_norm_pass():
-    from training import codecs
+    from training.codecs import host as codecs
 
     payload, _ = codecs.encode({k: np.ones(s, np.float32) for k, s in BIG.items()}, "int8")
     bad = dict(payload, **{"embed/tokens": payload["embed/tokens"].copy()})
@@ -183,7 +184,7 @@ def test_a_payload_value_problem_is_found_by_the_norm_pass():
 def test_an_islands_two_pending_contributions_are_summed_into_one_vote():
     """Decoupled, RDA, outer SGD lr 1: island a's two contributions are one vote (their sum),
     island b's one; the new parameters are theta - combine([a1 + a2, b]) (the whole-array
-    reference of training/outer.py), equal weights."""
+    reference of tests/reference_outer.py), equal weights."""
     cfg = small_config(
         outer={
             "method": "decoupled",

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 
 from tests.helpers import new_store, small_config
-from training import claims
-from training.config import ConfigError, OuterConfig, parse_config
-from training.island import Island
-from training.merge_rules import vote_weight
+from training.config.experiment import ConfigError, OuterConfig, parse_config
+from training.island.process import Island
+from training.merge.rules import vote_weight
+from training.protocol import claims
 
 # data.batch_size 16, seq_len 64; a: speed 1, batch 16; b: speed 1 (tokens/s), batch 32;
 # c: speed 2, batch 32 (twice the hardware: twice the batch at a's step time)

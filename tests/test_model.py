@@ -6,10 +6,12 @@ import numpy as np
 import pytest
 
 from tests.helpers import new_store, small_config
-from training import fragments, gemma, model
-from training.config import GEMMA_PRESETS, PRESETS, ConfigError, ModelConfig
-from training.island import Island
-from training.merge import Merger
+from training.config.experiment import GEMMA_PRESETS, PRESETS, ConfigError, ModelConfig
+from training.island.process import Island
+from training.merge.merger import Merger
+from training.model import definition as model
+from training.model import gemma
+from training.protocol import fragments
 
 ALL_PRESETS = [*PRESETS, *GEMMA_PRESETS]
 

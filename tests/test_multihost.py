@@ -1,4 +1,4 @@
-"""Multi-host islands (training/multihost.py): one island of 2 processes x 4 CPU devices over
+"""Multi-host islands (training/island/multihost.py): one island of 2 processes x 4 CPU devices over
 gloo on loopback against the same island in one process with 8 devices, through `diloco
 island`; and the multi-host flags the backends pass, accepted by its parser."""
 
@@ -19,10 +19,11 @@ from diloco_airflow.backends.k8s_manifests import build_jobset, validate_jobset
 from diloco_airflow.backends.tpu_startup import startup_script
 
 from tests.helpers import SMALL_MODEL
-from training import cli, codecs
-from training.multihost import ProcessGroup, ReadOnlyStore, flag_defaults
+from training import cli
+from training.codecs import host as codecs
+from training.island.multihost import ProcessGroup, ReadOnlyStore, flag_defaults
 from training.store.experiment import ExperimentStore
-from training.store.objectstore import open_store
+from training.store.registry import open_store
 
 ROOT = Path(__file__).resolve().parents[1]
 ISLAND_ARGS = ["island", "--store", "gs://b/e", "--experiment", "e", "--island", "m0"]

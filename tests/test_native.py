@@ -1,11 +1,11 @@
-"""The C loops (training/native.c) give the numpy path's bits, and the fused steps are
+"""The C loops (training/codecs/native.c) give the numpy path's bits, and the fused steps are
 what they replace."""
 
 import numpy as np
 import pytest
 
-from training import codec_kernels as kernels
-from training import codecs, native
+from training.codecs import host as codecs
+from training.codecs import kernels, native
 
 LEVELS = {"int8": 127.0, "int4": 7.0, "int2": 1.5}
 
@@ -168,8 +168,8 @@ def test_encode_step_is_the_payload_of_the_difference(codec):
     ],
 )
 def test_native_outer_step_matches_numpy(method, momentum, nesterov, final, seen, numpy_only):
-    from training import merge_rules as rules
-    from training.config import OuterConfig
+    from training.config.experiment import OuterConfig
+    from training.merge import rules
 
     outer = OuterConfig(method=method, lr=0.7, momentum=momentum, nesterov=nesterov)
     rng = np.random.default_rng(6)

@@ -14,17 +14,17 @@ import requests
 from google.api_core import exceptions as gexc
 
 from tests.gcs_fixture import BACKENDS, gcs_bucket, open_backend  # noqa: F401
+from training.store.gcs import GCSStore
+from training.store.local import LocalStore
+from training.store.memory import MemoryStore
 from training.store.objectstore import (
-    GCSStore,
-    LocalStore,
-    MemoryStore,
     ObjectNotFound,
     ObjectTooLarge,
     StoreUnreachable,
     TransientStoreError,
-    open_store,
     retry,
 )
+from training.store.registry import open_store
 
 RACERS = 8
 
@@ -450,7 +450,7 @@ def test_a_file_store_never_imports_the_google_client_libraries(tmp_path):
     code = (
         "import sys\n"
         "from training.store.experiment import ExperimentStore\n"
-        "from training.store.objectstore import open_store\n"
+        "from training.store.registry import open_store\n"
         f"store = ExperimentStore(open_store('file://{tmp_path}/s'), 'e')\n"
         "store.write_config({'name': 'e'})\n"
         "store.read_config()\n"

@@ -4,9 +4,9 @@ import numpy as np
 import optax
 import pytest
 
-from training import outer
-from training.config import OuterConfig
-from training.pseudograd import pseudo_gradient
+from tests import reference_outer as outer
+from training.config.experiment import OuterConfig
+from training.protocol.pseudograd import pseudo_gradient
 
 
 def _tree(rng, scale=1.0):

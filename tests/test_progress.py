@@ -1,10 +1,10 @@
-"""The CLI's progress line (training/progress.py): drawn on a TTY only, erased when done."""
+"""The CLI's progress line (training/views/progress.py): drawn on a TTY only, erased when done."""
 
 from __future__ import annotations
 
 import io
 
-from training.progress import Progress
+from training.views.progress import Progress
 
 
 class Tty(io.StringIO):

@@ -11,7 +11,8 @@ from diloco_airflow import retention
 
 from tests.gcs_fixture import BACKENDS, gcs_bucket, open_backend  # noqa: F401
 from training.store.experiment import ExperimentStore
-from training.store.objectstore import ObjectNotFound, open_store
+from training.store.objectstore import ObjectNotFound
+from training.store.registry import open_store
 
 HEADS = {0: 8, 1: 7}
 KEEP_LAST = 3

@@ -9,10 +9,10 @@ import pytest
 
 from tests.gcs_fixture import BACKENDS, gcs_bucket, open_backend  # noqa: F401
 from tests.helpers import FakeClock, new_store, small_config
-from training.merge import MergeResult
-from training.status import bytes_by_kind, collect_status, format_status
+from training.merge.merger import MergeResult
+from training.merge.syncer import ShardSyncer, housekeeping_due
 from training.store.experiment import ExperimentStore
-from training.syncer import ShardSyncer, housekeeping_due
+from training.views.status import bytes_by_kind, collect_status, format_status
 
 
 def _state(value: float = 0.0) -> dict[str, np.ndarray]:
@@ -132,7 +132,7 @@ def test_every_backend_reports_the_sizes_of_what_it_holds(exp):
 
 
 def test_the_merge_tasks_line_names_versions_contributions_and_tokens():
-    from training.syncer import merge_line
+    from training.merge.syncer import merge_line
 
     result = MergeResult(
         versions={0: 7},

@@ -1,4 +1,4 @@
-"""Clock rounds (training/rounds.py): the shared grid, the roll-over and cap rules, the clock
+"""Clock rounds (training/protocol/rounds.py): the shared grid, the roll-over and cap rules, the clock
 record in the store, and a restarted island coming back in phase."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import math
 import pytest
 
 from tests.helpers import new_store, small_config
-from training import rounds
-from training.island import Island
-from training.merge import Merger
-from training.rounds import RoundClock, clock_due
+from training.island.process import Island
+from training.merge.merger import Merger
+from training.protocol import rounds
+from training.protocol.rounds import RoundClock, clock_due
 
 CLOCK = RoundClock(t0=100.0, period_s=10.0)
 

@@ -1,4 +1,4 @@
-"""The scavenging rules (training/scavenge.py): settings, slots, window, outcomes, records."""
+"""The scavenging rules (training/config/scavenge.py): settings, slots, window, outcomes, records."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import json
 import pytest
 
 from tests.helpers import small_config
-from training import scavenge as rules
-from training.config import ConfigError, check_same_settings, join_islands, parse_config
+from training.config import scavenge as rules
+from training.config.experiment import ConfigError, check_same_settings, join_islands, parse_config
 
 WIN = {"opens_at": 1000.0, "closes_at": 1600.0}
 

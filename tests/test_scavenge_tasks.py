@@ -20,16 +20,16 @@ from diloco_airflow.island_tasks import teardown_island
 
 from tests.fake_tpu_api import FakeTpuApi
 from tests.helpers import new_store, small_config
-from training import scavenge as rules
-from training.config import parse_config
-from training.status import collect_status
+from training.config import scavenge as rules
+from training.config.experiment import parse_config
+from training.views.status import collect_status
 
 # a stand-in island: beats once, leaves (done marker) on its stop marker, exits without one on
-# SIGTERM (capacity taken back), like training/island.py
+# SIGTERM (capacity taken back), like training/island/process.py
 FAKE_ISLAND = """
 import signal, sys, time
 from training.store.experiment import ExperimentStore
-from training.store.objectstore import open_store
+from training.store.registry import open_store
 url, exp, name = sys.argv[1:4]
 gone = []
 signal.signal(signal.SIGTERM, lambda *a: gone.append(1))

@@ -1,4 +1,4 @@
-"""training/syncer.py: shards, leases, the draining loop and the eval cadence (no Airflow).
+"""training/merge/syncer.py: shards, leases, the draining loop and the eval cadence (no Airflow).
 
 A fake clock drives every timing decision: `sleep` advances it, so nothing here waits.
 """
@@ -13,8 +13,8 @@ import pytest
 
 from tests.gcs_fixture import gcs_bucket  # noqa: F401
 from tests.helpers import FakeClock, new_store, publish_delta, small_config
-from training.merge import MergeResult
-from training.syncer import (
+from training.merge.merger import MergeResult
+from training.merge.syncer import (
     Evaluator,
     Lease,
     ShardLease,
@@ -61,7 +61,7 @@ def syncer_with(store, results, clock, owner="run-1", **kw):
 
 
 def fragment_delta(store, cfg, p, value=1e-3):
-    from training.runtime import fragment_names
+    from training.model.runtime import fragment_names
 
     params = store.load_params()
     return {n: np.full(params[n].shape, value, np.float32) for n in fragment_names(cfg)[p]}

@@ -9,8 +9,8 @@ from airflow.sdk.exceptions import TaskDeferred
 from diloco_airflow.syncer import EvalTrigger, EvaluatorOperator, ShardTrigger, SyncerShardOperator
 
 from tests.helpers import new_store, publish_delta, small_config
-from training.config import with_overrides
-from training.syncer import mark_run_ended
+from training.config.experiment import with_overrides
+from training.merge.syncer import mark_run_ended
 
 FAST = {"shards": 2, "idle_s": 0.3, "poll_s": 0.05, "eval_every_s": 0.1}
 
@@ -23,7 +23,7 @@ def exp(tmp_path):
 
 
 def _publish(store, cfg, fragment):
-    from training.runtime import fragment_names
+    from training.model.runtime import fragment_names
 
     params = store.load_params()
     delta = {n: np.full(params[n].shape, 1e-3, np.float32) for n in fragment_names(cfg)[fragment]}
@@ -67,7 +67,7 @@ def test_a_trigger_error_fails_the_shard_task_so_that_it_retries(exp):
 def test_the_evaluator_evaluates_a_new_merge_then_defers_until_the_next(exp):
     url, store, cfg = exp
     _publish(store, cfg, 0)
-    from training.merge import Merger
+    from training.merge.merger import Merger
 
     # one pass merges at once (no grace floor: b, the other island, would be waited for)
     assert Merger(with_overrides(cfg, {"outer.grace_min_steps": 0.0}), store).merge_once().applied

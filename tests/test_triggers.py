@@ -140,7 +140,7 @@ def sharded(tmp_path):
 
 
 def _publish(store, cfg, fragment, seq=0):
-    from training.runtime import fragment_names
+    from training.model.runtime import fragment_names
 
     params = store.load_params()
     names = fragment_names(cfg)[fragment]
@@ -162,7 +162,7 @@ def test_shard_trigger_fires_for_new_work_of_its_own_shard_only(sharded):
 
 
 def test_shard_trigger_leaves_work_to_another_runs_live_lease(sharded):
-    from training.syncer import ShardLease
+    from training.merge.syncer import ShardLease
 
     url, store, cfg = sharded
     _publish(store, cfg, fragment=0)
@@ -173,7 +173,7 @@ def test_shard_trigger_leaves_work_to_another_runs_live_lease(sharded):
 
 
 def test_shard_and_eval_triggers_fire_finished_when_the_run_ends(sharded):
-    from training.syncer import mark_run_ended
+    from training.merge.syncer import mark_run_ended
 
     url, store, cfg = sharded
     mark_run_ended(store, "run-1", {"islands": ["a", "b"]})
@@ -183,7 +183,7 @@ def test_shard_and_eval_triggers_fire_finished_when_the_run_ends(sharded):
 
 
 def test_a_syncer_trigger_fires_no_earlier_than_it_settled(sharded):
-    from training.syncer import mark_run_ended
+    from training.merge.syncer import mark_run_ended
 
     url, store, cfg = sharded
     mark_run_ended(store, "run-1", {"islands": ["a", "b"]})

@@ -20,7 +20,7 @@ import pytest
 from tests.airflow_fixture import free_port
 from tests.helpers import new_store, small_config
 from training.store.experiment import ExperimentStore
-from training.store.objectstore import open_store
+from training.store.registry import open_store
 
 ROOT = Path(__file__).resolve().parents[1]
 USERS = "admin:admin,viewer:viewer,editor:user"

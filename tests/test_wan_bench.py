@@ -113,7 +113,7 @@ def test_a_direct_measurement_replaces_the_composed_time_to_target() -> None:
 
 
 def test_run_names_are_valid_experiment_names() -> None:
-    from training.names import validate_name
+    from training.config.names import validate_name
 
     for g in (2.0, 2.5, 10.0):
         validate_name("experiment", bench.run_name("decoupled", g))

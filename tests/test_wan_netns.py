@@ -146,7 +146,7 @@ def test_a_region_writes_and_reads_the_bucket_in_the_backbone(tmp_path) -> None:
     from training.bench.wan.bucket import start_bucket
 
     code = (
-        "from training.store.objectstore import open_store\n"
+        "from training.store.registry import open_store\n"
         "s = open_store('gs://wan/rt'); s.check()\n"
         "s.write('a/b.bin', bytes(range(256)) * 1000)\n"
         "print(s.read('a/b.bin') == bytes(range(256)) * 1000)\n"

@@ -24,7 +24,7 @@ import logging
 import sys
 import time
 
-from training.config import (
+from training.config.experiment import (
     ConfigError,
     ExperimentConfig,
     load_config,
@@ -32,14 +32,14 @@ from training.config import (
     parse_sets,
     with_overrides,
 )
-from training.multihost import flag_defaults
+from training.island.multihost import flag_defaults
 
 log = logging.getLogger("diloco")
 
 
 def _open(store_url: str, experiment: str):
     from training.store.experiment import ExperimentStore
-    from training.store.objectstore import open_store
+    from training.store.registry import open_store
 
     store = open_store(store_url)
     store.check()
@@ -53,7 +53,7 @@ def _load(args) -> tuple[ExperimentConfig, object]:
 
 def _config_fields_help() -> str:
     """The config's fields with their descriptions, for `diloco init --help`."""
-    from training.config import field_docs
+    from training.config.experiment import field_docs
 
     lines = ["config fields (--set FIELD=VALUE; JSON values, else strings):"]
     lines += [f"  {name:32s} {doc}" for name, doc in field_docs().items()]
@@ -61,8 +61,8 @@ def _config_fields_help() -> str:
 
 
 def cmd_init(args) -> int:
-    from training import model
-    from training.merge import initial_version
+    from training.merge.merger import initial_version
+    from training.model import definition as model
 
     cfg = load_config(args.config) if args.config else None
     base = cfg.model_dump(mode="json") if cfg else {}
@@ -80,13 +80,13 @@ def cmd_init(args) -> int:
 
 
 def cmd_island(args) -> int:
-    from training import multihost
+    from training.island import multihost
 
     # before anything touches a device: a multi-host island is one jax.distributed job
     group = multihost.initialize(args.coordinator, args.num_processes, args.process_id)
-    from training.chaos import IslandChaos, for_process
-    from training.faults import FaultPlan
-    from training.island import Island
+    from training.faults.chaos import IslandChaos, for_process
+    from training.faults.points import FaultPlan
+    from training.island.process import Island
 
     cfg, estore = _load(args)
     estore = for_process(cfg, estore, "island")
@@ -107,12 +107,14 @@ def cmd_island(args) -> int:
 
 
 def cmd_merge(args) -> int:
-    from training.chaos import for_process
-    from training.merge import Merger
+    from training.faults.chaos import for_process
+    from training.merge.merger import Merger
 
     cfg, estore = _load(args)
     estore = for_process(cfg, estore, "merge")
-    merger = Merger(cfg, estore)  # kept warm across passes, as the syncer's (training/syncer.py)
+    merger = Merger(
+        cfg, estore
+    )  # kept warm across passes, as the syncer's (training/merge/syncer.py)
     while True:
         # read the exit condition before merging: a pass that starts after it held sees every
         # pseudo-gradient the (done) islands committed
@@ -135,8 +137,8 @@ def _all_done(cfg: ExperimentConfig, estore) -> bool:
 
 
 def cmd_eval(args) -> int:
-    from training.evaluate import evaluate_snapshot
-    from training.progress import Progress
+    from training.model.evaluate import evaluate_snapshot
+    from training.views.progress import Progress
 
     with Progress("eval", total=2) as bar:
         bar.step("reading the snapshot")
@@ -158,7 +160,7 @@ def cmd_eval(args) -> int:
 
 
 def cmd_status(args) -> int:
-    from training.status import collect_status, format_status
+    from training.views.status import collect_status, format_status
 
     cfg, estore = _load(args)
     status = collect_status(cfg, estore)
@@ -174,8 +176,8 @@ def cmd_stop(args) -> int:
 
 
 def cmd_list(args) -> int:
-    from training.report import format_list, list_rows
-    from training.store.objectstore import open_store
+    from training.store.registry import open_store
+    from training.views.report import format_list, list_rows
 
     store = open_store(args.store)
     store.check()
@@ -185,7 +187,7 @@ def cmd_list(args) -> int:
 
 
 def cmd_history(args) -> int:
-    from training.report import format_history, history
+    from training.views.report import format_history, history
 
     cfg, estore = _load(args)
     h = history(cfg, estore)
@@ -194,9 +196,9 @@ def cmd_history(args) -> int:
 
 
 def cmd_report(args) -> int:
-    from training.dashboard import experiment_view
-    from training.progress import Progress
-    from training.report import write_report
+    from training.views.dashboard import experiment_view
+    from training.views.progress import Progress
+    from training.views.report import write_report
 
     with Progress("report", total=2) as bar:
         bar.step("reading the store")
@@ -291,7 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sp.add_argument("--name", required=True)
     sp.add_argument(
-        "--config", help="JSON config file (fields of training.config.ExperimentConfig)"
+        "--config", help="JSON config file (fields of training.config.experiment.ExperimentConfig)"
     )
     sp.add_argument("--set", action="append", metavar="KEY=VALUE", help="e.g. outer.lr=0.5")
     sp.set_defaults(fn=cmd_init)
@@ -301,7 +303,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--max-steps", type=int, default=None)
     defaults = flag_defaults()
     multi = sp.add_argument_group(
-        "multi-host islands (one process per host; training/multihost.py)",
+        "multi-host islands (one process per host; training/island/multihost.py)",
         "defaults from DILOCO_COORDINATOR, DILOCO_NUM_PROCESSES and DILOCO_PROCESS_ID, which "
         "the tpu_vm and gke backends set; an empty coordinator or process id is detected by "
         "jax.distributed (Cloud TPU, GKE)",

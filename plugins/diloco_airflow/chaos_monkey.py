@@ -1,7 +1,7 @@
 """The `chaos_monkey` task: chaos mode's kill monkey for the islands of one run.
 
 The monkey itself (exponential inter-arrival times, the victim, the record) is
-`training.chaos.start_monkey`; this module finds the running local islands and stops it.
+`training.faults.chaos.start_monkey`; this module finds the running local islands and stops it.
 """
 
 from __future__ import annotations
@@ -28,15 +28,15 @@ def run_chaos_monkey(
     `init_experiment`'s output, islands by backend; its other keys are ignored).
 
     A no-op unless the experiment's stored config sets `chaos.kill_mtbi_s`. Otherwise
-    `training.chaos.start_monkey` SIGKILLs the process group of a running local island at
+    `training.faults.chaos.start_monkey` SIGKILLs the process group of a running local island at
     exponential inter-arrival times (mean `kill_mtbi_s`, at most `max_kills`), each kill recorded
     in the store's metrics ("chaos", event "kill"); the islands' wait tasks then retry and
     relaunch them. Stops once every island of this run is done (or none has run for `idle_s`).
     Islands of other backends are not killed (logged: unsupported).
     """
     from diloco_airflow.backends import BACKENDS
-    from training.chaos import recorder, start_monkey
-    from training.config import parse_config
+    from training.config.experiment import parse_config
+    from training.faults.chaos import recorder, start_monkey
 
     estore = store.open_experiment(store_url, experiment)
     cfg = parse_config(estore.read_config())

@@ -20,15 +20,15 @@ log = logging.getLogger(__name__)
 def merge_experiments(experiments: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """`Merger.merge_all()` of each experiment, in this (task) process.
 
-    Chaos mode applies: the store goes through `training.chaos.for_process(..., "merge")`, so
+    Chaos mode applies: the store goes through `training.faults.chaos.for_process(..., "merge")`, so
     storage faults are injected, and `chaos.kill_merge_at` SIGKILLs this process at that fault
     point the first time any merge of the experiment runs (the task's retry is not armed again:
     the event is in the store's metrics; it repairs the ledger and merges on).
     """
-    from training.chaos import for_process
-    from training.config import parse_config
-    from training.faults import FAULTS_ENV
-    from training.merge import Merger
+    from training.config.experiment import parse_config
+    from training.faults.chaos import for_process
+    from training.faults.points import FAULTS_ENV
+    from training.merge.merger import Merger
 
     out = []
     for e in experiments:
@@ -58,7 +58,7 @@ def merge_experiments(experiments: list[dict[str, Any]]) -> list[dict[str, Any]]
 def islands_ended(store_url: str, experiment: str, run_id: str, islands: list[str]) -> dict:
     """Mark the island tasks of this DAG run as over (successful or not): its syncer shards and
     evaluator then end (after a last drain), so that `finalize` runs after them."""
-    from training.syncer import mark_run_ended
+    from training.merge.syncer import mark_run_ended
 
     names = sorted(islands)
     estore = store.open_experiment(store_url, experiment)
@@ -70,8 +70,8 @@ def finalize_experiment(store_url: str, experiment: str) -> dict[str, Any]:
     """After the islands and the syncer: a last merge of anything a failed shard left (a no-op
     normally), a final eval of the current model, a garbage collection, and drop the
     experiment from the registry once every island of its config is done."""
-    from training.config import parse_config
-    from training.evaluate import end_of_run_report, evaluate_current, finish_at_best
+    from training.config.experiment import parse_config
+    from training.model.evaluate import end_of_run_report, evaluate_current, finish_at_best
 
     merged = merge_experiments([{"store_url": store_url, "experiment": experiment}])
     estore = store.open_experiment(store_url, experiment)

@@ -24,7 +24,7 @@ def permanent_reason(exc: BaseException) -> str | None:
     """The one-line reason when `exc` is an error no retry can fix, else None (retry it):
     `ConfigError`, a bad store URL (ValueError from `open_store`), and `StoreUnreachable` but
     for `StoreConnectionError` (the endpoint did not answer)."""
-    from training.config import ConfigError
+    from training.config.experiment import ConfigError
     from training.store.objectstore import StoreConnectionError, StoreUnreachable
 
     if isinstance(exc, StoreConnectionError):
@@ -51,7 +51,7 @@ def run_init(params: dict[str, Any]) -> dict[str, list]:
 
 def check_backends(cfg, offered: tuple[str, ...]) -> None:
     """ConfigError naming the first island whose backend this DAG does not offer."""
-    from training.config import ConfigError
+    from training.config.experiment import ConfigError
 
     for isl in cfg.islands:
         if isl.backend not in offered:
@@ -67,19 +67,19 @@ def init_experiment(params: dict[str, Any]) -> dict[str, list]:
     syncer's shards (``"shards": [0, ..., S-1]``, one mapped merge task each).
 
     Joining (the experiment exists): every setting but the island list must equal the stored
-    config (`training.config.check_same_settings`); islands not in it yet are added by compare-and-swap on
+    config (`training.config.experiment.check_same_settings`); islands not in it yet are added by compare-and-swap on
     config.json (`ExperimentStore.add_islands`: each needs a free data shard, see
     docs/STORE.md); islands already in it must be asked for with the same settings.
     """
     from diloco_airflow.params import config_from_params
-    from training.config import check_budget, check_same_settings, parse_config
+    from training.config.experiment import check_budget, check_same_settings, parse_config
     from training.store.experiment import ExperimentExists
     from training.store.objectstore import ObjectNotFound
 
     cfg = config_from_params(params)
     check_budget(cfg)
     check_backends(cfg, enabled_backends())
-    from training.model import definition
+    from training.model.definition import definition
 
     definition(cfg.model)  # a model.factory that does not resolve: a ConfigError before any write
     hook = store.DilocoStoreHook(store_url=cfg.store_url)
@@ -110,12 +110,12 @@ def init_experiment(params: dict[str, Any]) -> dict[str, list]:
         )
         if estore.stop_requested(None):
             log.warning("experiment %s has a stop marker: its islands stop at once", cfg.name)
-    from training.merge import initial_version
+    from training.merge.merger import initial_version
 
     created = initial_version(cfg_all, estore)
     log.info("experiment %s: %s", cfg.name, "created version 0" if created == 0 else "exists")
     if created == 0:
-        from training.evaluate import evaluate_current
+        from training.model.evaluate import evaluate_current
 
         log.info("initial eval: %s", evaluate_current(cfg_all, estore))
     # only the islands of this trigger run here; islands of earlier runs keep running there

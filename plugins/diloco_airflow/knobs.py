@@ -6,11 +6,11 @@ task runs). Each is a `Knob`: ``KNOB.get()`` reads it now (unset or empty: its d
 else in `plugins/`, `dags/` or `devtools/` reads ``os.environ`` for a ``DILOCO_*`` name.
 
 The library has two variables of its own, ``DILOCO_FAULTS`` (fault points of a process:
-`training.faults`, where it is documented and read) and ``DILOCO_NATIVE`` (``0``: the codecs and
-the outer step never build or load their C loops: `training.native`). The backends *set* a few more for the island
+`training.faults.points`, where it is documented and read) and ``DILOCO_NATIVE`` (``0``: the codecs and
+the outer step never build or load their C loops: `training.codecs.native`). The backends *set* a few more for the island
 process (`ISLAND_ENV`, below); an island gets its arguments on the command line, and reads only
 the multi-host three (``DILOCO_NUM_PROCESSES``, ``DILOCO_PROCESS_ID``, ``DILOCO_COORDINATOR``) as
-the defaults of ``diloco island``'s multi-host flags (`training.multihost.flag_defaults`); logs
+the defaults of ``diloco island``'s multi-host flags (`training.island.multihost.flag_defaults`); logs
 and startup scripts use the others.
 
 Standard library only: imported at DAG parse time.

@@ -1,12 +1,12 @@
-"""The `diloco_experiment` trigger form and its mapping onto `training.config.ExperimentConfig`.
+"""The `diloco_experiment` trigger form and its mapping onto `training.config.experiment.ExperimentConfig`.
 
 Each Param maps one to one onto a config field (see `FIELD_MAP`); `overrides` takes any other
 field in dotted form (``{"data.batch_size": 8}``). The JSON-schema checks here refuse obviously bad
 input in the UI / REST API (400 with the reason); `config_from_params` then validates the whole
 config with pydantic (`ConfigError`, one line) in the first task.
 
-No jax import here (this module is imported at DAG parse time); `training.config` is pydantic only.
-The syncer's fields (`syncer_*`) are derived from `training.config.SyncerConfig`: its defaults,
+No jax import here (this module is imported at DAG parse time); `training.config.experiment` is pydantic only.
+The syncer's fields (`syncer_*`) are derived from `training.config.experiment.SyncerConfig`: its defaults,
 bounds, titles and descriptions.
 """
 
@@ -22,7 +22,7 @@ from pydantic import BaseModel
 from diloco_airflow import knobs
 from diloco_airflow.backends.base import HARDWARE_KEYS
 from diloco_airflow.backends.registry import enabled_backends
-from training.config import (
+from training.config.experiment import (
     ChaosConfig,
     Codec,
     ExperimentConfig,
@@ -31,7 +31,7 @@ from training.config import (
     SyncerConfig,
     field_docs,
 )
-from training.names import NAME_PATTERN as _NAME_RE
+from training.config.names import NAME_PATTERN as _NAME_RE
 
 # the form's enums are the config's types: they cannot drift
 NAME_PATTERN = _NAME_RE.pattern
@@ -268,8 +268,8 @@ def config_dict_from_params(params: dict[str, Any]) -> dict[str, Any]:
 
 
 def config_from_params(params: dict[str, Any]):
-    """Validated `ExperimentConfig` (raises `training.config.ConfigError`, one line)."""
-    from training.config import ConfigError, parse_config
+    """Validated `ExperimentConfig` (raises `training.config.experiment.ConfigError`, one line)."""
+    from training.config.experiment import ConfigError, parse_config
 
     try:
         data = config_dict_from_params(params)

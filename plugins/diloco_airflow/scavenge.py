@@ -9,7 +9,7 @@
 
 Joining reuses `experiment_setup.init_experiment` (the join by compare-and-swap on config.json,
 the registry, the island entries); leaving reuses the stop marker of `diloco stop` and the
-page (`ExperimentStore.request_stop`). The decisions are `training.scavenge`'s pure functions.
+page (`ExperimentStore.request_stop`). The decisions are `training.config.scavenge`'s pure functions.
 Heavy imports (the training package's jax parts) happen at task run time only.
 """
 
@@ -26,14 +26,14 @@ from diloco_airflow import island_tasks, store
 from diloco_airflow.island_entry import IslandEntry
 from diloco_airflow.island_tasks import IslandWaitOperator
 from diloco_airflow.triggers import IslandTrigger
-from training import scavenge as rules
+from training.config import scavenge as rules
 
 log = logging.getLogger(__name__)
 
 
 # -- the form -------------------------------------------------------------------------------------
 def scavenge_params() -> dict[str, Param]:
-    """One Param per `training.scavenge.ScavengeConfig` field (its default, bounds and
+    """One Param per `training.config.scavenge.ScavengeConfig` field (its default, bounds and
     description): the form cannot drift from the settings it is validated against."""
     from annotated_types import Ge, Gt, Le
 
@@ -121,7 +121,7 @@ def join_island(entry: dict, win: dict, run_id: str) -> dict[str, Any]:
 # -- wait -----------------------------------------------------------------------------------------
 class ScavengeTrigger(IslandTrigger):
     """`IslandTrigger` that also ends when the window closes or the capacity is reclaimed
-    (`training.scavenge.watch_outcome`): ``{"status": "window closed" | "reclaimed" |
+    (`training.config.scavenge.watch_outcome`): ``{"status": "window closed" | "reclaimed" |
     "finished", "island"}``; failures and stalls as `IslandTrigger`'s."""
 
     def __init__(self, closes_at: float, **kwargs) -> None:

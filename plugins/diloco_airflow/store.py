@@ -30,7 +30,7 @@ def open_experiment(store_url: str, experiment: str):
     """An `ExperimentStore` for one experiment (imports the store lazily)."""
     _gcsfs_emulator_guard()
     from training.store.experiment import ExperimentStore
-    from training.store.objectstore import open_store
+    from training.store.registry import open_store
 
     return ExperimentStore(open_store(store_url), experiment)
 
@@ -73,7 +73,7 @@ class DilocoStoreHook(BaseHook):  # type: ignore[misc]
     def check(self) -> None:
         """Fail at once, with the store's own message, when the store is unreachable."""
         _gcsfs_emulator_guard()
-        from training.store.objectstore import open_store
+        from training.store.registry import open_store
 
         store = open_store(self.get_store_url())
         check = getattr(store, "check", None)
@@ -81,6 +81,6 @@ class DilocoStoreHook(BaseHook):  # type: ignore[misc]
             check()
 
     def read_config(self, name: str):
-        from training.config import parse_config
+        from training.config.experiment import parse_config
 
         return parse_config(self.experiment(name).read_config())

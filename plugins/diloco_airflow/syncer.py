@@ -1,5 +1,5 @@
 """The syncer on Airflow: merge shards and the evaluator, as deferrable tasks of the experiment's
-own DAG run (design: docs/AIRFLOW.md, "The syncer"; the Airflow-free part: training/syncer.py).
+own DAG run (design: docs/AIRFLOW.md, "The syncer"; the Airflow-free part: training/merge/syncer.py).
 
 - `SyncerShardOperator` (mapped over the shards): in its task process it merges while
   contributions arrive (`ShardSyncer.drain`), defers to `ShardTrigger` after `syncer.idle_s`
@@ -39,8 +39,8 @@ def _open(store_url: str, experiment: str, chaos: bool = False, arm_kill: bool =
     estore = store.open_experiment(store_url, experiment)
     if not chaos:
         return estore
-    from training.chaos import arm_merge_kill, chaos_store
-    from training.config import parse_config
+    from training.config.experiment import parse_config
+    from training.faults.chaos import arm_merge_kill, chaos_store
 
     cfg = parse_config(estore.read_config())
     if arm_kill:  # chaos.kill_merge_at: one merge process, shard 0's (never two at once)
@@ -77,7 +77,7 @@ class SyncerShardOperator(BaseOperator):
         return self._drain(context)
 
     def _drain(self, context):
-        from training.syncer import ShardSyncer, merge_line
+        from training.merge.syncer import ShardSyncer, merge_line
 
         context["shard_label"] = f"shard {self.shard}"
         estore = _open(self.store_url, self.experiment, chaos=True, arm_kill=self.shard == 0)
@@ -158,8 +158,8 @@ class EvaluatorOperator(BaseOperator):
         return self._run(event.get("evaluated"), float(event.get("last_eval_at") or 0.0))
 
     def _run(self, evaluated: str | None, last_eval_at: float):
-        import training.evaluate  # noqa: F401 - jax: imported now, not at the first eval
-        from training.syncer import Evaluator
+        import training.model.evaluate  # noqa: F401 - jax: imported now, not at the first eval
+        from training.merge.syncer import Evaluator
 
         estore = _open(self.store_url, self.experiment)
         ev = Evaluator(
@@ -266,7 +266,7 @@ class ShardTrigger(_PollingTrigger):
         )
 
     def check(self) -> dict[str, Any] | None:
-        from training.syncer import ShardView, lease_action
+        from training.merge.syncer import ShardView, lease_action
 
         if self._view is None:
             estore = store.open_experiment(self.store_url, self.experiment)
@@ -324,7 +324,7 @@ class EvalTrigger(_PollingTrigger):
         )
 
     def check(self) -> dict[str, Any] | None:
-        from training.syncer import ShardView, latest_merge
+        from training.merge.syncer import ShardView, latest_merge
 
         if self._view is None:
             estore = store.open_experiment(self.store_url, self.experiment)

@@ -84,7 +84,7 @@ class IslandTrigger(BaseTrigger):
             return None  # PENDING / PROVISIONING: the execution timeout bounds this
         beat = estore.heartbeats().get(island) or {}
         if beat and now - self._progress_at >= PROGRESS_EVERY_S:
-            from training.dashboard import progress_line
+            from training.views.dashboard import progress_line
 
             self._progress_at = now
             self.log.info("%s", progress_line(island, beat))

@@ -6,7 +6,7 @@ production `Island` and `Merger` classes on a virtual clock (training/bench/qual
 and helpers). An inner step takes `step_s` virtual seconds; merges take none.
 
 Interruptions: kill times are a Poisson process of the given rate (kills per 1000 virtual seconds,
-for the whole experiment: `training.chaos.kill_times`, the chaos monkey's schedule), each killing
+for the whole experiment: `training.faults.chaos.kill_times`, the chaos monkey's schedule), each killing
 one live island chosen uniformly (`victim_chooser`); both methods see the same schedule. A kill
 discards the island object: the steps since its last checkpoint are lost. After `recovery_s`
 virtual seconds (restart, startup, restore) a new `Island(...).start()` resumes from its checkpoint
@@ -15,7 +15,7 @@ DiLoCo the others block at the end of their round until the dead island is back 
 its contribution.
 
 Goodput = productive island-seconds / provisioned island-seconds (4 x the virtual run time); the
-badput split uses training/goodput.py's categories: wasted_progress (lost steps),
+badput split uses training/island/goodput.py's categories: wasted_progress (lost steps),
 infrastructure_recovery (down time), waiting_for_global (blocked in a synchronous round), other
 (a step in progress at the end).
 
@@ -40,14 +40,14 @@ from pathlib import Path
 from training.bench.quality import base_config, method_config, parse_sets
 from training.bench.sim import VirtualClock, eval_set
 from training.bench.trace import MergeTracer, format_trace, merges
-from training.chaos import kill_times, victim_chooser
-from training.config import ExperimentConfig, with_overrides
-from training.goodput import BADPUT, experiment_goodput
-from training.island import Island
-from training.merge import Merger, initial_version
-from training.runtime import loop_for
+from training.config.experiment import ExperimentConfig, with_overrides
+from training.faults.chaos import kill_times, victim_chooser
+from training.island.goodput import BADPUT, experiment_goodput
+from training.island.process import Island
+from training.merge.merger import Merger, initial_version
+from training.model.runtime import loop_for
 from training.store.experiment import ExperimentStore
-from training.store.objectstore import open_store
+from training.store.registry import open_store
 
 METHODS = ("decoupled", "sync")
 LABELS = {"decoupled": "Decoupled DiLoCo", "sync": "synchronous DiLoCo"}

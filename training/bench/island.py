@@ -34,7 +34,7 @@ STEP_S, STORE_BPS = 1.0, 200e6
 
 
 def _cfg(preset: str, P: int, H: int, every_rounds: int | None):
-    from training.config import parse_config
+    from training.config.experiment import parse_config
 
     return parse_config(
         {
@@ -74,11 +74,11 @@ class _Timer:
 def measure(preset: str, P: int, H: int, repeats: int, every_rounds: int | None) -> dict:
     import jax
 
-    from training.data import BatchLoader
-    from training.island import Island
-    from training.merge import Merger, initial_version
+    from training.data.corpus import BatchLoader
+    from training.island.process import Island
+    from training.merge.merger import Merger, initial_version
     from training.store.experiment import ExperimentStore
-    from training.store.objectstore import open_store
+    from training.store.registry import open_store
 
     cfg = _cfg(preset, P, H, every_rounds)
     with tempfile.TemporaryDirectory(prefix="bench-island-") as tmp:
@@ -168,7 +168,7 @@ def measure(preset: str, P: int, H: int, repeats: int, every_rounds: int | None)
 def computed(preset: str, P: int, H: int = 32) -> dict:
     """Checkpoint and publish cost at STEP_S per step and STORE_BPS, int8 with error feedback,
     checkpoint = params + AdamW m, v + residual (fp32); anchors named, not stored."""
-    from training.config import ModelConfig
+    from training.config.experiment import ModelConfig
 
     n = ModelConfig(preset=preset).param_count()
     ckpt_bytes = 16 * n
@@ -203,8 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--every-rounds", type=int, default=None, help="default: P")
     args = ap.parse_args(argv)
-    from training import model
-    from training.config import ModelConfig
+    from training.config.experiment import ModelConfig
+    from training.model import definition as model
 
     rows: list[dict] = []
     out = dict(

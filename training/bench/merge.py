@@ -38,7 +38,7 @@ TARGET_WORKER_BYTES = 16 * 2**30
 
 
 def _cfg(preset: str, P: int, M: int, codec: str):
-    from training.config import parse_config
+    from training.config.experiment import parse_config
 
     return parse_config(
         {
@@ -54,8 +54,8 @@ def _cfg(preset: str, P: int, M: int, codec: str):
 
 
 def _fragment_sizes(cfg) -> list[int]:
-    from training import model
-    from training.runtime import fragment_names
+    from training.model import definition as model
+    from training.model.runtime import fragment_names
 
     shapes = {k: v.shape for k, v in model.abstract_params(cfg.model).items()}
     return [sum(math.prod(shapes[n]) for n in names) for names in fragment_names(cfg)]
@@ -63,7 +63,7 @@ def _fragment_sizes(cfg) -> list[int]:
 
 def _publish(store, cfg, p: int, M: int, codec: str, seq: int, base: int, rng) -> int:
     """M contributions (one per island) to fragment p; returns their payload bytes."""
-    from training import codecs
+    from training.codecs import host as codecs
 
     shapes = {n: s for n, s in _fragment_shapes(cfg)[p].items()}
     payload_bytes = 0
@@ -86,8 +86,8 @@ def _publish(store, cfg, p: int, M: int, codec: str, seq: int, base: int, rng) -
 
 
 def _fragment_shapes(cfg) -> list[dict]:
-    from training import model
-    from training.runtime import fragment_names
+    from training.model import definition as model
+    from training.model.runtime import fragment_names
 
     shapes = {k: tuple(v.shape) for k, v in model.abstract_params(cfg.model).items()}
     return [{n: shapes[n] for n in names} for names in fragment_names(cfg)]
@@ -95,9 +95,9 @@ def _fragment_shapes(cfg) -> list[dict]:
 
 def setup(url: str, preset: str, P: int, M: int, codec: str) -> dict:
     """Version 0 and M contributions to the largest fragment; returns what the row needs."""
-    from training.merge import initial_version
+    from training.merge.merger import initial_version
     from training.store.experiment import ExperimentStore
-    from training.store.objectstore import open_store
+    from training.store.registry import open_store
 
     cfg = _cfg(preset, P, M, codec)
     store = ExperimentStore(open_store(url), cfg.name)
@@ -116,9 +116,9 @@ def measure(url: str, preset: str, P: int, M: int, codec: str, fragment: int) ->
     `warm` (the best of WARM_REPEATS, the highest peak) is the same merger's next merge of M
     new contributions (the draining syncer: it keeps the arrays of the version it
     published). New contributions are published between merges, untimed."""
-    from training.merge import Merger
+    from training.merge.merger import Merger
     from training.store.experiment import ExperimentStore
-    from training.store.objectstore import open_store
+    from training.store.registry import open_store
 
     cfg = _cfg(preset, P, M, codec)
     store = ExperimentStore(open_store(url), cfg.name)
@@ -184,7 +184,7 @@ def memcpy_seconds(nbytes: int, repeats: int = 3) -> float:
 def codec_rows(elems: int = 16 * 2**20, repeats: int = 5) -> list[dict]:
     """Encode (no residual) and decode of one `elems`-element float32 tensor per codec, best
     of `repeats`, against the best of `repeats` memcpys of its fp32 bytes in the same run."""
-    from training import codecs
+    from training.codecs import host as codecs
 
     x = np.random.default_rng(0).normal(size=elems).astype(np.float32)
     copy_s = memcpy_seconds(x.nbytes, repeats)
@@ -252,7 +252,7 @@ def run_row(preset: str, P: int, M: int, codec: str) -> dict:
 
 def computed_rows(measured: list[dict], fragments: list[int], M: int, codec: str) -> list[dict]:
     """1b / 12b rows from the largest measured row: its bytes/s and its peak / fragment ratio."""
-    from training import codecs
+    from training.codecs import host as codecs
 
     if not measured:
         return []
@@ -268,8 +268,8 @@ def computed_rows(measured: list[dict], fragments: list[int], M: int, codec: str
     }[codec]
     rows = []
     for preset in COMPUTED:
-        from training import model
-        from training.config import ModelConfig
+        from training.config.experiment import ModelConfig
+        from training.model import definition as model
 
         total = sum(
             math.prod(v.shape) for v in model.abstract_params(ModelConfig(preset=preset)).values()

@@ -51,18 +51,18 @@ from typing import get_args
 
 import numpy as np
 
-from training import config
-from training.baseline import run_data_parallel
 from training.bench import stats
 from training.bench.sim import VirtualClock, eval_set, run_islands
-from training.config import ExperimentConfig, IslandConfig, with_overrides
+from training.config import experiment as config
+from training.config.experiment import ExperimentConfig, IslandConfig, with_overrides
+from training.model.baseline import run_data_parallel
 
 __all__ = ["VirtualClock", "base_config", "method_config", "run", "eval_set"]
 
 log = logging.getLogger("diloco.bench")
 
 MIXED_BATCH = "decoupled_mixed_batch"
-METHODS = ("dp", *get_args(config.OuterMethod), MIXED_BATCH)  # dp: training.baseline
+METHODS = ("dp", *get_args(config.OuterMethod), MIXED_BATCH)  # dp: training.model.baseline
 LABELS = {
     "dp": "data-parallel",
     "sync": "synchronous DiLoCo",
@@ -386,7 +386,7 @@ def plot(summary: dict, path: str) -> None:
 
 
 def parse_sets(items: list[str], parser: argparse.ArgumentParser) -> dict:
-    """`training.config.parse_sets`, a malformed item reported by `parser`."""
+    """`training.config.experiment.parse_sets`, a malformed item reported by `parser`."""
     try:
         return config.parse_sets(items)
     except config.ConfigError as err:

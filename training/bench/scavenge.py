@@ -12,7 +12,7 @@ for a window (opening ``window_open`` and lasting ``window_len`` of the base run
 `diloco_scavenge` DAG does: slots that were stopped join (their stop marker cleared) after
 ``join_s`` (provisioning, startup), start from the current global model on their own data
 shards and, when the window closes, leave through their stop marker (publishing their last
-partial interval, as `training/island.py` does on a stop). A slot reclaimed before that (spot
+partial interval, as `training/island/process.py` does on a stop). A slot reclaimed before that (spot
 preemption; with ``--reclaim-mtbi-h H`` each slot's reclaim time after its join is Exp(H);
 default: none, the capacity holds for the window) leaves at once: its steps since its last
 publish are lost and it does not come back within the window.
@@ -44,16 +44,16 @@ from pathlib import Path
 
 import numpy as np
 
-from training.baseline import Curve
 from training.bench.goodput_model import CALIBRATED_RECOVERY_S, SECONDS_PER_YEAR
 from training.bench.quality import base_config
 from training.bench.sim import VirtualClock, eval_set
-from training.config import ExperimentConfig, with_overrides
-from training.island import Island
-from training.merge import Merger, initial_version
-from training.runtime import loop_for
+from training.config.experiment import ExperimentConfig, with_overrides
+from training.island.process import Island
+from training.merge.merger import Merger, initial_version
+from training.model.baseline import Curve
+from training.model.runtime import loop_for
 from training.store.experiment import ExperimentStore
-from training.store.objectstore import open_store
+from training.store.registry import open_store
 
 BURSTS = (0.25, 0.5, 1.0, 3.0)
 PAPER = {

@@ -34,7 +34,7 @@ from training.bench import stats
 from training.bench.quality import SIZES, base_config, parse_sets
 from training.bench.sim import run_islands
 from training.bench.trace import merges
-from training.config import Codec, with_overrides
+from training.config.experiment import Codec, with_overrides
 
 FINDINGS = ("mixed", "rda", "compression")
 SLOW = 1 / 1.18

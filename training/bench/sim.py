@@ -25,15 +25,15 @@ import uuid
 
 import numpy as np
 
-from training.baseline import Curve
 from training.bench.trace import MergeTracer
-from training.config import ExperimentConfig
-from training.evaluate import held_out_batches
-from training.island import Island
-from training.merge import Merger, initial_version
-from training.runtime import loop_for
+from training.config.experiment import ExperimentConfig
+from training.island.process import Island
+from training.merge.merger import Merger, initial_version
+from training.model.baseline import Curve
+from training.model.evaluate import held_out_batches
+from training.model.runtime import loop_for
 from training.store.experiment import ExperimentStore
-from training.store.objectstore import open_store
+from training.store.registry import open_store
 
 
 class VirtualClock:

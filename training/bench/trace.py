@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable
 
 import numpy as np
 
-from training.outer import global_norm
+from tests.reference_outer import global_norm
 
 
 def state_norm(state: dict[str, np.ndarray]) -> float:

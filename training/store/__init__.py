@@ -17,9 +17,9 @@ from training.store.objectstore import (
     StoreError,
     StoreUnreachable,
     TransientStoreError,
-    open_store,
     retry,
 )
+from training.store.registry import open_store
 from training.store.tensors import decode_tensors, encode_tensors, flatten, sha256, unflatten
 
 __all__ = [

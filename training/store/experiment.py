@@ -4,7 +4,7 @@ The contract (what "committed" means, what a retry may repeat, how exactly-once 
 docs/STORE.md. In short: payloads go to unique names first, a small marker written last commits
 them, readers ignore anything without its marker, each fragment's HEAD advances only by compare-
 and-swap, and the ledger of applied pseudo-gradients is create-only. The named fault points
-(training/faults.py) sit between those steps so chaos tests can kill a process there.
+(training/faults/points.py) sit between those steps so chaos tests can kill a process there.
 
 This module holds the I/O helpers, config, pseudo-gradients, ledger and quarantine; heartbeats,
 checkpoints, metrics and control are in training/store/island_objects.py, the per-fragment
@@ -28,8 +28,8 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from training.faults import fault_point
-from training.names import validate_name
+from training.config.names import validate_name
+from training.faults.points import fault_point
 from training.store import island_records, merge_records, safejson
 from training.store.gc import GarbageCollection, GCPlan
 from training.store.island_objects import IslandObjects
@@ -302,11 +302,11 @@ class ExperimentStore(FragmentVersions, GarbageCollection, IslandObjects):
         """Join `islands` to the experiment: append them to config.json's island list.
 
         Nothing else in the config can change this way; `data.num_shards` stays fixed, so a
-        joiner needs a free shard (the rule: `training.config.join_islands`, docs/STORE.md).
+        joiner needs a free shard (the rule: `training.config.experiment.join_islands`, docs/STORE.md).
         Islands already in the config with the same settings are fine (a no-op); ConfigError
         otherwise. Compare-and-swap: racing joins both land. Returns the new config.
         """
-        from training.config import join_islands
+        from training.config.experiment import join_islands
 
         wanted = [dict(i) for i in islands]
         return self.update_config(lambda current: join_islands(current, wanted))

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from training.names import validate_name
+from training.config.names import validate_name
 from training.store import island_records, safejson
 from training.store.keys import ROUNDS, checkpoint_dir
 from training.store.layout import (
@@ -77,7 +77,7 @@ class IslandObjects:
 
     def clear_done(self, island: str) -> None:
         """Remove done/{island}.json (missing is fine): the island rejoins (a scavenged slot's
-        next window, training/scavenge.py); written by the Airflow workers, not the island."""
+        next window, training/config/scavenge.py); written by the Airflow workers, not the island."""
         self.store.delete(self._key(f"done/{validate_name('island', island)}.json"))
 
     # checkpoints ---------------------------------------------------------------------------
@@ -224,7 +224,7 @@ class IslandObjects:
             return True
         return island is not None and self.store.exists(self._key(self._stop_key(island)))
 
-    # the round clock (training/rounds.py) -------------------------------------------------
+    # the round clock (training/protocol/rounds.py) -------------------------------------------------
     def create_round_clock(self, t0: float, period_s: float) -> bool:
         """Write control/rounds.json once (create-only); False if it already exists (the first
         writer's clock stands)."""

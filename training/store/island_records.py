@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from training.config import MAX_ROUND_S
+from training.config.experiment import MAX_ROUND_S
 from training.store import safejson
 from training.store.keys import CHECKPOINT_DIR, MAX_SEQ, MAX_VERSION
 from training.store.record_fields import (
@@ -64,7 +64,7 @@ def parse_config_record(data: Any, experiment: str | None = None) -> dict[str, A
 
 def parse_experiment_config(data: Any, experiment: str | None = None):
     """config.json as a validated `ExperimentConfig`. BadConfigRecord with the first problem."""
-    from training.config import ConfigError, parse_config
+    from training.config.experiment import ConfigError, parse_config
 
     m = parse_config_record(data, experiment)
     try:
@@ -96,7 +96,7 @@ def parse_checkpoint_pointer(data: Any, island: str) -> CheckpointPointer:
 
 
 ANCHOR_KINDS = ("version", "params", "saved")
-"""How a checkpoint holds each fragment's anchor (training/checkpointing.py): `version`, the
+"""How a checkpoint holds each fragment's anchor (training/island/checkpoint.py): `version`, the
 fragment's base version in the store (not in the checkpoint); `params`, equal to the
 checkpointed parameters; `saved`, its own tensors `anchor/<name>` in the checkpoint."""
 
@@ -137,7 +137,7 @@ def parse_checkpoint_meta(data: Any, island: str, step: int | None = None) -> di
     return m
 
 
-# the counts of a fragment's open interval a checkpoint keeps (training/island_publish.py)
+# the counts of a fragment's open interval a checkpoint keeps (training/island/publish.py)
 INTERVAL_KEYS = frozenset({"steps", "tokens", "seconds", "timed"})
 
 

@@ -3,7 +3,7 @@
 `parse_key` reads every name a listing returns; `parse_pseudograd_id` and `pseudograd_id` use
 the same pieces, so listing and ids can never disagree (a name that lists is an id that
 parses). Widths are exact, digits are ASCII (`re.ASCII`: no Arabic-Indic or full-width digits),
-hex is lowercase, island names follow `training.names.NAME_PATTERN`. Anything else raises
+hex is lowercase, island names follow `training.config.names.NAME_PATTERN`. Anything else raises
 `BadName`, a `CorruptObject` and a `ValueError`.
 """
 
@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from training.names import NAME_PATTERN
+from training.config.names import NAME_PATTERN
 from training.store.objectstore import CorruptObject
 from training.store.safejson import one_line, show
 

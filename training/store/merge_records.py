@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, get_args
 
-from training.config import Codec
+from training.config.experiment import Codec
 from training.store import safejson
 from training.store.keys import (
     MAX_SEQ,

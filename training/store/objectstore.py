@@ -5,14 +5,14 @@ gives: whole-object reads and writes (a reader sees the old or the new object, n
 one), create-only writes, compare-and-swap on an opaque generation, fresh (never cached) recursive
 listings, and retries of transient errors (`retry`). docs/STORE.md shows how the experiment
 layout builds on this. This module is the interface, errors, keys and retries; the backends are
-training/store/local.py, memory.py and gcs.py (imported by `open_store` when first needed).
+training/store/local.py, memory.py and gcs.py, and `training.store.registry.open_store` picks one
+by URL (the registry sits outside the interface, so no backend import cycles back here).
 """
 
 from __future__ import annotations
 
 import errno
 import logging
-import os
 import random
 import time
 from abc import ABC, abstractmethod
@@ -273,47 +273,3 @@ class ObjectStore(ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.url!r})"
-
-
-def open_store(url: str | os.PathLike[str]) -> ObjectStore:
-    """Open "file:///abs/path", a plain path, "gs://bucket[/prefix]" or "memory://name".
-
-    Nothing is contacted here; call `check()` to verify reachability.
-    """
-    text = os.fspath(url)
-    if text.startswith("gs://"):
-        from training.store.gcs import GCSStore  # the Google client libraries load only here
-
-        bucket, _, prefix = text[len("gs://") :].partition("/")
-        return GCSStore(bucket, prefix)
-    if text.startswith("memory://"):
-        from training.store.memory import MemoryStore
-
-        return MemoryStore(text[len("memory://") :])
-    from training.store.local import LocalStore
-
-    if text.startswith("file://"):
-        path = text[len("file://") :]
-        if not path.startswith("/"):
-            raise ValueError(f"invalid store URL {text!r}: file:// URLs need an absolute path")
-        return LocalStore(path)
-    if "://" in text:
-        raise ValueError(f"unsupported store URL {text!r}: use file://, gs:// or memory://")
-    return LocalStore(text)
-
-
-_BACKENDS = {
-    "LocalStore": "training.store.local",
-    "MemoryStore": "training.store.memory",
-    "GCSStore": "training.store.gcs",
-    "gcs_credentials": "training.store.gcs",
-}
-
-
-def __getattr__(name: str):
-    """The backends, imported on first use (so file:// users never load the Google libraries)."""
-    if name in _BACKENDS:
-        import importlib
-
-        return getattr(importlib.import_module(_BACKENDS[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from training.faults import fault_point
+from training.faults.points import fault_point
 from training.store import merge_records as records
 from training.store import safejson
 from training.store.keys import BEST, BadName, parse_fragment_dir
@@ -45,7 +45,7 @@ from training.store.tensors import checksum, tensor_parts
 log = logging.getLogger(__name__)
 
 PAYLOADS = ("params", "outer_state")
-# optional payloads of a version under `outer.broadcast = "codec"` (training/broadcast.py):
+# optional payloads of a version under `outer.broadcast = "codec"` (training/protocol/broadcast.py):
 # "update", the codec-encoded step from the previous version's broadcast shadow, and "shadow",
 # this version's shadow S_v in float32 (what islands adopt; a version without one has S_v =
 # its params)

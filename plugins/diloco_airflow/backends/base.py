@@ -30,10 +30,10 @@ from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from training.names import NAME_PATTERN
+from training.config.names import NAME_PATTERN
 
 NAME_RE = NAME_PATTERN
-"""Experiment and island names: `training.names`'s one rule."""
+"""Experiment and island names: `training.config.names`'s one rule."""
 
 LABEL_EXPERIMENT = "diloco-experiment"
 LABEL_ISLAND = "diloco-island"

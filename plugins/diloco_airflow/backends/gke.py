@@ -9,7 +9,7 @@ import re
 import time
 from typing import Any
 
-from training.hardware import GKE_TPU_ACCELERATORS
+from training.config.hardware import GKE_TPU_ACCELERATORS
 
 from .base import BackendError, BackendStatus, IslandBackend, IslandSpec, IslandState
 from .common import RETRYABLE_HTTP_STATUS, says_retryable, wait_gone

@@ -29,7 +29,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from training.hardware import gke_tpu_slice
+from training.config.hardware import gke_tpu_slice
 
 from .base import IslandSpec, resource_id
 from .common import island_env
@@ -51,7 +51,9 @@ _DNS_LABEL_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 
 
 # ---------------------------------------------------------------------- slice shape
-tpu_slice = gke_tpu_slice  # the catalogue's rule (training.hardware), under its old name here
+tpu_slice = (
+    gke_tpu_slice  # the catalogue's rule (training.config.hardware), under its old name here
+)
 
 
 def k8s_name(spec: IslandSpec) -> str:

@@ -1,6 +1,6 @@
 """The backends' registry: a backend by name, its module imported only when asked for.
 
-``BACKENDS`` is `training.config.Backend`'s list (the config's type is the one source: the
+``BACKENDS`` is `training.config.experiment.Backend`'s list (the config's type is the one source: the
 trigger form's enum and the DAG's task groups derive from it). This module imports the backend
 modules lazily, and they import only `base` and `common`: no cycle.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 from typing import Any, get_args
 
-from training.config import Backend
+from training.config.experiment import Backend
 
 from .base import IslandBackend
 

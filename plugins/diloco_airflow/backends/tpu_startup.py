@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 import shlex
 
-from training.hardware import tpu_hosts
+from training.config.hardware import tpu_hosts
 
 from .base import IslandSpec
 from .common import island_env

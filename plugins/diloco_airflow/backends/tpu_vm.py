@@ -43,7 +43,7 @@ from google.cloud import tpu_v2
 from google.protobuf import duration_pb2
 
 from diloco_airflow import knobs
-from training.hardware import tpu_hosts
+from training.config.hardware import tpu_hosts
 
 from .base import (
     LABEL_EXPERIMENT,

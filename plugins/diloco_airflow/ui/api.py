@@ -10,7 +10,7 @@
 Every /api route needs a valid Airflow token (401) of a user who may read the
 `diloco_experiment` DAG (403); the POST routes need one who may edit it (403): auth.py. Only
 stores the source names (sources.py) are opened: any other `store` is a 404. The data logic is
-training/dashboard.py; this module only routes, checks and maps errors.
+training/views/dashboard.py; this module only routes, checks and maps errors.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def _user_name(user: Any) -> str:
 def create_app(source: StaticSource | None = None) -> FastAPI:
     """The app; `source` says which stores exist and what Airflow knows (default: Airflow's
     database, see sources.AirflowSource)."""
-    from training import dashboard
+    from training.views import dashboard
 
     source = source or AirflowSource()
     cache = dashboard.MetricCache()
@@ -66,7 +66,7 @@ def create_app(source: StaticSource | None = None) -> FastAPI:
     def open_known(store: str, experiment: str):
         """(cfg, estore) of a known store's experiment; 404 otherwise, 502 if unreadable."""
         from diloco_airflow.store import open_experiment
-        from training.config import ConfigError, parse_config
+        from training.config.experiment import ConfigError, parse_config
         from training.store.objectstore import ObjectNotFound, StoreError
 
         if store not in known_stores():
@@ -93,9 +93,9 @@ def create_app(source: StaticSource | None = None) -> FastAPI:
     @app.get("/api/experiments")
     def experiments(user: Reader, run_id: str | None = Query(None, max_length=250)) -> dict:
         from diloco_airflow.store import open_experiment
-        from training.catalog import list_experiments
-        from training.config import parse_config
-        from training.store.objectstore import open_store
+        from training.config.experiment import parse_config
+        from training.store.registry import open_store
+        from training.views.catalog import list_experiments
 
         out, errors = [], []
         for store in known_stores():
@@ -142,7 +142,7 @@ def create_app(source: StaticSource | None = None) -> FastAPI:
 
     @app.post("/api/kill")
     def kill(body: KillBody, user: Editor) -> dict:
-        from training.chaos import recorder
+        from training.faults.chaos import recorder
 
         cfg, estore = open_known(body.store, body.experiment)
         if not dashboard.chaos_mode(cfg):

@@ -63,7 +63,7 @@ def _island_of(ti_key) -> str | None:
 def bucket_link(run: dict | None, island: str | None = None) -> str:
     """The Cloud console URL of run `run`'s experiment ({"store", "experiment"}), or of
     `island`'s pseudo-gradients in it; "" without a run or for a store that is not gs://."""
-    from training.dashboard import bucket_url
+    from training.views.dashboard import bucket_url
 
     if not run or not str(run.get("store", "")).startswith("gs://"):
         return ""

@@ -43,7 +43,7 @@ from typing import Any
 from training.bench.wan import model12b
 from training.bench.wan.bucket import start_bucket
 from training.bench.wan.netns import Wan, WanError, unavailable
-from training.config import parse_sets
+from training.config.experiment import parse_sets
 
 METHODS = ("dp", "sync", "decoupled")
 LABELS = {"dp": "data-parallel", "sync": "synchronous DiLoCo", "decoupled": "Decoupled DiLoCo"}

@@ -8,7 +8,7 @@ process, a `Mesh` over all of them. Every step, each process computes the gradie
 batch (its region's data shard, the same `BatchLoader` stream the island of that region reads),
 casts it to bfloat16, and the processes all-reduce it (`psum` inside `shard_map`) across the
 shaped links; the mean gradient then goes through the same AdamW as an island's inner step
-(`training.inner.inner_optimizer`). bf16 is the gradient precision assumed for the 12B model
+(`training.model.inner.inner_optimizer`). bf16 is the gradient precision assumed for the 12B model
 (training/bench/wan/model12b.py); the bytes on the wire are counted by the harness, not here.
 
 gloo binds to the address of the machine's hostname, which inside a namespace is loopback: the
@@ -71,8 +71,8 @@ def build_step(cfg, mesh):
     from jax.flatten_util import ravel_pytree
     from jax.sharding import PartitionSpec as P
 
-    from training import model
-    from training.inner import inner_optimizer
+    from training.model import definition as model
+    from training.model.inner import inner_optimizer
 
     tx = inner_optimizer(cfg.inner, cfg.inner_decay_steps())
     n = mesh.devices.size
@@ -134,14 +134,14 @@ def main(argv: list[str] | None = None) -> int:
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from training import model
-    from training.config import load_config
-    from training.data import BatchLoader, shard_tokens
+    from training.config.experiment import load_config
+    from training.data.corpus import BatchLoader, shard_tokens
+    from training.model import definition as model
 
     try:
-        from training.runtime import corpus_for
+        from training.model.runtime import corpus_for
     except ImportError:
-        from training.runtime import corpus_for
+        from training.model.runtime import corpus_for
 
     cfg = load_config(args.config)
     mesh = Mesh(np.array(jax.devices()), ("data",))

@@ -7,7 +7,7 @@ Every `--every` seconds it evaluates the model as it is now in the store and app
 `{"t", "loss", "tokens_merged"}` to `--out` (skipping an evaluation when the merged-token count
 has not moved); it exits after the first evaluation of a model with N tokens merged or more, or
 (`--until-loss`) with a held-out loss of L or less. Evaluation is
-`training.evaluate` (the fixed held-out batches of `diloco eval`). With `--merges-out FILE` it
+`training.model.evaluate` (the fixed held-out batches of `diloco eval`). With `--merges-out FILE` it
 writes, when it exits, the merger's own records of the run (`metrics/merge/`, one per merge pass,
 every applied contribution with its publish and merge times, staleness and steps) as one JSON
 list: what the bench summarises as the syncer's latency (runner.merge_timeline).
@@ -19,14 +19,14 @@ import argparse
 import json
 import time
 
-from training.config import parse_config
+from training.config.experiment import parse_config
 from training.store.experiment import ExperimentStore
-from training.store.objectstore import open_store
+from training.store.registry import open_store
 
 
 def eval_now(cfg, estore) -> dict:
     """`{"loss", "tokens_merged"}` of the current global model, whichever evaluate API exists."""
-    from training import evaluate
+    from training.model import evaluate
 
     if hasattr(evaluate, "evaluate_snapshot"):  # per-fragment layout
         out = evaluate.evaluate_snapshot(cfg, estore, record=False)

@@ -3,7 +3,7 @@
     python -m training.bench.wan.island --store gs://wan/x --experiment E --island island-0 \\
         --step-log DIR/island-0.jsonl [--checkpoints file:///region/dir] [--max-steps N]
 
-It runs the production `training.island.Island` exactly as `diloco island` does, with two
+It runs the production `training.island.process.Island` exactly as `diloco island` does, with two
 additions for the benchmark:
 - a step log: one JSON line per inner step, `{"t", "step", "tokens", "published"}`, written after
   the step returns, so the time between two lines is the step with everything the island did in
@@ -22,12 +22,12 @@ import json
 import time
 from pathlib import Path
 
-from training.chaos import IslandChaos
-from training.config import parse_config
-from training.faults import FaultPlan
-from training.island import Island
+from training.config.experiment import parse_config
+from training.faults.chaos import IslandChaos
+from training.faults.points import FaultPlan
+from training.island.process import Island
 from training.store.experiment import ExperimentStore
-from training.store.objectstore import open_store
+from training.store.registry import open_store
 
 
 class RegionalCheckpoints:

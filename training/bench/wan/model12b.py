@@ -2,7 +2,7 @@
 
 Everything here is arithmetic on stated assumptions (`Assumptions`, every field documented in
 docs/WAN.md) plus two throughputs of this machine measured on request: the int4 encode speed of
-`training.codecs` and the merge throughput (from a `diloco bench merge --json` file when given,
+`training.codecs.host` and the merge throughput (from a `diloco bench merge --json` file when given,
 else numpy's memcpy bandwidth here, an upper bound for a merge, which must at least move its
 bytes). Nothing imports jax.
 
@@ -30,7 +30,7 @@ import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from training.config import GEMMA_PRESETS, PRESETS, ModelConfig
+from training.config.experiment import GEMMA_PRESETS, PRESETS, ModelConfig
 
 GBPS = (2.0, 3.0, 5.0)
 PRESET_NAMES = (*PRESETS, *GEMMA_PRESETS)
@@ -182,10 +182,10 @@ def measure_memcpy(nbytes: int = 256 << 20, repeats: int = 3) -> float:
 
 
 def measure_encode(elements: int = 1 << 22, codec: str = "int4") -> float:
-    """Float32 bytes per second that `training.codecs.encode` (with error feedback) takes in."""
+    """Float32 bytes per second that `training.codecs.host.encode` (with error feedback) takes in."""
     import numpy as np
 
-    from training import codecs
+    from training.codecs import host as codecs
 
     x = {"w": np.random.default_rng(0).standard_normal(elements, dtype=np.float32)}
     t = time.perf_counter()
@@ -232,7 +232,7 @@ def measured_assumptions(merge_json: str | None = None, **overrides) -> Assumpti
         merge_bytes_per_s=merge,
         merge_source=merge_src,
         encode_bytes_per_s=enc,
-        encode_source="training.codecs int4 encode with error feedback, numpy, one core here",
+        encode_source="training.codecs.host int4 encode with error feedback, numpy, one core here",
     )
     return replace(base, **overrides)
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from training.bench.wan.bench import DILOCO_SETTINGS, DP_SETTINGS, BenchParams, link_mbit
 from training.bench.wan.netns import Wan, WanError
-from training.config import ExperimentConfig, IslandConfig, with_overrides
+from training.config.experiment import ExperimentConfig, IslandConfig, with_overrides
 
 PY = sys.executable
 
@@ -182,8 +182,8 @@ class Runner:
     def _dp_curve(self, cfg, d: Path, tokens_per_step: int) -> list[tuple[int, float]]:
         import numpy as np
 
-        from training import model
-        from training.evaluate import eval_loss
+        from training.model import definition as model
+        from training.model.evaluate import eval_loss
 
         first = {k: np.asarray(v) for k, v in model.init_params(cfg.model, cfg.seed).items()}
         curve = [(0, eval_loss(cfg, first))]

@@ -1,0 +1,310 @@
+/* The codecs' and the outer step's hot loops in C: one pass per cache-sized chunk instead of
+about seven numpy passes.
+
+Loaded by training/codecs/native.py (compiled on first use with the system C compiler; without one,
+training/codecs/kernels.py and training/merge/rules.py keep their numpy code). Every result is
+bit-identical to that numpy code, so to the reference (tests/test_codec_golden.py,
+tests/test_native.py):
+- only IEEE float32 add, subtract, multiply and divide, each rounded once: built with
+  -ffp-contract=off (no fused multiply-add) and without -ffast-math;
+- rint (round half to even) as (v + 1.5 * 2^23) - 1.5 * 2^23 with v's sign kept (rint(-0.3)
+  is -0.0), exact for |v| < 2^22 (here |v| <= levels (1 + 2 eps));
+- floor as truncation corrected by one (|v| < 2^31 here).
+Status 1: a non-finite input (the caller raises). Status 2 (quantized codecs): a block whose
+levels / absmax overflows, which numpy clips: a quantized chunk is checked whole before
+anything but its scales is written (its absmax pass), so the caller redoes it in numpy even
+when `out` is `b`.
+*/
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MAGIC 12582912.0f /* 1.5 * 2^23 */
+
+/* xb[0..len) = a (op b) from element i0 */
+static void load(const float *a, const float *b, int op, int64_t i0, int64_t len, float *xb) {
+    if (op > 0)
+        for (int64_t i = 0; i < len; i++) xb[i] = a[i0 + i] + b[i0 + i];
+    else if (op < 0)
+        for (int64_t i = 0; i < len; i++) xb[i] = a[i0 + i] - b[i0 + i];
+    else
+        memcpy(xb, a + i0, (size_t)len * 4);
+}
+
+static inline uint32_t bits_of(float v) {
+    uint32_t u;
+    memcpy(&u, &v, 4);
+    return u;
+}
+
+static inline float float_of(uint32_t u) {
+    float v;
+    memcpy(&v, &u, 4);
+    return v;
+}
+
+static uint32_t absmax_bits(const float *xb, int64_t len) {
+    uint32_t m = 0;
+    for (int64_t i = 0; i < len; i++) {
+        uint32_t u = bits_of(xb[i]) & 0x7FFFFFFFu;
+        m = u > m ? u : m;
+    }
+    return m;
+}
+
+static inline float rint_even(float v) {
+    float r = (v + MAGIC) - MAGIC;
+    return float_of((bits_of(r) & 0x7FFFFFFFu) | (bits_of(v) & 0x80000000u));
+}
+
+static inline float floor_small(float v) {
+    float t = (float)(int32_t)v;
+    return t > v ? t - 1.0f : t;
+}
+
+/* The per-block loops: codes as floats into qb; out = x - deq (sink 0) or out += deq (sink 1).
+   out never aliases x or qb (x is `a`'s block or the scratch copy of a (op b)). */
+static void quant_block(int kind, const float *restrict x, int64_t len, float levels,
+                        float absmax, float *restrict qb, float *restrict out, int sink) {
+    float sc = absmax / levels;
+    if (kind == 2) {
+        float safe = sc > 0.0f ? sc : 1.0f;
+        for (int64_t i = 0; i < len; i++) {
+            float q = floor_small(x[i] / safe + 2.0f);
+            qb[i] = q < 0.0f ? 0.0f : (q > 3.0f ? 3.0f : q);
+        }
+        if (sink)
+            for (int64_t i = 0; i < len; i++) out[i] += (qb[i] - 1.5f) * sc;
+        else
+            for (int64_t i = 0; i < len; i++) out[i] = x[i] - (qb[i] - 1.5f) * sc;
+        return;
+    }
+    float inv = absmax > 0.0f ? levels / absmax : 0.0f;
+    for (int64_t i = 0; i < len; i++) qb[i] = rint_even(x[i] * inv);
+    if (sink)
+        for (int64_t i = 0; i < len; i++) out[i] += qb[i] * sc;
+    else
+        for (int64_t i = 0; i < len; i++) out[i] = x[i] - qb[i] * sc;
+}
+
+static void pack_block(int kind, const float *restrict qb, int64_t len, uint8_t *restrict d) {
+    int64_t per = kind == 8 ? 1 : (kind == 4 ? 2 : 4), whole = len / per * per;
+    if (kind == 8) {
+        int8_t *d8 = (int8_t *)d;
+        for (int64_t i = 0; i < len; i++) d8[i] = (int8_t)(int32_t)qb[i];
+    } else if (kind == 4) {
+        for (int64_t j = 0; j < whole / 2; j++)
+            d[j] = (uint8_t)(((int32_t)qb[2 * j] + 8) | (((int32_t)qb[2 * j + 1] + 8) << 4));
+    } else {
+        for (int64_t j = 0; j < whole / 4; j++)
+            d[j] = (uint8_t)((int32_t)qb[4 * j] | ((int32_t)qb[4 * j + 1] << 2) |
+                             ((int32_t)qb[4 * j + 2] << 4) | ((int32_t)qb[4 * j + 3] << 6));
+    }
+    if (whole < len) { /* the tensor's last, partial byte */
+        int32_t v = 0;
+        for (int64_t j = 0; j < per; j++) {
+            int32_t c = whole + j < len ? (int32_t)qb[whole + j] + (kind == 4 ? 8 : 0)
+                                        : (kind == 4 ? 8 : 0);
+            v |= c << (j * (kind == 4 ? 4 : 2));
+        }
+        d[whole / per] = (uint8_t)v;
+    }
+}
+
+/* Quantize n elements x = a (op b) in blocks of `block` (kind 8: int8 codes; 4: two codes
+   q + 8 per byte, low nibble first; 2: four codes 0..3 per byte). Writes codes to `data`,
+   scales (absmax / levels) to `scales`, and per element either out = x - dequantized
+   (sink 0: the error-feedback residual) or out += dequantized (sink 1); `out` may be `b`,
+   never `a`. `block` must be a multiple of 4 (every block starts on a byte); n need not be a
+   multiple of it (only the tensor's last block can end mid-byte: padded with the codes 8
+   (int4) or 0 (int2)).
+   Returns 3 if its scratch cannot be allocated (nothing written). */
+int encode_quantized(int kind, float levels, int64_t n, int64_t block, const float *a,
+                     const float *b, int op, uint8_t *data, float *scales, float *out,
+                     int sink) {
+    int64_t nb = (n + block - 1) / block;
+    int64_t per = kind == 8 ? 1 : (kind == 4 ? 2 : 4);
+    float *xb = malloc((size_t)block * 2 * sizeof(float));
+    if (!xb) return 3;
+    float *qb = xb + block;
+    for (int64_t k = 0; k < nb; k++) { /* absmax and scales first: nothing else written yet */
+        int64_t s = k * block, len = s + block < n ? block : n - s;
+        const float *x = a + s;
+        if (op) {
+            load(a, b, op, s, len, xb);
+            x = xb;
+        }
+        uint32_t m = absmax_bits(x, len);
+        float absmax = float_of(m);
+        int overflow = kind != 2 && absmax > 0.0f &&
+                       (bits_of(levels / absmax) & 0x7FFFFFFFu) >= 0x7F800000u;
+        if (m >= 0x7F800000u || overflow) {
+            free(xb);
+            return m >= 0x7F800000u ? 1 : 2;
+        }
+        scales[k] = absmax; /* an output: a refused chunk's caller rewrites it */
+    }
+    for (int64_t k = 0; k < nb; k++) {
+        int64_t s = k * block, len = s + block < n ? block : n - s;
+        const float *x = a + s;
+        if (op) {
+            load(a, b, op, s, len, xb);
+            x = xb;
+        }
+        float absmax = scales[k];
+        scales[k] = absmax / levels;
+        quant_block(kind, x, len, levels, absmax, qb, out + s, sink);
+        pack_block(kind, qb, len, data + s / per);
+    }
+    free(xb);
+    return 0;
+}
+
+/* One stretch of encode_bf16: x never aliases out (x is `a` or the scratch copy of a (op b)). */
+static uint32_t bf16_stretch(const float *restrict x, int64_t len, uint16_t *restrict d,
+                             float *restrict out, int sink) {
+    uint32_t bad = 0;
+    if (sink) {
+        for (int64_t i = 0; i < len; i++) {
+            uint32_t u = bits_of(x[i]);
+            uint32_t r = (u + (((u >> 16) & 1u) + 0x7FFFu)) >> 16;
+            bad |= (u & 0x7F800000u) == 0x7F800000u;
+            d[i] = (uint16_t)r;
+            out[i] += float_of(r << 16);
+        }
+    } else {
+        for (int64_t i = 0; i < len; i++) {
+            uint32_t u = bits_of(x[i]);
+            uint32_t r = (u + (((u >> 16) & 1u) + 0x7FFFu)) >> 16;
+            bad |= (u & 0x7F800000u) == 0x7F800000u;
+            d[i] = (uint16_t)r;
+            out[i] = x[i] - float_of(r << 16);
+        }
+    }
+    return bad;
+}
+
+/* bfloat16 bits of x = a (op b), round to nearest even, and out = x - widened (sink 0) or
+   out += widened (sink 1). Status 1 if an input is not finite: then the outputs (and `out`,
+   which may be `b`) are partly written, and the caller raises. */
+int encode_bf16(int64_t n, const float *a, const float *b, int op, uint16_t *data, float *out,
+                int sink) {
+    enum { STEP = 1024 };
+    float xb[STEP];
+    uint32_t bad = 0;
+    for (int64_t s = 0; s < n; s += STEP) {
+        int64_t len = s + STEP < n ? STEP : n - s;
+        const float *x = a + s;
+        if (op) {
+            load(a, b, op, s, len, xb);
+            x = xb;
+        }
+        bad |= bf16_stretch(x, len, data + s, out + s, sink);
+    }
+    return bad ? 1 : 0;
+}
+
+/* Elements [s, e) of a quantized tensor (s a multiple of the block and of the codes per
+   byte), each code x its block's scale, into out[0, e - s): written (accumulate 0) or added
+   (accumulate 1: out += value, as numpy's out += decoded). Status 1 (nothing written) if a
+   code is invalid and check is set: int8 -128, int4 nibble 0 (int2 has none). */
+int decode_quantized(int kind, const uint8_t *data, const float *scales, int64_t s, int64_t e,
+                     int64_t block, float *restrict out, int accumulate, int check) {
+    int64_t per = kind == 8 ? 1 : (kind == 4 ? 2 : 4);
+    const uint8_t *d = data + s / per;
+    int64_t n = e - s;
+    if (check && kind != 2) {
+        uint32_t bad = 0;
+        if (kind == 8) {
+            for (int64_t i = 0; i < n; i++) bad |= d[i] == 0x80u;
+        } else {
+            for (int64_t j = 0; j < n / 2; j++) bad |= ((d[j] & 15u) == 0) | ((d[j] >> 4) == 0);
+            if (n & 1) bad |= (d[n / 2] & 15u) == 0; /* the pad nibble is not a code */
+        }
+        if (bad) return 1;
+    }
+    enum { STEP = 256 }; /* a multiple of 4: every step starts on a byte */
+    float v[STEP];
+    for (int64_t i0 = 0; i0 < n; i0 += STEP) {
+        int64_t len = i0 + STEP < n ? STEP : n - i0;
+        if (kind == 8) {
+            const int8_t *d8 = (const int8_t *)d + i0;
+            for (int64_t i = 0; i < len; i++) v[i] = (float)d8[i];
+        } else if (kind == 4) {
+            const uint8_t *b = d + i0 / 2;
+            for (int64_t j = 0; j < len / 2; j++) {
+                v[2 * j] = (float)((int32_t)(b[j] & 15u) - 8);
+                v[2 * j + 1] = (float)((int32_t)(b[j] >> 4) - 8);
+            }
+            if (len & 1) v[len - 1] = (float)((int32_t)(b[len / 2] & 15u) - 8);
+        } else {
+            const uint8_t *b = d + i0 / 4;
+            for (int64_t j = 0; j < len / 4; j++)
+                for (int k = 0; k < 4; k++)
+                    v[4 * j + k] = (float)((b[j] >> (2 * k)) & 3u) - 1.5f;
+            for (int64_t i = len / 4 * 4; i < len; i++)
+                v[i] = (float)((b[i / 4] >> ((i & 3) * 2)) & 3u) - 1.5f;
+        }
+        /* the scale of element j (from s) is scales[(s + j) / block] */
+        for (int64_t i = 0; i < len;) {
+            int64_t j = i0 + i, b = (s + j) / block;
+            int64_t end = (b + 1) * block - s - i0;
+            end = end < len ? end : len;
+            float sc = scales[b];
+            if (accumulate)
+                for (; i < end; i++) out[i0 + i] += v[i] * sc;
+            else
+                for (; i < end; i++) out[i0 + i] = v[i] * sc;
+        }
+    }
+    return 0;
+}
+
+/* The outer step on n elements in place (training/merge_rules.outer_step_, whose numpy loop
+   it replaces bit for bit: each operation rounded as there). g = g x factors[0] x ... (in
+   turn; g itself is not written back); then mode 0: p -= lr g; mode 1 (SGD with momentum):
+   m = m beta + g, p -= lr (g + beta m) with nesterov, else p -= lr m; mode 2 (Delayed
+   Nesterov): d += g, g = g inv, and when flush m = m beta + inv d, d = 0, g += beta m; then
+   p -= lr g. */
+void outer_step(int64_t n, float *restrict p, float *restrict g, float *restrict m,
+                float *restrict d, const float *factors, int nf, int mode, int nesterov,
+                int flush, float lr, float beta, float inv) {
+    enum { STEP = 1024 };
+    float gb[STEP];
+    for (int64_t s = 0; s < n; s += STEP) {
+        int64_t len = s + STEP < n ? STEP : n - s;
+        for (int64_t i = 0; i < len; i++) gb[i] = g[s + i];
+        for (int f = 0; f < nf; f++) {
+            float k = factors[f];
+            for (int64_t i = 0; i < len; i++) gb[i] = gb[i] * k;
+        }
+        float *ps = p + s;
+        if (mode == 0) {
+            for (int64_t i = 0; i < len; i++) ps[i] = ps[i] - lr * gb[i];
+        } else if (mode == 1) {
+            float *ms = m + s;
+            for (int64_t i = 0; i < len; i++) {
+                float mi = ms[i] * beta;
+                mi = mi + gb[i];
+                ms[i] = mi;
+                ps[i] = nesterov ? ps[i] - lr * (gb[i] + beta * mi) : ps[i] - lr * mi;
+            }
+        } else {
+            float *ms = m + s, *ds = d + s;
+            for (int64_t i = 0; i < len; i++) {
+                float di = ds[i] + gb[i];
+                float gi = gb[i] * inv;
+                if (flush) {
+                    float mi = ms[i] * beta;
+                    mi = mi + inv * di;
+                    ms[i] = mi;
+                    di = 0.0f;
+                    gi = gi + beta * mi;
+                }
+                ds[i] = di;
+                ps[i] = ps[i] - lr * gi;
+            }
+        }
+    }
+}

@@ -1,0 +1,1 @@
+"""Training data: corpora, tokenization, per-island shards, the resumable cursor, the eval split."""

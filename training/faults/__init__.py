@@ -1,0 +1,1 @@
+"""Injected faults: named fault points (`FaultPlan`) and chaos mode (the kill monkey)."""

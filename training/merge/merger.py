@@ -1,0 +1,584 @@
+"""The merger: apply every committed, unapplied pseudo-gradient exactly once, per fragment.
+
+A `Merger` owns a set of fragments (a syncer shard: all of them by default). One `merge_once()`
+makes, for each owned fragment with work, at most one new version:
+1. read the fragment's HEAD and manifest; re-create the ledger entries of its `applied` list (a
+   crash after the HEAD swap but before the ledger writes is repaired here);
+2. find pending pseudo-gradients without listing the history: per island, the listing starts
+   after the smallest cursor (`merge_state.cursors[island]`, the highest seq applied) of the
+   owned fragments; quarantined ones are skipped;
+3. admit each by its manifest (training/merge_rules.check_manifest), quarantining the bad ones;
+4. let the method decide what to apply now (quorum, grace window, sync);
+5. stream: load the fragment's params and outer state once (or keep the arrays of the version
+   this merger published last, if HEAD still names it: `warm_bytes`), read each contribution
+   chunk by chunk from its codes (checked as decoded, its norms in the same pass), fold each
+   island's vote into one float32 accumulator, apply the outer step in place, chunk by chunk;
+6. write the new version (payloads, manifest, then HEAD by compare-and-swap from the head read
+   in step 1) and the ledger entries. Losing the race publishes nothing: the next attempt starts
+   again at 1.
+So a contribution is applied at most once (only a version that won the CAS counts, and its
+cursors and `applied` list are what the next attempt reads) and at least once (it stays pending
+until a version of its fragment names it). Fragments are independent: two shards never contend.
+
+Length: just past 500 lines; the decisions are in merge_rules.py and merge_stream.py, what is
+left is the I/O of one merge round in order.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from training.codecs import host as codecs
+from training.config.experiment import ExperimentConfig
+from training.faults.points import fault_point
+from training.merge import rules
+from training.merge import stream as merge_stream
+from training.model import definition as model
+from training.model.runtime import fragment_names
+from training.protocol import broadcast, claims, rounds
+from training.store.experiment import ExperimentStore, HeadPointer, PseudoGradRef
+from training.store.objectstore import StoreError, StoreUnreachable, TransientStoreError
+
+log = logging.getLogger("diloco.merge")
+
+SNAPSHOT_EVERY_S = 10.0  # a merger records the current snapshot at most this often
+# A merger keeps the arrays of the fragment versions it published, up to this many bytes, for
+# its next merge of each (no read, no checksum). A merger owning several fragments holds them
+# between merges: its peak is one fragment merge plus up to this (Merger(warm_bytes=0): none).
+WARM_BYTES = 4 * 2**30
+
+
+@dataclass
+class MergeResult:
+    versions: dict[int, int] = field(default_factory=dict)  # fragment -> version published
+    applied: list[str] = field(default_factory=list)
+    quarantined: dict[str, str] = field(default_factory=dict)
+    waiting_until: float | None = None  # grace window: try again at this time
+    lost_race: bool = False
+    tokens_merged: int | None = None  # mean over the owned fragments after this round
+    contributions: list[dict] = field(default_factory=list)
+    skipped: int = 0  # objects skipped this round (junk names, broken records): counted
+
+    @property
+    def version(self) -> int | None:
+        """The highest fragment version this round published (None: nothing published)."""
+        return max(self.versions.values()) if self.versions else None
+
+
+def outer_period(cfg: ExperimentConfig) -> int:
+    return cfg.outer.delay_period or len(cfg.islands)
+
+
+def initial_version(cfg: ExperimentConfig, store: ExperimentStore) -> int | None:
+    """Create version 0 of every fragment (fresh parameters, zero outer state); None if the
+    experiment already has them (a repeat after a crash completes what is missing)."""
+    heads = store.heads(range(cfg.fragments.count))
+    if all(h is not None for h in heads):
+        return None
+    params = {
+        k: np.asarray(v, np.float32) for k, v in model.init_params(cfg.model, cfg.seed).items()
+    }
+    created = False
+    for p, names in enumerate(fragment_names(cfg)):
+        if heads[p] is not None:
+            continue
+        frag = {n: params[n] for n in names}
+        state = rules.init_state(cfg.outer, {n: v.shape for n, v in frag.items()})
+        ms = _merge_state(state, {}, [], 0.0, {"0": time.time()}, {})
+        extra = dict(tokens_merged=0, merge_state=ms)
+        created |= store.publish_fragment(p, 0, frag, rules.state_tensors(state), extra) is not None
+    return 0 if created else None
+
+
+def _merge_state(
+    state: rules.OuterFragmentState,
+    cursors: dict,
+    norms: list,
+    sync_s: float,
+    version_times: dict,
+    last_claim: dict,
+):
+    """A fragment's merge_state (docs/STORE.md): the outer counters, cursors, the last norms
+    ([island, norm]), sync_s, and for the claims' bounds (training/protocol/claims.py) version_times
+    (version -> merger time) and last_claim (island -> [seq, island_step, published_at])."""
+    return dict(
+        steps=state.steps,
+        seen=state.seen,
+        cursors=cursors,
+        norms=norms[-rules.NORM_HISTORY :],
+        sync_s=sync_s,
+        version_times=version_times,
+        last_claim=last_claim,
+    )
+
+
+class Merger:
+    def __init__(
+        self,
+        cfg: ExperimentConfig,
+        store: ExperimentStore,
+        clock: Callable[[], float] = time.time,
+        fragments: Sequence[int] | None = None,
+        warm_bytes: int = WARM_BYTES,
+    ):
+        self.cfg = cfg
+        self.warm_bytes = warm_bytes
+        # fragment -> (version dir, params, outer tensors, broadcast shadow or None, bytes) this
+        # merger published last
+        self._warm: dict[int, tuple[str, dict, dict, dict | None, int]] = {}
+        self.store = store
+        self.clock = clock
+        self.frags = fragment_names(cfg)
+        self.fragments = sorted(range(len(self.frags)) if fragments is None else set(fragments))
+        bad = [p for p in self.fragments if not 0 <= p < len(self.frags)]
+        if bad:
+            raise ValueError(f"fragments {bad} out of range (P = {len(self.frags)})")
+        shapes = {k: tuple(v.shape) for k, v in model.abstract_params(cfg.model).items()}
+        self.shapes = [{n: shapes[n] for n in names} for names in self.frags]
+        # a fragment version's payloads are at most its fp32 size (params; outer state: the
+        # momentum and Delayed Nesterov buffers, "momentum/<name>", "buffer/<name>")
+        self._fragment_limits = [
+            {
+                "params": codecs.payload_limits(s, "fp32")[0],
+                "outer_state": codecs.payload_limits(
+                    {f"{k}/{n}": v for k in ("momentum", "buffer") for n, v in s.items()}, "fp32"
+                )[0],
+            }
+            for s in self.shapes
+        ]
+        self._snapshot_at = 0.0
+        self._manifests: dict[str, dict] = {}  # version dir -> manifest (immutable once committed)
+        self._repaired: set[str] = set()  # version dirs whose ledger entries this merger wrote
+        self._round_clock_known = not rounds.clock_rounds(cfg)
+        # fragment -> {candidate id: when this merger first saw it} (the grace floor's start;
+        # rebuilt every pass from the pending candidates, so it holds no applied ones)
+        self._seen: dict[int, dict[str, float]] = {}
+
+    def _manifest(self, head: HeadPointer) -> dict:
+        """The manifest of a committed version, read once per version (a poll re-reads only
+        the small HEAD pointers)."""
+        if head.dir not in self._manifests:
+            if len(self._manifests) > 4 * len(self.fragments):
+                self._manifests.clear()
+            self._manifests[head.dir] = self.store.fragment_manifest(head)
+        return self._manifests[head.dir]
+
+    def _active_islands(self) -> set[str]:
+        gone = set(self.store.done()) | set(self.store.stopped_islands())
+        return {i.name for i in self.cfg.islands} - gone
+
+    # -- pending work ----------------------------------------------------------------------
+    def pending(self) -> dict[int, list[PseudoGradRef]]:
+        """Committed, unapplied, unquarantined pseudo-gradients per owned fragment (reads the
+        heads' cursors; lists from there, never the history)."""
+        heads = self.store.heads(self.fragments)
+        cursors = {
+            h.fragment: dict(self._manifest(h)["merge_state"]["cursors"]) for h in heads if h
+        }
+        if len(cursors) != len(self.fragments):
+            return {}
+        return self.store.pending_after(cursors, [i.name for i in self.cfg.islands])
+
+    # -- one round ---------------------------------------------------------------------------
+    def merge_once(self) -> MergeResult:
+        result = MergeResult()
+        skipped_before = self.store.skipped.count
+        heads = self.store.heads(self.fragments)
+        if any(h is None for h in heads):
+            raise RuntimeError(f"experiment {self.cfg.name!r} has no global version: run init")
+        manifests = {h.fragment: self._manifest(h) for h in heads}
+        for h in heads:
+            if h.dir not in self._repaired:
+                self.store.repair_ledger(h, manifests[h.fragment])
+                self._repaired.add(h.dir)
+        cursors = {p: dict(m["merge_state"]["cursors"]) for p, m in manifests.items()}
+        pending = self.store.pending_after(cursors, [i.name for i in self.cfg.islands])
+        fault_point("merge.after-read")
+        active = self._active_islands()
+        beats = claims.beats(self.store.heartbeats()) if any(pending.values()) else {}
+        for head in heads:
+            if pending[head.fragment]:
+                self._merge_fragment(
+                    head, manifests[head.fragment], pending[head.fragment], active, result, beats
+                )
+        result.skipped = self.store.skipped.count - skipped_before
+        if result.versions:
+            self._after_merge(result)
+        return result
+
+    def _set_round_clock(self, candidates: Sequence[rules.Candidate]) -> None:
+        """Clock rounds (training/protocol/rounds.py): the first valid contribution to fragment 0 sets
+        the islands' shared round clock, once (create-only: a racing shard's clock stands)."""
+        if self.store.round_clock() is not None:
+            self._round_clock_known = True
+            return
+        first = min(candidates, key=lambda c: (c.published_at, c.island))
+        clock = rounds.clock_from_first(
+            self.cfg, first.island, first.published_at, first.step_time_s, self.clock()
+        )
+        if clock is None:
+            return  # no step time measured yet: the next contribution sets it
+        self._round_clock_known = True
+        if self.store.create_round_clock(*clock):
+            log.info("round clock set from %s: t0 %.3f, period %.2f s", first.id, *clock)
+
+    def _merge_fragment(
+        self,
+        head: HeadPointer,
+        manifest: dict,
+        refs: list[PseudoGradRef],
+        active: set[str],
+        result: MergeResult,
+        beats: dict[str, claims.Beat],
+    ) -> None:
+        started = time.monotonic()
+        p = head.fragment
+        ms = manifest["merge_state"]
+        base_times, previous = claims.history(ms)
+        round_ = claims.Round(
+            claims.Limits.from_config(self.cfg), self.clock(), base_times, previous, beats
+        )
+        candidates, rejected = [], {}
+        for ref in sorted(refs, key=lambda r: (r.island, r.seq)):
+            checked = rules.check_manifest(
+                self.cfg,
+                ref.id,
+                ref.island,
+                ref.seq,
+                p,
+                ref.manifest,
+                head.version,
+                round_,
+                ref.error,
+            )
+            if isinstance(checked, str):
+                rejected[ref.id] = checked
+            else:
+                candidates.append(checked)
+        if rejected:
+            # Judge only against the current HEAD: a racing merger may have published a newer
+            # version these are based on; then they wait for the next round.
+            now_head = self.store.head(p)
+            if now_head is None or now_head.dir != head.dir:
+                log.info("fragment %d moved: not judging %s now", p, sorted(rejected))
+                return
+            for pg_id, reason in rejected.items():
+                self._quarantine(pg_id, reason, result)
+        if p == 0 and candidates and not self._round_clock_known:
+            self._set_round_clock(candidates)
+        now = self.clock()
+        seen = self._seen.get(p, {})
+        self._seen[p] = seen = {c.id: seen.get(c.id, now) for c in candidates}
+        groups, wait = rules.select(
+            self.cfg, candidates, active, now, ms["sync_s"], min(seen.values(), default=now)
+        )
+        if wait is not None:
+            result.waiting_until = min(result.waiting_until or wait, wait)
+        if not groups:
+            return
+
+        params, outer_tensors, shadow = self._fragment_arrays(head, manifest)
+        if broadcast.enabled(self.cfg) and shadow is None:
+            shadow = {n: v.copy() for n, v in params.items()}  # S = Theta: params change below
+        state = rules.state_from_tensors(
+            self.cfg.outer, self.shapes[p], outer_tensors, ms["steps"], ms["seen"]
+        )
+        del outer_tensors
+        params_norm = merge_stream.norm_of(params)
+        norms = list(ms["norms"])
+        cursors = dict(ms["cursors"])
+        last_claim = dict(ms.get("last_claim") or {})
+        tokens_merged = int(manifest["tokens_merged"])
+        applied, details = [], []
+        # outer.anchor = now: stale votes re-anchored at the params as they stand (`_vote`)
+        now = (head, params, {}) if self.cfg.outer.anchor == "now" else None
+        for group in groups:
+            combiner = rules.Combiner(
+                self.shapes[p], self.cfg.outer.rda and self.cfg.outer.method != "sync"
+            )
+            voted: list[rules.Candidate] = []
+            by_island: dict[str, list[rules.Candidate]] = {}
+            for c in group:
+                by_island.setdefault(c.island, []).append(c)
+            caps = rules.capped_weights(self.cfg.outer, group)
+            for island, contribs in sorted(by_island.items()):
+                vote, kept, vote_norms, (total_sq, body_sq) = self._vote(
+                    contribs, norms, params_norm, result, combiner, now
+                )
+                if vote is None:
+                    continue
+                norm = math.sqrt(total_sq)
+                scale, _ = rules.norm_verdict(
+                    self.cfg.outer, norm, rules.clip_limit(self.cfg.outer, norms), params_norm
+                )
+                weight = (
+                    1.0
+                    if self.cfg.outer.method == "sync"
+                    else min(rules.island_weight(self.cfg.outer, kept), caps[island])
+                )
+                combiner.add(vote, weight, scale, body_sq)
+                del vote
+                voted += kept
+                norms += [[island, n] for n in vote_norms]
+                for c in kept:
+                    details.append(
+                        dict(
+                            id=c.id,
+                            island=c.island,
+                            fragment=p,
+                            weight=weight,
+                            norm=norm,
+                            staleness=c.staleness,
+                            tokens=c.tokens,
+                            steps=c.steps,
+                            published_at=c.published_at,
+                            loss=c.manifest.get("loss"),
+                            final=c.final,
+                        )
+                    )
+            if not voted:
+                continue
+            delta, gains = combiner.finish()
+            share = 1.0
+            if self.cfg.outer.method == "decoupled" and self.cfg.outer.partial_scaling:
+                share = min(1.0, len({c.island for c in voted}) / max(len(active), 1))
+                if share < 1.0:
+                    for factors in gains.values():
+                        factors.append(np.float32(share))
+            state = rules.outer_step_(
+                self.cfg.outer,
+                outer_period(self.cfg),
+                params,
+                state,
+                delta,
+                final=all(c.final for c in voted),
+                gains=gains,
+                share=share,
+            )
+            del delta, combiner
+            for c in voted:
+                applied.append(c.id)
+                cursors[c.island] = max(cursors.get(c.island, -1), c.seq)
+                tokens_merged += c.tokens
+                claims.remember(last_claim, self._claim(c))
+        if not applied:
+            return
+        sync_s = 0.8 * ms["sync_s"] + 0.2 * (time.monotonic() - started)
+        merged_at = self.clock()
+        times = claims.version_times(
+            ms, head.version + 1, merged_at, self.cfg.outer.max_staleness + 1
+        )
+        extra = dict(
+            tokens_merged=tokens_merged,
+            merge_state=_merge_state(state, cursors, norms, sync_s, times, last_claim),
+            contributions=details,
+            merged_at=merged_at,
+        )
+        payloads, shadow = broadcast.version_payloads(params, shadow, self.cfg.codec, extra)
+        new = self.store.publish_fragment(
+            p,
+            head.version + 1,
+            params,
+            rules.state_tensors(state),
+            extra,
+            applied,
+            expected=head,
+            payloads=payloads,
+        )
+        if new is None:
+            log.info("fragment %d: lost the head race at version %d", p, head.version + 1)
+            result.lost_race = True
+            return
+        self._keep_warm(p, new.dir, params, rules.state_tensors(state), shadow)
+        result.versions[p] = new.version
+        result.applied += applied
+        result.contributions += details
+        for d in details:
+            d["merged_at"] = merged_at
+
+    def _fragment_arrays(self, head: HeadPointer, manifest: dict):
+        """(params, outer-state tensors, broadcast shadow) of the version `head` names,
+        writable: the arrays this merger published as that very version if it still holds them
+        (HEAD names the directory it wrote: the bytes are those it checksummed), else read and
+        verified from the store. The shadow is None when broadcast is off or the version has
+        none (then S = its params). Taken out of the warm set either way: the merge mutates
+        them."""
+        warm = self._warm.pop(head.fragment, None)
+        if warm is not None and warm[0] == head.dir:
+            return warm[1], warm[2], warm[3] if broadcast.enabled(self.cfg) else None
+        p, limits = head.fragment, self._fragment_limits[head.fragment]
+        fv = self.store.load_fragment(head, outer_state=True, manifest=manifest, max_nbytes=limits)
+        shadow = None
+        if broadcast.enabled(self.cfg) and broadcast.adoptable(manifest) == broadcast.SHADOW:
+            shadow = broadcast.read_full(self.store, head, manifest, self.shapes[p]).tensors
+            # the new shadow is made in place (broadcast.encode_update)
+            shadow = {n: v if v.flags.writeable else v.copy() for n, v in shadow.items()}
+        return fv.params, fv.outer_state, shadow
+
+    def _keep_warm(
+        self,
+        fragment: int,
+        directory: str,
+        params: dict,
+        outer_tensors: dict,
+        shadow: dict | None = None,
+    ):
+        """Hold a just-published version's arrays for the next merge of its fragment, within
+        `warm_bytes` in all (the oldest let go first)."""
+        size = sum(v.nbytes for d in (params, outer_tensors, shadow or {}) for v in d.values())
+        self._warm[fragment] = (directory, params, outer_tensors, shadow, size)
+        while sum(w[4] for w in self._warm.values()) > self.warm_bytes:
+            self._warm.pop(next(iter(self._warm)))
+
+    def _vote(self, contribs, norms, params_norm, result, combiner, now=None):
+        """One island's vote on a fragment: its pending contributions, each checked and its
+        norms computed in one streaming pass, summed (they are consecutive increments: an
+        island never publishes the same progress twice). Returns (vote or None, the
+        contributions in it, their norms, the vote's (squared norm, squared body norm)).
+        At most one payload and one summed vote are held at a time.
+
+        `now` (only with `outer.anchor = "now"`) = (HEAD, its params as they stand, a cache of
+        base versions' params): a stale contribution is re-anchored at them (`_anchored_now`)."""
+        vote: merge_stream.Vote | None = None
+        kept, vote_norms, sqs = [], [], (0.0, 0.0)
+        limit = rules.clip_limit(self.cfg.outer, norms)
+        buf = combiner.scratch
+        for c in contribs:
+            shapes = self.shapes[c.fragment]
+            max_nbytes, max_header = codecs.payload_limits(shapes, c.codec)
+            try:
+                payload = self.store.load_pseudograd(
+                    self._ref(c), max_nbytes, max_header, f" of fragment {c.fragment} in {c.codec}"
+                )
+            except (TransientStoreError, StoreUnreachable):
+                raise  # not the payload's fault: retry later, quarantine nothing
+            except (StoreError, ValueError, KeyError) as err:
+                self._quarantine(c.id, f"unreadable payload: {err}", result)
+                continue
+            try:
+                this = rules.check_payload(payload, c.codec, shapes, c.fragment)
+                if now is not None and c.staleness > 0:
+                    this = self._anchored_now(c, this, *now, buf)
+                total_sq, body_sq = rules.vote_sq_norms(this, shapes, combiner.body, buf)
+            except (ValueError, KeyError) as err:
+                self._quarantine(c.id, str(err).strip("'\""), result)
+                continue
+            finally:
+                del payload
+            norm = math.sqrt(total_sq)
+            _, reason = rules.norm_verdict(self.cfg.outer, norm, limit, params_norm)
+            if reason is not None:
+                self._quarantine(c.id, reason, result)
+                continue
+            vote = this if vote is None else merge_stream.add_votes(vote, this, shapes, buf)
+            sqs = (total_sq, body_sq) if not kept else None
+            kept.append(c)
+            vote_norms.append(norm)
+        if vote is not None and sqs is None:
+            sqs = merge_stream.sq_norms(vote, self.shapes[kept[0].fragment], combiner.body, buf)
+        return vote, kept, vote_norms, sqs or (0.0, 0.0)
+
+    def _anchored_now(self, c, vote, head, params, bases, buf) -> merge_stream.Vote:
+        """`outer.anchor = "now"`: the contribution's outer gradient anchored at the fragment as
+        it stands, Theta(now) - theta_m = Delta + (Theta(now) - Theta(base)), with Theta(base)
+        the committed version it was computed against (version HEAD - staleness; read once per
+        merge and held to its end: one fragment per distinct stale base, at most
+        `outer.max_staleness`). A base the store no longer holds (garbage-collected) or refuses
+        leaves the vote as published, anchored at its base, and says so in the log."""
+        version = head.version - c.staleness
+        if version not in bases:
+            try:
+                at = self.store.find_version(c.fragment, version)
+                bases[version] = self.store.load_fragment(
+                    at, max_nbytes=self._fragment_limits[c.fragment]
+                ).params
+            except (TransientStoreError, StoreUnreachable):
+                raise  # the store's fault, not the base's: retry later
+            except StoreError as err:  # collected (ObjectNotFound) or refused
+                log.warning(
+                    "%s: anchored at its base, version %d unreadable: %s", c.id, version, err
+                )
+                bases[version] = None
+        base = bases[version]
+        if base is None:
+            return vote
+        drift = merge_stream.DenseVote(
+            {n: np.subtract(params[n], base[n], dtype=np.float32) for n in self.shapes[c.fragment]},
+            owned=True,
+        )
+        return merge_stream.add_votes(drift, vote, self.shapes[c.fragment], buf)
+
+    @staticmethod
+    def _claim(c: rules.Candidate) -> claims.Claim:
+        step = c.manifest.get("island_step")
+        return claims.Claim(
+            c.island,
+            c.fragment,
+            c.seq,
+            0,
+            c.steps,
+            c.tokens,
+            c.published_at if "published_at" in c.manifest else None,
+            step if isinstance(step, int) else None,
+        )
+
+    def _ref(self, c: rules.Candidate) -> PseudoGradRef:
+        payload = c.manifest.get("payload")
+        return PseudoGradRef(
+            c.island,
+            c.seq,
+            c.fragment,
+            c.id,
+            dict(c.manifest),
+            payload if isinstance(payload, str) else "",
+        )
+
+    def _quarantine(self, pg_id: str, reason: str, result: MergeResult) -> None:
+        self.store.quarantine(pg_id, reason)
+        result.quarantined[pg_id] = reason
+        log.warning("quarantined %s: %s", pg_id, reason)
+
+    def _after_merge(self, result: MergeResult) -> None:
+        """Budget, metrics and (at most every SNAPSHOT_EVERY_S) a snapshot, after a round."""
+        heads = self.store.heads(self.fragments)
+        manifests = [self._manifest(h) for h in heads if h is not None]
+        result.tokens_merged = sum(int(m["tokens_merged"]) for m in manifests) // max(
+            len(manifests), 1
+        )
+        if result.tokens_merged >= self.cfg.token_budget:
+            self.store.request_stop()
+        now = self.clock()
+        self.store.append_metric(
+            "merge",
+            dict(
+                versions={str(p): v for p, v in result.versions.items()},
+                version=result.version,
+                applied=len(result.applied),
+                quarantined=len(result.quarantined),
+                skipped=result.skipped,
+                tokens_merged=result.tokens_merged,
+                contributions=result.contributions,
+                at=now,
+            ),
+        )
+        if now - self._snapshot_at >= SNAPSHOT_EVERY_S:
+            snapshot = self.store.current_snapshot()
+            if snapshot is not None:
+                self.store.record_snapshot(snapshot, {"by": "merge"})
+                self._snapshot_at = now
+
+    def merge_all(self, max_attempts: int = 20) -> list[MergeResult]:
+        """Merge until nothing is left to apply now (retrying lost races)."""
+        results = []
+        for _ in range(max_attempts):
+            r = self.merge_once()
+            results.append(r)
+            if not r.versions and not r.lost_race:
+                break
+        return results

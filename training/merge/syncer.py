@@ -1,0 +1,489 @@
+"""The syncer as a service: merge shards, their leases, the draining loop and the eval cadence.
+
+Airflow-free (docs/AIRFLOW.md, "The syncer" has the design; `plugins/diloco_airflow/syncer.py`
+runs this in mapped tasks of the experiment's own DAG run):
+
+- **Shards.** Fragments are partitioned over `syncer.shards` S: shard s merges the fragments
+  p with ``p % S == s`` and never touches another shard's (`shard_fragments`).
+- **Lease.** One live syncer per shard: ``<experiment>/control/syncer/shard-{s}.json`` holds
+  ``{"owner", "expires_at", ...}``, written by compare-and-swap only. An owner takes a missing or
+  expired lease, renews its own while it merges and releases it when it ends; a syncer that
+  finds another owner's live lease stands by (`lease_action`). The lease is an efficiency rule,
+  not a safety one: two syncers on one shard stay exactly-once by the merge's own CAS.
+- **Draining.** `ShardSyncer.drain()` merges while contributions arrive (one `merge_once` after
+  another while each makes progress; a grace window's `waiting_until` is honoured; otherwise a
+  cheap look for pending work every `poll_s`), and returns after `idle_s` without a merge (the
+  caller then waits somewhere cheap: a deferrable trigger) or, once the experiment is finished
+  (`finished`), after a last drain.
+- **Finished** = every island of the config is done (or asked to leave), or the DAG run that
+  started this syncer has marked its islands ended (`mark_run_ended`: its island tasks are over,
+  successful or not). A STOP alone does not finish: islands publish their remainders first.
+- **Housekeeping** (optional, shard 0 on Airflow): a `housekeeping()` callable (garbage
+  collection of the store, `plugins/diloco_airflow/retention.py`) runs after a merge once
+  `housekeeping_every_s` have passed since the last run, so the bucket does not fill up during a
+  run; its failure is logged, never a merge's.
+- **Evaluation** (`Evaluator.run`) evaluates the current model at most every `eval_every_s`
+  seconds while merges happen, in a process of its own, so it never delays a merge.
+
+Pure decisions: `shard_fragments`, `owned`, `lease_action`, `is_finished`, `eval_due`,
+`housekeeping_due`. The rest is
+thin I/O over `ExperimentStore` (and `training.merge.merger.Merger`, imported lazily: this module is
+imported by Airflow triggers, which must not import jax).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import socket
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from training.config.experiment import ExperimentConfig, parse_config
+from training.store.experiment import ExperimentStore, parse_pseudograd_id
+from training.store.objectstore import StoreUnreachable, TransientStoreError
+
+log = logging.getLogger("diloco.syncer")
+
+LEASE_DIR = "control/syncer"
+RUNS_DIR = "control/runs"
+MAX_ERRORS = 5  # consecutive transient store errors before a drain gives up (the task retries)
+
+
+# -- shards ----------------------------------------------------------------------------------
+def shard_fragments(num_fragments: int, shards: int, shard: int) -> list[int]:
+    """The fragments shard `shard` of `shards` owns: p with p % shards == shard."""
+    if not 0 <= shard < shards:
+        raise ValueError(f"shard {shard} out of range (shards = {shards})")
+    return [p for p in range(num_fragments) if p % shards == shard]
+
+
+def owned(ids: Iterable[str], fragments: Iterable[int]) -> list[str]:
+    """The pseudo-gradient ids among `ids` whose fragment is in `fragments` (bad ids dropped)."""
+    mine = set(fragments)
+    out = []
+    for pg_id in ids:
+        try:
+            fragment = parse_pseudograd_id(pg_id)[2]
+        except ValueError:
+            continue
+        if fragment in mine:
+            out.append(pg_id)
+    return out
+
+
+# -- leases ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Lease:
+    owner: str
+    expires_at: float
+    holder: str = ""  # host/pid of the process, for people
+
+    def live(self, now: float) -> bool:
+        return self.expires_at > now
+
+    def to_json(self) -> bytes:
+        return json.dumps(
+            {"owner": self.owner, "expires_at": self.expires_at, "holder": self.holder}
+        ).encode()
+
+    @classmethod
+    def parse(cls, data: bytes) -> Lease | None:
+        """The lease in `data` (untrusted), or None when it is not one (treated as free)."""
+        try:
+            raw = json.loads(data)
+            owner, expires = raw["owner"], raw["expires_at"]
+        except (ValueError, TypeError, KeyError):
+            return None
+        if not isinstance(owner, str) or isinstance(expires, bool):
+            return None
+        if not isinstance(expires, int | float) or expires != expires:  # NaN
+            return None
+        return cls(owner, float(expires), str(raw.get("holder", ""))[:200])
+
+
+def lease_action(current: Lease | None, owner: str, now: float) -> Literal["take", "renew", "wait"]:
+    """What `owner` may do with a shard's lease: take a free or expired one, renew its own live
+    one, or wait while another owner's lives."""
+    if current is None or not current.live(now):
+        return "take"
+    return "renew" if current.owner == owner else "wait"
+
+
+class ShardLease:
+    """The lease of one shard, read and written by compare-and-swap only."""
+
+    def __init__(
+        self,
+        estore: ExperimentStore,
+        shard: int,
+        owner: str,
+        lease_s: float,
+        clock: Callable[[], float] = time.time,
+    ):
+        self.store = estore.store
+        self.key = f"{estore.experiment}/{LEASE_DIR}/shard-{shard}.json"
+        self.owner = owner
+        self.lease_s = float(lease_s)
+        self.clock = clock
+        self.holder = f"{socket.gethostname()}/{os.getpid()}"
+        self.held_until: float | None = None
+
+    def read(self) -> tuple[Lease | None, Any]:
+        """(the lease or None, its generation or None when absent)."""
+        got = self.store.read_versioned(self.key)
+        if got is None:
+            return None, None
+        data, generation = got
+        return Lease.parse(data), generation
+
+    def acquire(self) -> bool:
+        """Take or renew the lease; False while another owner's is live (or on a lost race)."""
+        current, generation = self.read()
+        now = self.clock()
+        if lease_action(current, self.owner, now) == "wait":
+            self.held_until = None
+            return False
+        new = Lease(self.owner, now + self.lease_s, self.holder)
+        if self.store.compare_and_swap(self.key, new.to_json(), generation):
+            self.held_until = new.expires_at
+            return True
+        self.held_until = None
+        return False
+
+    def renew_due(self) -> bool:
+        """Whether a third of the lease has passed since it was taken or renewed."""
+        if self.held_until is None:
+            return True
+        return self.held_until - self.clock() < self.lease_s * 2 / 3
+
+    def release(self) -> None:
+        """End our lease now (expires_at 0) so that a standby syncer takes over at once."""
+        current, generation = self.read()
+        if current is not None and current.owner == self.owner:
+            gone = Lease(self.owner, 0.0, self.holder)
+            self.store.compare_and_swap(self.key, gone.to_json(), generation)
+        self.held_until = None
+
+
+# -- the end of a run ------------------------------------------------------------------------
+def run_key(run_id: str) -> str:
+    """A store-safe name for a DAG run id (Airflow's contain ':' and '+')."""
+    slug = re.sub(r"[^A-Za-z0-9_-]", "_", run_id)[:80].strip("_") or "run"
+    return f"{slug}-{hashlib.sha1(run_id.encode()).hexdigest()[:8]}"
+
+
+def mark_run_ended(estore: ExperimentStore, run_id: str, info: dict[str, Any]) -> None:
+    """Record that the island tasks of DAG run `run_id` are over (its syncer shards may end)."""
+    record = {"run_id": run_id, "ended_at": time.time(), **info}
+    estore.store.write(f"{estore.experiment}/{RUNS_DIR}/{run_key(run_id)}.json", _dump(record))
+
+
+def run_ended(estore: ExperimentStore, run_id: str | None) -> bool:
+    if not run_id:
+        return False
+    return estore.store.exists(f"{estore.experiment}/{RUNS_DIR}/{run_key(run_id)}.json")
+
+
+def is_finished(islands: Iterable[str], done: Iterable[str], left: Iterable[str], ended: bool):
+    """The experiment needs no more merges from this syncer: its run's islands ended, or every
+    island of the config is done or has been asked to leave."""
+    return ended or set(islands) <= set(done) | set(left)
+
+
+class ShardView:
+    """What a syncer shard (or its trigger) reads: config, finished, pending work, lease.
+
+    Read-only: safe in a trigger that may run twice.
+    """
+
+    def __init__(self, estore: ExperimentStore, shard: int, run_id: str | None = None):
+        self.estore = estore
+        self.shard = shard
+        self.run_id = run_id
+
+    def config(self) -> ExperimentConfig:
+        return parse_config(self.estore.read_config())
+
+    def fragments(self, cfg: ExperimentConfig) -> list[int]:
+        return shard_fragments(cfg.fragments.count, cfg.syncer.shards, self.shard)
+
+    def finished(self, cfg: ExperimentConfig) -> bool:
+        islands = [i.name for i in cfg.islands]
+        return is_finished(
+            islands,
+            self.estore.done(),
+            self.estore.stopped_islands(),
+            run_ended(self.estore, self.run_id),
+        )
+
+    def pending(self, cfg: ExperimentConfig, pending_ids: Callable[[], list[str]]) -> list[str]:
+        """This shard's committed, unapplied, unquarantined pseudo-gradients."""
+        return owned(pending_ids(), self.fragments(cfg))
+
+    def lease(self) -> Lease | None:
+        data = self.estore.store.read_versioned(
+            f"{self.estore.experiment}/{LEASE_DIR}/shard-{self.shard}.json"
+        )
+        return None if data is None else Lease.parse(data[0])
+
+
+def merge_line(shard: int, result: Any, now: float) -> str:
+    """The merge task's log line for one merge (`training.merge.merger.MergeResult`): the versions
+    published, each contribution (island, fragment, weight, staleness, publish-to-merge
+    latency), the tokens merged and what was quarantined."""
+    parts = []
+    for c in result.contributions or []:
+        latency = (
+            now - c["published_at"] if isinstance(c.get("published_at"), int | float) else None
+        )
+        weight, stale = c.get("weight"), c.get("staleness")
+        parts.append(
+            f"{c.get('island')} f{c.get('fragment')}"
+            + (f" w {weight:.2f}" if isinstance(weight, int | float) else "")
+            + (f" stale {stale}" if stale is not None else "")
+            + (f" {latency:.1f}s" if latency is not None else "")
+        )
+    versions = ", ".join(f"f{p} v{v}" for p, v in sorted(result.versions.items())) or "-"
+    tokens = f"{result.tokens_merged:,}" if result.tokens_merged is not None else "?"
+    line = f"shard {shard}: merged {len(result.applied)} -> {versions}; tokens {tokens}"
+    if parts:
+        line += "; " + ", ".join(parts)
+    if result.quarantined:
+        line += f"; quarantined {len(result.quarantined)}"
+    return line
+
+
+def housekeeping_due(now: float, last_at: float | None, every_s: float) -> bool:
+    """Run the housekeeping now: it is on (`every_s` > 0) and has not run for `every_s`
+    seconds (or never ran in this drain)."""
+    return every_s > 0 and (last_at is None or now - last_at >= every_s)
+
+
+# -- the draining loop -----------------------------------------------------------------------
+@dataclass
+class DrainOutcome:
+    reason: Literal["idle", "finished", "standby", "lease_lost"]
+    merges: int = 0
+    applied: int = 0
+    pending: list[str] = field(default_factory=list)  # left pending (not mergeable now)
+
+
+class ShardSyncer:
+    """One shard's syncer: `drain()` merges while work arrives (see the module docstring).
+
+    `pending_ids()` returns the experiment's pending pseudo-gradient ids (all shards; filtered
+    here). `merger_for(cfg, fragments)` builds the merger (default: `training.merge.merger.Merger`).
+    """
+
+    def __init__(
+        self,
+        estore: ExperimentStore,
+        shard: int,
+        owner: str,
+        pending_ids: Callable[[], list[str]],
+        *,
+        run_id: str | None = None,
+        clock: Callable[[], float] = time.time,
+        sleep: Callable[[float], None] = time.sleep,
+        merger_for: Callable[[ExperimentConfig, list[int]], Any] | None = None,
+        on_merge: Callable[[Any], None] | None = None,
+        housekeeping: Callable[[], Any] | None = None,
+        housekeeping_every_s: float = 0.0,
+    ):
+        self.estore = estore
+        self.housekeeping = housekeeping
+        self.housekeeping_every_s = housekeeping_every_s if housekeeping else 0.0
+        self.housekept_at: float | None = None
+        self.view = ShardView(estore, shard, run_id)
+        self.shard = shard
+        self.pending_ids = pending_ids
+        self.clock = clock
+        self.sleep = sleep
+        self.merger_for = merger_for or self._default_merger
+        self.on_merge = on_merge or (lambda result: None)
+        self.cfg = self.view.config()
+        self.settings = self.cfg.syncer
+        self.fragments = self.view.fragments(self.cfg)
+        self.lease = ShardLease(estore, shard, owner, self.settings.lease_s, clock)
+        self.merger = self.merger_for(self.cfg, self.fragments)
+        self.outcome = DrainOutcome("idle")
+
+    def _default_merger(self, cfg: ExperimentConfig, fragments: list[int]):
+        from training.merge.merger import Merger  # jax: only in the process that merges
+
+        return Merger(cfg, self.estore, clock=self.clock, fragments=fragments)
+
+    def _reload(self) -> None:
+        """Re-read config.json: islands may have joined (a new merger sees them)."""
+        cfg = self.view.config()
+        if cfg != self.cfg:
+            self.cfg = cfg
+            self.merger = self.merger_for(cfg, self.fragments)
+
+    def _merge(self):
+        result = self.merger.merge_once()
+        if result.applied:
+            self.outcome.merges += 1
+            self.outcome.applied += len(result.applied)
+            self.on_merge(result)
+            self._housekeep()
+        return result
+
+    def _housekeep(self) -> None:
+        now = self.clock()
+        if not housekeeping_due(now, self.housekept_at, self.housekeeping_every_s):
+            return
+        self.housekept_at = now
+        try:
+            self.housekeeping()
+        except Exception as exc:  # the bucket's retention must never stop a merge
+            log.warning("shard %d: housekeeping failed: %s", self.shard, exc)
+
+    def drain(self) -> DrainOutcome:
+        """Merge until idle for `idle_s`, finished (after a last drain), or standing by."""
+        self.outcome = DrainOutcome("idle")
+        if not self.lease.acquire():
+            self._reload()
+            if self.view.finished(self.cfg):
+                self.outcome.reason = "finished"  # the live owner does the last drain
+            else:
+                self.outcome.reason = "standby"
+            return self.outcome
+        poll_s, idle_s = self.settings.poll_s, self.settings.idle_s
+        last_progress = self.clock()
+        wake_at: float | None = None
+        merge_now, errors = True, 0
+        while True:
+            try:
+                if self.lease.renew_due() and not self.lease.acquire():
+                    self.outcome.reason = "lease_lost"
+                    return self.outcome
+                if merge_now:
+                    result = self._merge()
+                    if result.applied or result.lost_race:
+                        last_progress = self.clock()
+                        errors = 0
+                        continue
+                    wake_at = result.waiting_until
+                self._reload()
+                if self.view.finished(self.cfg):
+                    self._last_drain()
+                    self.lease.release()
+                    self.outcome.reason = "finished"
+                    return self.outcome
+                now = self.clock()
+                if wake_at is None and now - last_progress >= idle_s:
+                    self.outcome.pending = self.view.pending(self.cfg, self.pending_ids)
+                    self.outcome.reason = "idle"
+                    return self.outcome
+                nap = poll_s if wake_at is None else min(poll_s, max(0.0, wake_at - now))
+                if nap > 0:
+                    self.sleep(nap)
+                if wake_at is not None and self.clock() >= wake_at:
+                    merge_now, wake_at = True, None
+                else:
+                    merge_now = bool(self.view.pending(self.cfg, self.pending_ids))
+                errors = 0
+            except (TransientStoreError, StoreUnreachable) as exc:
+                errors += 1
+                if errors >= MAX_ERRORS:
+                    raise
+                log.warning("shard %d: store error %d/%d: %s", self.shard, errors, MAX_ERRORS, exc)
+                self.sleep(poll_s)
+                merge_now = True
+
+    def _last_drain(self, max_attempts: int = 50) -> None:
+        """Merge everything left (a grace window is waited out; a lost race is retried)."""
+        for _ in range(max_attempts):
+            result = self._merge()
+            if result.applied or result.lost_race:
+                continue
+            if result.waiting_until is None:
+                return
+            self.sleep(max(0.0, min(result.waiting_until - self.clock(), 60.0)))
+
+
+# -- evaluation on a time cadence ------------------------------------------------------------
+def latest_merge(estore: ExperimentStore) -> str | None:
+    """The name of the newest merge record (a listing, no reads): changes with every merge."""
+    keys = estore.store.list(f"{estore.experiment}/metrics/merge/")
+    return keys[-1].rsplit("/", 1)[-1] if keys else None
+
+
+def eval_due(now: float, last_eval_at: float, evaluated: str | None, latest: str | None, every_s):
+    """Evaluate now: a merge happened since the model last evaluated, `every_s` have passed."""
+    return latest is not None and latest != evaluated and now - last_eval_at >= every_s
+
+
+@dataclass
+class EvalOutcome:
+    reason: Literal["idle", "finished"]
+    evaluated: str | None  # the merge record of the last model evaluated
+    last_eval_at: float
+    records: list[dict] = field(default_factory=list)
+
+
+class Evaluator:
+    """Evaluates the current global model every `eval_every_s` seconds while it changes.
+
+    `run()` returns "idle" after `idle_s` without a merge (the caller defers), or "finished".
+    `evaluate(cfg)` defaults to `training.model.evaluate.evaluate_current` (which records the eval).
+    """
+
+    def __init__(
+        self,
+        estore: ExperimentStore,
+        *,
+        run_id: str | None = None,
+        evaluated: str | None = None,
+        last_eval_at: float = 0.0,
+        clock: Callable[[], float] = time.time,
+        sleep: Callable[[float], None] = time.sleep,
+        evaluate: Callable[[ExperimentConfig], dict] | None = None,
+        on_record: Callable[[dict], None] | None = None,
+    ):
+        self.estore = estore
+        self.view = ShardView(estore, 0, run_id)
+        self.evaluated = evaluated
+        self.last_eval_at = last_eval_at
+        self.clock = clock
+        self.sleep = sleep
+        self.evaluate = evaluate or self._evaluate_current
+        self.on_record = on_record or (lambda record: None)
+
+    def _evaluate_current(self, cfg: ExperimentConfig) -> dict:
+        from training.model.evaluate import evaluate_current  # jax: only in the evaluating process
+
+        return evaluate_current(cfg, self.estore)
+
+    def run(self) -> EvalOutcome:
+        records: list[dict] = []
+        seen, changed_at = latest_merge(self.estore), self.clock()
+        while True:
+            cfg = self.view.config()
+            s = cfg.syncer
+            if self.view.finished(cfg):
+                return EvalOutcome("finished", self.evaluated, self.last_eval_at, records)
+            latest = latest_merge(self.estore)
+            now = self.clock()
+            if latest != seen:
+                seen, changed_at = latest, now
+            if eval_due(now, self.last_eval_at, self.evaluated, latest, s.eval_every_s):
+                record = self.evaluate(cfg)
+                self.evaluated, self.last_eval_at = latest, self.clock()
+                records.append(record)
+                self.on_record(record)
+                continue
+            if now - changed_at >= s.idle_s:
+                return EvalOutcome("idle", self.evaluated, self.last_eval_at, records)
+            self.sleep(max(s.poll_s, min(s.eval_every_s / 4, 5.0)))
+
+
+def _dump(obj: Any) -> bytes:
+    return json.dumps(obj, sort_keys=True).encode()

@@ -1,0 +1,96 @@
+"""Held-out evaluation of global versions."""
+
+from __future__ import annotations
+
+import time
+
+from training.config.experiment import ExperimentConfig
+from training.data.corpus import eval_batches
+from training.model.runtime import corpus_for, loop_for
+from training.store.layout import Snapshot, iso
+
+
+def held_out_batches(cfg: ExperimentConfig):
+    """The held-out split's fixed, deterministic eval batches of `cfg`."""
+    corpus = corpus_for(cfg)
+    return eval_batches(corpus.eval, cfg.data.batch_size, cfg.data.seq_len, cfg.data.eval_batches)
+
+
+def eval_loss(cfg: ExperimentConfig, params) -> float:
+    """Mean next-token loss of `params` on the held-out split (`held_out_batches`)."""
+    loop = loop_for(cfg)
+    return loop.eval_loss(loop.put_params(params), held_out_batches(cfg))
+
+
+def evaluate_snapshot(
+    cfg: ExperimentConfig, store, snapshot: Snapshot | None = None, record: bool = True
+) -> dict:
+    """Evaluate the model at `snapshot` (default: every fragment's HEAD now).
+
+    With `record`, the snapshot is written to snapshots/, the result to metrics/eval, and it
+    becomes snapshots/BEST.json if its loss is the lowest so far. Returns the eval record:
+    `loss`, `tokens_merged`, `versions` and `dirs` (the snapshot), `at` and `at_iso`.
+    """
+    snapshot = snapshot or store.current_snapshot()
+    if snapshot is None:
+        raise RuntimeError(f"experiment {cfg.name!r} has no global version: run init")
+    at = time.time()
+    out = {
+        **snapshot.to_dict(),
+        "loss": eval_loss(cfg, store.load_params(snapshot)),
+        "at": at,
+        "at_iso": iso(at),
+        "version": sum(snapshot.versions),  # a scalar that grows with every merge
+    }
+    if record:
+        store.record_snapshot(snapshot, {"by": "eval", "loss": out["loss"]})
+        store.append_metric("eval", out)
+        out["best"] = store.offer_best(out)
+    return out
+
+
+def evaluate_current(cfg: ExperimentConfig, store) -> dict:
+    """Evaluate and record the model as it is now (see evaluate_snapshot)."""
+    return evaluate_snapshot(cfg, store)
+
+
+def end_of_run_report(store) -> dict:
+    """The final eval against the best and the first (version 0) ones, with a warning when the
+    run ended worse than its best or than where it started (what `finalize` and `status` say)."""
+    evals = store.read_metrics("eval")
+    if not evals:
+        return {"warning": None}
+    final, first = evals[-1], evals[0]
+    best = store.best() or final
+    warning = None
+    if final["loss"] > best["loss"] * 1.001:
+        warning = (
+            f"final eval loss {final['loss']:.4f} is worse than the best {best['loss']:.4f} "
+            f"(snapshot versions {best.get('versions')}); use snapshots/BEST.json"
+        )
+    if all(v == 0 for v in first.get("versions", [1])) and final["loss"] > first["loss"]:
+        warning = (
+            f"final eval loss {final['loss']:.4f} is worse than version 0 ({first['loss']:.4f})"
+        )
+    return {"final": final, "best": best, "warning": warning}
+
+
+RESTORE_MARGIN = 1e-3  # restore the best snapshot when the final eval is this much worse
+
+
+def finish_at_best(cfg: ExperimentConfig, store, final: dict) -> dict:
+    """The end of a run is as good as its best: when the final eval (`final`, a record of
+    evaluate_snapshot) is worse than snapshots/BEST.json by more than RESTORE_MARGIN, publish
+    the best snapshot's fragments as new versions (`restore_snapshot`) and evaluate again.
+    Call only when no island trains and no merger runs (finalize). Returns {"restored": bool,
+    "final": the eval of the model the run ends with, "before": `final`}."""
+    best = store.best()
+    out = {"restored": False, "final": final, "before": final}
+    if not best or not best["loss"] < final["loss"] * (1 - RESTORE_MARGIN):
+        return out
+    snapshot = store.snapshot_of(best)
+    reason = f"final eval {final['loss']:.4f} worse than the best {best['loss']:.4f}"
+    if store.restore_snapshot(snapshot, reason) is None:
+        return out
+    out.update(restored=True, final=evaluate_current(cfg, store), restored_from=best)
+    return out

@@ -1,0 +1,230 @@
+"""Update broadcast: islands adopt a fragment version from small codec-encoded updates.
+
+With `outer.broadcast = "codec"` the syncer, when it publishes version v of fragment p, also
+writes two payloads into the version's directory (docs/STORE.md, "Update broadcast"):
+- `update`: encode(Theta_v - S_{v-1}) in the experiment's pseudo-gradient codec (`cfg.codec`,
+  training/codecs/host.py: the same encoder, decoder and payload layout as a pseudo-gradient, no
+  residual), where S is the *broadcast shadow*;
+- `shadow`: S_v = S_{v-1} + decode(update_v), computed in float32 (`step`).
+S_0 = Theta_0, and any version without a `shadow` payload (version 0, a restored version, every
+version under `outer.broadcast = "fp32"` or `codec = "fp32"`) has S_v = Theta_v exactly. Because each update encodes
+the difference against the shadow, not against Theta_{v-1}, quantization error never piles up:
+S_v - Theta_v is one update's quantization error at most (error feedback for free).
+
+What islands adopt is S_v. An island that holds S_{v-1} of fragment p (`Shadow`) reads only
+update_v, checks it like a pseudo-gradient payload (size cap, checksum, tree, dtypes, shapes,
+codes, finite), and computes S_v with `step`: the same float32 add of the same decoded values
+as the syncer, so its S_v equals the syncer's bit for bit. An island n versions behind applies
+n updates while their bytes add up to no more than one full read of S_v (`plan_updates`), else
+(or when an update is missing, garbage-collected or refused) it reads S_v in full
+(`adoptable`: the `shadow` payload, or `params` where there is none). Evaluation reads Theta
+(`params`, exact).
+
+Pure functions except `fetch` and `read_full`, the island's reads.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from training.codecs import host as codecs
+from training.merge import rules as merge_rules
+from training.store.layout import HeadPointer
+from training.store.objectstore import CorruptObject, ObjectNotFound
+
+log = logging.getLogger("diloco.broadcast")
+
+UPDATE, SHADOW = "update", "shadow"
+CODEC_FIELD = "update_codec"  # manifest field: the codec of a version's update payload
+
+
+@dataclass(frozen=True)
+class Shadow:
+    """An island's copy of one fragment's broadcast shadow S at `version` (directory `dir`):
+    float32 host arrays, never written in place (a fetch in the I/O thread may read them)."""
+
+    version: int
+    dir: str
+    tensors: Mapping[str, np.ndarray]
+
+
+@dataclass(frozen=True)
+class Fetched:
+    """What an adopt read: S_v of the version, the payload bytes it read, and how
+    ("updates": that many updates applied to the island's shadow; "full": S_v read whole)."""
+
+    tensors: dict[str, np.ndarray]
+    nbytes: int
+    how: str
+    updates: int = 0
+
+
+def enabled(cfg) -> bool:
+    """Update broadcast is on: `outer.broadcast = "codec"` with a compressing codec (with
+    `codec = "fp32"` an update would be as large as the version: S = Theta, nothing extra)."""
+    return cfg.outer.broadcast == "codec" and cfg.codec != "fp32"
+
+
+def step(shadow: Mapping[str, np.ndarray], decoded: Mapping[str, np.ndarray]) -> dict:
+    """S + decode(update), elementwise in float32: the one add both the syncer and the
+    islands compute (new arrays; `shadow` is left as it is)."""
+    return {n: np.add(shadow[n], decoded[n], dtype=np.float32) for n in shadow}
+
+
+def encode_update(
+    theta: Mapping[str, np.ndarray], shadow: dict[str, np.ndarray], codec: str
+) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """The syncer's part: (update payload, new shadow) of new parameters `theta` against the
+    previous version's shadow, which becomes the new one in place (`step(shadow,
+    decode(update))` bit for bit, in one pass: codecs.encode_step). ValueError if the
+    difference is not finite (then `shadow` is partly updated: discard it)."""
+    if sorted(theta) != sorted(shadow):
+        raise ValueError("theta and shadow name different tensors")
+    return codecs.encode_step(theta, shadow, codec), shadow
+
+
+def version_payloads(
+    theta: Mapping[str, np.ndarray],
+    shadow: dict[str, np.ndarray] | None,
+    codec: str,
+    extra: dict,
+) -> tuple[dict | None, dict | None]:
+    """The syncer's extra payloads of a new version with parameters `theta` (and its
+    manifest's CODEC_FIELD, set in `extra`), from the previous version's shadow (None:
+    broadcast off, nothing extra), which becomes the new one in place (encode_update):
+    ({"update", "shadow"} or None, the new shadow or None)."""
+    if shadow is None:
+        return None, None
+    update, new = encode_update(theta, shadow, codec)
+    extra[CODEC_FIELD] = codec
+    return {UPDATE: update, SHADOW: new}, new
+
+
+def check_update(
+    payload: Mapping[str, np.ndarray],
+    codec: str,
+    shapes: Mapping[str, tuple[int, ...]],
+    fragment: int,
+) -> dict[str, np.ndarray]:
+    """An update payload read from the bucket (untrusted), checked as the merger checks a
+    pseudo-gradient (merge_rules.check_payload: tree, payload keys, dtypes, sizes, shapes; the
+    codes as decoded) and decoded; ValueError naming the problem, also for non-finite values."""
+    merge_rules.check_payload(payload, codec, shapes, fragment)
+    decoded = codecs.decode(dict(payload), codec)
+    for n, v in decoded.items():
+        if not np.isfinite(v).all():
+            raise ValueError(f"update tensor {n!r} has non-finite values")
+    return decoded
+
+
+def adoptable(manifest: Mapping[str, Any]) -> str:
+    """The payload holding a version's S_v in full: `shadow` where the manifest lists one,
+    else `params` (S_v = Theta_v)."""
+    sizes = manifest.get("nbytes")
+    return SHADOW if isinstance(sizes, dict) and SHADOW in sizes else "params"
+
+
+def update_size(manifest: Mapping[str, Any], codec: str) -> int | None:
+    """The update payload's size (bytes) a version's manifest lists, or None when it has none
+    in `codec` (the island then cannot take this step by update)."""
+    sizes = manifest.get("nbytes")
+    size = sizes.get(UPDATE) if isinstance(sizes, dict) else None
+    if manifest.get(CODEC_FIELD) != codec or not isinstance(size, int) or size < 0:
+        return None
+    return size
+
+
+def plan_updates(
+    manifests: list[Mapping[str, Any]], codec: str, full_nbytes: int
+) -> tuple[bool, int]:
+    """Walking back from HEAD (`manifests`, newest first, so far): (keep walking?, bytes).
+
+    Stop (False) as soon as a version has no update in `codec` or the updates' bytes add up
+    to more than one full read (`full_nbytes`): k updates are taken only while they cost
+    less than reading S_v whole."""
+    total = 0
+    for m in manifests:
+        size = update_size(m, codec)
+        if size is None:
+            return False, total
+        total += size
+        if total > full_nbytes:
+            return False, total
+    return True, total
+
+
+def read_full(
+    store, head: HeadPointer, manifest: dict, shapes: Mapping[str, tuple[int, ...]]
+) -> Fetched:
+    """S_v of `head`'s version read whole (the `adoptable` payload, verified: at most the
+    fragment's float32 size, checksum, then exactly the fragment's tensors in float32)."""
+    name = adoptable(manifest)
+    limit = codecs.payload_limits(shapes, "fp32")[0]
+    tensors = store.load_payload(head, name, manifest, max_nbytes=limit)
+    got = {n: (tuple(v.shape), v.dtype) for n, v in tensors.items()}
+    if got != {n: (tuple(s), np.dtype(np.float32)) for n, s in shapes.items()}:
+        raise CorruptObject(
+            f"fragment {head.fragment} version {head.version}: {name} does not hold the "
+            "fragment's float32 tensors"
+        )
+    return Fetched(tensors, codecs.payload_nbytes(tensors), "full")
+
+
+def _chain(store, head: HeadPointer, manifest: dict, shadow: Shadow, codec: str, full: int):
+    """[(pointer, manifest)] of versions shadow.version + 1 .. head.version, oldest first, if
+    taking them by update is worth it (`plan_updates`) and the chain leads to the shadow's own
+    directory; else None."""
+    chain = [(head, manifest)]
+    while True:
+        go, _ = plan_updates([m for _, m in chain], codec, full)
+        if not go:
+            return None
+        pointer, m = chain[-1]
+        if pointer.version == shadow.version + 1:
+            return chain[::-1] if m.get("parent_dir") == shadow.dir else None
+        parent_dir, parent_version = m.get("parent_dir"), m.get("parent_version")
+        if not isinstance(parent_dir, str) or not isinstance(parent_version, int):
+            return None
+        parent = HeadPointer(head.fragment, parent_version, parent_dir, 0)
+        chain.append((parent, store.fragment_manifest(parent)))
+
+
+def fetch(
+    store,
+    head: HeadPointer,
+    manifest: dict,
+    shadow: Shadow | None,
+    codec: str,
+    shapes: Mapping[str, tuple[int, ...]],
+) -> Fetched:
+    """S_v of `head`'s version for an island holding `shadow` (None: none): by updates where
+    that is possible and cheaper, else (also when an update is missing or refused: a warning,
+    nothing is lost) read whole. Store errors other than a missing or corrupt object propagate
+    (the adopt is tried again as before)."""
+    if shadow is None or shadow.version >= head.version:
+        return read_full(store, head, manifest, shapes)
+    max_nbytes, max_header = codecs.payload_limits(shapes, codec)
+    try:
+        full = manifest["nbytes"].get(adoptable(manifest))
+        full = full if isinstance(full, int) else -1
+        chain = _chain(store, head, manifest, shadow, codec, full)
+        if chain is not None:
+            tensors, nbytes = dict(shadow.tensors), 0
+            for pointer, m in chain:
+                payload = store.load_payload(pointer, UPDATE, m, max_nbytes, max_header)
+                what = f"the update of fragment {head.fragment} version {pointer.version}"
+                try:
+                    decoded = check_update(payload, codec, shapes, head.fragment)
+                except (ValueError, KeyError) as err:
+                    raise CorruptObject(f"{what} is refused: {str(err).strip(chr(39))}") from None
+                tensors = step(tensors, decoded)
+                nbytes += codecs.payload_nbytes(payload)
+            return Fetched(tensors, nbytes, "updates", len(chain))
+    except (CorruptObject, ObjectNotFound) as err:
+        log.warning("fragment %d: %s; reading version %d whole", head.fragment, err, head.version)
+    return read_full(store, head, manifest, shapes)

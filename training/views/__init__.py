@@ -1,0 +1,1 @@
+"""What people read: status, report, dashboard, the experiment catalogue, progress lines."""
