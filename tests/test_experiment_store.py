@@ -151,6 +151,35 @@ def test_a_store_of_another_layout_is_refused_with_one_line(exp, reader, layout)
     assert "\n" not in str(info.value)
 
 
+def test_the_store_stores_a_join_but_does_not_decide_it():
+    """The join rule is the config's (`check_same_settings`, `join_islands`), applied by the
+    caller (training/merge/create.py) through `update_config`: no module of the store names it,
+    and `ExperimentStore` has no join of its own."""
+    import ast
+    from pathlib import Path
+
+    import training.store
+
+    rule = {"check_same_settings", "join_islands"}
+    named = []
+    for path in sorted(Path(training.store.__file__).parent.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = {a.name for a in node.names} if isinstance(node, ast.ImportFrom) else set()
+            names |= {node.id} if isinstance(node, ast.Name) else set()
+            names |= {node.attr} if isinstance(node, ast.Attribute) else set()
+            named += [f"{path.name}:{node.lineno} {n}" for n in sorted(names & rule)]
+    assert named == []
+    assert not hasattr(ExperimentStore, "add_islands")
+
+
+def test_update_config_stores_the_callers_config_as_given(exp):
+    """No rule of its own: an island list the join rule would refuse (no free shard) is
+    stored as the caller's change returns it."""
+    exp.write_config({"name": "exp", "islands": [{"name": "a"}]})
+    grown = exp.update_config(lambda cfg: {**cfg, "islands": [*cfg["islands"], {"name": "b"}]})
+    assert exp.read_config() == grown == {"name": "exp", "islands": [{"name": "a"}, {"name": "b"}]}
+
+
 def test_json_is_sorted_and_compact():
     assert dump_json({"b": 1, "a": [1, 2]}) == b'{"a":[1,2],"b":1}'
 

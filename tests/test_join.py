@@ -10,6 +10,7 @@ import pytest
 from tests.gcs_fixture import BACKENDS, gcs_bucket, open_backend  # noqa: F401
 from tests.helpers import new_store, publish_delta, random_delta, small_config
 from training.config.experiment import ConfigError, join_islands, parse_config
+from training.merge.create import add_islands
 from training.merge.merger import Merger
 from training.store.experiment import ExperimentStore
 
@@ -85,13 +86,13 @@ def estore(request, tmp_path) -> ExperimentStore:
 
 def test_add_islands_updates_config_by_compare_and_swap(estore):
     before = estore.read_config()
-    after = estore.add_islands([{"name": "c"}])
+    after = add_islands(estore, [{"name": "c"}])
     assert estore.read_config() == after
     assert [i["name"] for i in after["islands"]] == ["a", "b", "c"]
     assert after["islands"][2]["shard"] == 2
-    assert estore.add_islands([{"name": "c"}]) == after  # repeat: no-op
+    assert add_islands(estore, [{"name": "c"}]) == after  # repeat: no-op
     with pytest.raises(ConfigError):
-        estore.add_islands([{"name": "c", "backend": "gke"}])
+        add_islands(estore, [{"name": "c", "backend": "gke"}])
     assert {k: v for k, v in after.items() if k != "islands"} == {
         k: v for k, v in before.items() if k != "islands"
     }
@@ -107,7 +108,7 @@ def test_racing_joins_all_land(estore):
 
     def join(name):
         try:
-            estore.add_islands([{"name": name}])
+            add_islands(estore, [{"name": name}])
         except Exception as exc:  # pragma: no cover - reported below
             errors.append(exc)
 
@@ -121,7 +122,7 @@ def test_racing_joins_all_land(estore):
     assert sorted(i.name for i in cfg.islands) == list("abcdef")
     assert sorted(cfg.shard_of(i.name) for i in cfg.islands) == list(range(6))
     with pytest.raises(ConfigError, match="no free data shard"):
-        estore.add_islands([{"name": "g"}])
+        add_islands(estore, [{"name": "g"}])
 
 
 def test_stopped_islands_lists_stop_markers(estore):
@@ -138,7 +139,7 @@ def test_sync_merge_waits_for_a_joined_island_and_lets_a_departed_one_go():
     cfg = _cfg(num_shards=4, outer={"method": "sync"})
     store = new_store(cfg)
     theta = store.load_params()
-    joined = parse_config(store.add_islands([{"name": "c"}]))
+    joined = parse_config(add_islands(store, [{"name": "c"}]))
     for island, seed in (("a", 1), ("b", 2)):
         publish_delta(store, cfg, island, 0, random_delta(theta, seed))
     merger = Merger(joined, store)  # a merge task reads the config afresh: it knows c
@@ -172,7 +173,7 @@ def test_a_joined_island_trains_and_its_pseudograds_are_merged():
 
     cfg = _cfg(num_shards=3, outer={"method": "nesterov"})
     store = new_store(cfg)
-    joined = parse_config(store.add_islands([{"name": "c"}]))
+    joined = parse_config(add_islands(store, [{"name": "c"}]))
     info = Island(joined, "c", store).run(max_steps=8)  # H = 4: two publishes
     assert info["publishes"] == 2
     assert [r.id for r in store.list_pseudograds("c")] == ["c/00000000-f000", "c/00000001-f000"]

@@ -1,6 +1,6 @@
 """`diloco`: a thin command line over the library.
 
-    diloco init    --store URL --name NAME [--config FILE] [--set key=value ...]
+    diloco init    --store URL --name NAME [--config FILE] [--set key=value ...]   (create or join)
     diloco island  --store URL --experiment NAME --island NAME
                    [--coordinator HOST:PORT --num-processes N --process-id I]
     diloco merge   --store URL --experiment NAME [--follow]
@@ -61,8 +61,9 @@ def _config_fields_help() -> str:
 
 
 def cmd_init(args) -> int:
-    from training.merge.merger import initial_version
-    from training.model import definition as model
+    from training.merge.create import create_or_join
+    from training.store.experiment import ExperimentStore
+    from training.store.registry import open_store
 
     cfg = load_config(args.config) if args.config else None
     base = cfg.model_dump(mode="json") if cfg else {}
@@ -70,12 +71,15 @@ def cmd_init(args) -> int:
     base["store_url"] = args.store
     cfg = parse_config(base)
     cfg = with_overrides(cfg, parse_sets(args.set or []))
-    model.definition(cfg.model)  # a model.factory that does not resolve fails before the write
-    estore = _open(cfg.store_url, cfg.name)
-    estore.write_config(json.loads(cfg.to_json()))
-    created = initial_version(cfg, estore)
-    state = "created version 0" if created == 0 else "already initialized"
+    # the checks (budget, model, store) come first, in create_or_join: nothing half-written
+    result = create_or_join(cfg, ExperimentStore(open_store(cfg.store_url), cfg.name))
+    state = "created version 0" if result.created_version0 else "already initialized"
     print(f"experiment {cfg.name} in {cfg.store_url}: {state}")
+    # (a stop marker on the experiment is create_or_join's logged warning)
+    if not result.created and result.new_islands:
+        print(f"joined islands {', '.join(result.new_islands)}")
+    if result.initial_loss is not None:
+        print(f"initial eval loss {result.initial_loss:.4f}")
     return 0
 
 
@@ -285,7 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp = with_store(
         sub.add_parser(
             "init",
-            help="create an experiment",
+            help="create an experiment, or join its islands to it if it exists",
             epilog=_config_fields_help(),
             formatter_class=argparse.RawDescriptionHelpFormatter,
         ),

@@ -8,7 +8,6 @@ retried. Heavy imports (the training package, jax) happen inside the functions, 
 
 from __future__ import annotations
 
-import json
 import logging
 from typing import Any
 
@@ -66,62 +65,25 @@ def init_experiment(params: dict[str, Any]) -> dict[str, list]:
     (``{"local": [...], "tpu_vm": [...], "gke": [...]}``, `IslandEntry.to_dict` each) and the
     syncer's shards (``"shards": [0, ..., S-1]``, one mapped merge task each).
 
-    Joining (the experiment exists): every setting but the island list must equal the stored
-    config (`training.config.experiment.check_same_settings`); islands not in it yet are added by compare-and-swap on
-    config.json (`ExperimentStore.add_islands`: each needs a free data shard, see
-    docs/STORE.md); islands already in it must be asked for with the same settings.
+    The checks, the create-or-join, version 0 and its first eval are the library's
+    (`training.merge.create.create_or_join`, also `diloco init`), with this DAG's own check that
+    it offers every island's backend. Joining (the experiment exists): every setting but the
+    island list must equal the stored config; islands not in it yet are added by
+    compare-and-swap on config.json (each needs a free data shard, see docs/STORE.md); islands
+    already in it must be asked for with the same settings.
     """
     from diloco_airflow.params import config_from_params
-    from training.config.experiment import check_budget, check_same_settings, parse_config
-    from training.store.experiment import ExperimentExists
-    from training.store.objectstore import ObjectNotFound
+    from training.merge.create import create_or_join
 
     cfg = config_from_params(params)
-    check_budget(cfg)
-    check_backends(cfg, enabled_backends())
-    from training.model.definition import definition
-
-    definition(cfg.model)  # a model.factory that does not resolve: a ConfigError before any write
-    hook = store.DilocoStoreHook(store_url=cfg.store_url)
-    hook.check()  # unreachable bucket / missing credentials: fail now, with the store's message
-    estore = hook.experiment(cfg.name)
-    wanted = json.loads(cfg.to_json())
-    try:
-        existing = estore.read_config()
-    except ObjectNotFound:
-        existing = None
-    if existing is None:
-        try:
-            estore.write_config(wanted)
-            cfg_all = cfg
-        except ExperimentExists:  # created by a concurrent trigger in between: join it
-            existing = estore.read_config()
-    if existing is not None:
-        check_same_settings(existing, wanted)  # the same experiment, or a one-line ConfigError
-        known = {i["name"] for i in existing.get("islands", [])}
-        joined = estore.add_islands([i.model_dump(mode="json") for i in cfg.islands])
-        cfg_all = parse_config(joined)
-        new = [i.name for i in cfg.islands if i.name not in known]
-        log.info(
-            "joining experiment %s: new islands %s, relaunching %s",
-            cfg.name,
-            new,
-            sorted(known & {i.name for i in cfg.islands}),
-        )
-        if estore.stop_requested(None):
-            log.warning("experiment %s has a stop marker: its islands stop at once", cfg.name)
-    from training.merge.merger import initial_version
-
-    created = initial_version(cfg_all, estore)
-    log.info("experiment %s: %s", cfg.name, "created version 0" if created == 0 else "exists")
-    if created == 0:
-        from training.model.evaluate import evaluate_current
-
-        log.info("initial eval: %s", evaluate_current(cfg_all, estore))
+    offered = enabled_backends()
+    estore = store.DilocoStoreHook(store_url=cfg.store_url).experiment(cfg.name)
+    result = create_or_join(cfg, estore, checks=[lambda c: check_backends(c, offered)])
+    cfg_all = result.config
     # only the islands of this trigger run here; islands of earlier runs keep running there
-    entries = [island_entry(cfg_all, cfg_all.island(i.name)) for i in cfg.islands]
+    entries = [island_entry(cfg_all, cfg_all.island(name)) for name in result.islands]
     register_experiment(cfg.store_url, cfg.name, entries)
-    out: dict[str, list] = {b: [] for b in enabled_backends()}
+    out: dict[str, list] = {b: [] for b in offered}
     for e in entries:
         out[e.backend].append(e.to_dict())
     out["shards"] = list(range(cfg_all.syncer.shards))

@@ -152,7 +152,6 @@ WRITES = frozenset(
         "append_metric",
         "write_config",
         "update_config",
-        "add_islands",
         "request_stop",
         "clear_stop",
         "create_round_clock",

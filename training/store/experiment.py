@@ -275,7 +275,9 @@ class ExperimentStore(FragmentVersions, GarbageCollection, IslandObjects):
 
         `change(current)` returns the new config (or `current` itself: nothing is written); it
         is called again on the fresh config when another writer changed it in between. Returns
-        the config as written. ObjectNotFound if the experiment has no config.
+        the config as written. ObjectNotFound if the experiment has no config. The store
+        decides nothing here: a join passes the config's join rule as `change`
+        (`training.merge.create.add_islands`).
         """
         key = self._key(self.CONFIG)
         for attempt in range(attempts):
@@ -297,19 +299,6 @@ class ExperimentStore(FragmentVersions, GarbageCollection, IslandObjects):
                 return json.loads(dump_json(new))
             time.sleep(min(1.0, 0.05 * 2**attempt))
         raise StoreError(f"{self.url}/{self.CONFIG} kept changing: gave up after {attempts} tries")
-
-    def add_islands(self, islands: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-        """Join `islands` to the experiment: append them to config.json's island list.
-
-        Nothing else in the config can change this way; `data.num_shards` stays fixed, so a
-        joiner needs a free shard (the rule: `training.config.experiment.join_islands`, docs/STORE.md).
-        Islands already in the config with the same settings are fine (a no-op); ConfigError
-        otherwise. Compare-and-swap: racing joins both land. Returns the new config.
-        """
-        from training.config.experiment import join_islands
-
-        wanted = [dict(i) for i in islands]
-        return self.update_config(lambda current: join_islands(current, wanted))
 
     # pseudo-gradients ----------------------------------------------------------------------
     def _pg_ref(self, island: str, seq: int, fragment: int, manifest: dict[str, Any]):
