@@ -194,43 +194,6 @@ def _against_history(
     return None
 
 
-def check_claims(
-    claims: Sequence[Claim],
-    limits: Limits,
-    now: float,
-    *,
-    base_times: dict[int, float] | None = None,
-    previous: dict[str, Claim] | None = None,
-    heartbeats: dict[str, Beat] | None = None,
-) -> dict[tuple[str, int], str]:
-    """Check a round's claims in (island, seq) order, each against the ones accepted before it.
-
-    Returns {(island, seq): reason} for the rejected ones. `base_times`: version -> merger
-    time of its publication; `previous`: island -> its last accepted claim from earlier
-    rounds; `heartbeats`: island -> its heartbeat.
-    """
-    base_times, heartbeats = base_times or {}, heartbeats or {}
-    last = dict(previous or {})
-    accepted: dict[tuple[str, int], list[Claim]] = {}
-    rejected: dict[tuple[str, int], str] = {}
-    for claim in sorted(claims, key=lambda c: (c.island, c.seq)):
-        reason = check_claim(
-            claim,
-            limits,
-            now,
-            base_time=base_times.get(claim.base_version),
-            earlier=accepted.get((claim.island, claim.fragment), []),
-            previous=last.get(claim.island),
-            heartbeat=heartbeats.get(claim.island),
-        )
-        if reason is None:
-            accepted.setdefault((claim.island, claim.fragment), []).append(claim)
-            last[claim.island] = claim
-        else:
-            rejected[(claim.island, claim.seq)] = reason
-    return rejected
-
-
 def cap_weights(weights: Sequence[float], k: float = WEIGHT_CAP) -> list[float]:
     """Each weight capped at k x the median of the others' (computed from the uncapped
     weights). A single weight, or others with median 0, are left as they are."""
