@@ -8,7 +8,18 @@ from __future__ import annotations
 
 import pytest
 
-from training.protocol.claims import Beat, Claim, Limits, cap_weights, check_claim, check_claims
+from training.protocol.claims import (
+    Beat,
+    Claim,
+    Limits,
+    Round,
+    cap_weights,
+    check_claim,
+    history,
+    remember,
+    version_times,
+)
+from training.store.merge_records import LastClaim, MergeState
 
 L = Limits(H=32, tokens_per_step=1024, tau=2, max_steps_per_s=1000.0, clock_skew_s=5.0)
 NOW = 10_000.0
@@ -104,12 +115,59 @@ def test_a_heartbeat_newer_than_the_claim_does_not_bound_it():
     assert check_claim(claim(island_step=900, at=NOW - 1), L, NOW, heartbeat=beat) is None
 
 
-def test_check_claims_judges_each_claim_against_the_ones_accepted_before_it():
+def test_a_round_judges_each_claim_against_the_ones_accepted_before_it():
+    """As the merger's admission does (merge_rules.check_manifest, in (island, seq) order): a
+    claim that passes is accepted into the round, a refused one is not."""
     # base 3 published 0.01 s ago: bound 2 x n + 1000 x 5.01 = 5010 + 2n steps
-    claims = [claim(seq=i, steps=64, tokens=64) for i in range(100)]  # 64 n <= 5010 + 2 n
-    rejected = check_claims(claims, L, NOW, base_times={3: NOW - 0.01})
+    round_, rejected = Round(L, NOW, {3: NOW - 0.01}, {}, {}), []
+    for c in [claim(seq=i, steps=64, tokens=64) for i in range(100)]:  # 64 n <= 5010 + 2 n
+        if round_.check(c) is None:
+            round_.accept(c)
+        else:
+            rejected.append(c.seq)
     # 62 n <= 5010 holds up to n = 80: claims 0..79 pass, then each later one is over
-    assert sorted(rejected) == [("a", i) for i in range(80, 100)]
+    assert rejected == list(range(80, 100))
+
+
+def test_a_round_bounds_a_claim_by_the_islands_previous_one():
+    prev = claim(seq=4, island_step=1000, at=NOW - 10)
+    round_ = Round(L, NOW, {}, {"a": prev}, {})
+    reason = round_.check(claim(seq=5, island_step=1000 + 15_001, at=NOW))
+    assert reason == "island_step went from 1000 to 16001 in 10 s (seq 4 -> 5): over 1000 steps/s"
+
+
+# -- the history a fragment's merge state keeps ------------------------------------------------
+
+STATE = MergeState(
+    steps=2,
+    seen=2,
+    version_times={"3": NOW - 20, "4": 9990},
+    last_claim={"a": LastClaim(7, 400, NOW - 30)},
+)
+
+
+def test_history_reads_version_times_and_last_claims_of_a_merge_state():
+    times, previous = history(STATE)
+    assert times == {3: NOW - 20, 4: 9990.0}
+    assert previous == {"a": Claim("a", 0, 7, 0, 1, 1, NOW - 30, 400)}
+
+
+def test_remember_returns_the_newer_claim_and_leaves_its_input_alone():
+    before = dict(STATE.last_claim)
+    got = remember(STATE.last_claim, claim(seq=8, island_step=432, at=NOW))
+    assert got == {"a": LastClaim(8, 432, NOW)}
+    assert STATE.last_claim == before
+
+
+def test_remember_keeps_a_later_claim_and_one_without_a_step_or_time_changes_nothing():
+    assert remember(STATE.last_claim, claim(seq=6, island_step=500)) == STATE.last_claim
+    assert remember(STATE.last_claim, claim(seq=9, island_step=None)) == STATE.last_claim
+    assert remember({}, claim(seq=9, island_step=None)) == {}
+
+
+def test_version_times_adds_the_new_version_and_keeps_the_newest():
+    assert version_times(STATE, 5, NOW, keep=2) == {"5": NOW, "4": 9990}
+    assert STATE.version_times == {"3": NOW - 20, "4": 9990}
 
 
 @pytest.mark.parametrize(

@@ -182,6 +182,13 @@ READERS = {
         lambda d: merge_records.parse_fragment_manifest(d, "exp", 0, 2),
         merge_records.BadFragmentManifest,
     ),
+    "merge state": (
+        FRAGMENT["merge_state"],
+        lambda d: merge_records.parse_merge_state(
+            safejson.load_json(d, safejson.FRAGMENT_MANIFEST, merge_records.BadFragmentManifest)
+        ),
+        merge_records.BadFragmentManifest,
+    ),
     "ledger entry": (
         {"version": 4},
         merge_records.parse_ledger_entry,
@@ -265,6 +272,60 @@ def test_a_reader_raises_only_its_own_error(reader):
 @pytest.mark.parametrize("reader", sorted(READERS))
 def test_a_reader_raises_only_its_own_error_long_run(reader):
     SLOW(given(hostile_bytes(READERS[reader][0]))(lambda data: _only_its_error(reader, data)))()
+
+
+# -- a merge state writes back the JSON it was parsed from ---------------------------------------
+
+MERGE_FIELDS = ("steps", "seen", "cursors", "norms", "sync_s", "version_times", "last_claim")
+ENTRY_KEYS = st.one_of(
+    st.sampled_from(["isl-a", "isl-b", "7", "007", "Isl", ""]), st.text(max_size=9)
+)
+ENTRIES = st.one_of(
+    JSON_VALUES,
+    st.integers(-2, 3),
+    st.floats(0, 1e9),
+    st.lists(st.one_of(st.integers(0, 9), st.floats(0, 9)), min_size=3, max_size=3),
+    st.tuples(st.sampled_from(["isl-a", "isl-b"]), st.floats(0, 9)).map(list),
+)
+
+
+@st.composite
+def merge_state_fields(draw) -> dict:
+    """FRAGMENT's merge_state with fields replaced, deleted or added, and entries added to its
+    maps and list."""
+    obj = json.loads(json.dumps(FRAGMENT["merge_state"]))
+    for _ in range(draw(st.integers(0, 4))):
+        key = draw(st.sampled_from([*MERGE_FIELDS, "other"]))
+        op = draw(st.sampled_from(["replace", "delete", "entry", "entry"]))
+        if op == "replace":
+            obj[key] = draw(st.one_of(JSON_VALUES, ENTRIES))
+        elif op == "delete":
+            obj.pop(key, None)
+        elif isinstance(obj.get(key), dict):
+            obj[key][draw(ENTRY_KEYS)] = draw(ENTRIES)
+        elif isinstance(obj.get(key), list):
+            obj[key].append(draw(ENTRIES))
+    return obj
+
+
+def _merge_state_property(obj: dict) -> None:
+    try:
+        state = merge_records.parse_merge_state(obj)
+    except merge_records.BadFragmentManifest as exc:
+        assert "\n" not in str(exc)
+        return
+    written = {k: obj.get(k, {}) for k in MERGE_FIELDS}  # absent optional maps: empty
+    assert safejson.dump_json(state.to_json()) == safejson.dump_json(written)
+    assert merge_records.parse_merge_state(state.to_json()) == state
+
+
+def test_a_merge_state_writes_back_the_json_it_was_parsed_from():
+    FAST(given(merge_state_fields())(_merge_state_property))()
+
+
+@pytest.mark.slow
+def test_a_merge_state_writes_back_the_json_it_was_parsed_from_long_run():
+    SLOW(given(merge_state_fields())(_merge_state_property))()
 
 
 # -- bounded JSON round-trips what the store writes ---------------------------------------------

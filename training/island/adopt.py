@@ -29,6 +29,7 @@ from training.island.background import Background
 from training.island.state import IslandState, shadow_of
 from training.model.runtime import shared
 from training.protocol import broadcast
+from training.store import merge_records
 
 
 class Adopter:
@@ -265,7 +266,7 @@ def _adopt(mode, fresh, local, anchor, alpha):
 
 def merged_seq(manifest: dict[str, Any], island: str) -> int:
     """The highest sequence number of `island` that a fragment version's merges hold (-1: none),
-    from its checked manifest's merge cursors."""
-    cursors = manifest.get("merge_state", {}).get("cursors", {})
-    seq = cursors.get(island, -1)
-    return seq if isinstance(seq, int) else -1
+    from its checked manifest's merge cursors (a version without a merge state: -1)."""
+    if "merge_state" not in manifest:
+        return -1
+    return merge_records.merge_state_of(manifest).cursors.get(island, -1)

@@ -42,6 +42,7 @@ from training.merge import stream as merge_stream
 from training.model import definition as model
 from training.model.runtime import fragment_names
 from training.protocol import broadcast, claims, rounds
+from training.store import merge_records as records
 from training.store.experiment import ExperimentStore, HeadPointer, PseudoGradRef
 from training.store.objectstore import StoreError, StoreUnreachable, TransientStoreError
 
@@ -90,32 +91,10 @@ def initial_version(cfg: ExperimentConfig, store: ExperimentStore) -> int | None
             continue
         frag = {n: params[n] for n in names}
         state = rules.init_state(cfg.outer, {n: v.shape for n, v in frag.items()})
-        ms = _merge_state(state, {}, [], 0.0, {"0": time.time()}, {})
-        extra = dict(tokens_merged=0, merge_state=ms)
+        ms = records.MergeState(state.steps, state.seen, version_times={"0": time.time()})
+        extra = dict(tokens_merged=0, merge_state=ms.to_json())
         created |= store.publish_fragment(p, 0, frag, rules.state_tensors(state), extra) is not None
     return 0 if created else None
-
-
-def _merge_state(
-    state: rules.OuterFragmentState,
-    cursors: dict,
-    norms: list,
-    sync_s: float,
-    version_times: dict,
-    last_claim: dict,
-):
-    """A fragment's merge_state (docs/STORE.md): the outer counters, cursors, the last norms
-    ([island, norm]), sync_s, and for the claims' bounds (training/protocol/claims.py) version_times
-    (version -> merger time) and last_claim (island -> [seq, island_step, published_at])."""
-    return dict(
-        steps=state.steps,
-        seen=state.seen,
-        cursors=cursors,
-        norms=norms[-rules.NORM_HISTORY :],
-        sync_s=sync_s,
-        version_times=version_times,
-        last_claim=last_claim,
-    )
 
 
 class Merger:
@@ -153,20 +132,22 @@ class Merger:
             for s in self.shapes
         ]
         self._snapshot_at = 0.0
-        self._manifests: dict[str, dict] = {}  # version dir -> manifest (immutable once committed)
+        # version dir -> (manifest, its merge state) (immutable once committed)
+        self._manifests: dict[str, tuple[dict, records.MergeState]] = {}
         self._repaired: set[str] = set()  # version dirs whose ledger entries this merger wrote
         self._round_clock_known = not rounds.clock_rounds(cfg)
         # fragment -> {candidate id: when this merger first saw it} (the grace floor's start;
         # rebuilt every pass from the pending candidates, so it holds no applied ones)
         self._seen: dict[int, dict[str, float]] = {}
 
-    def _manifest(self, head: HeadPointer) -> dict:
-        """The manifest of a committed version, read once per version (a poll re-reads only
-        the small HEAD pointers)."""
+    def _version(self, head: HeadPointer) -> tuple[dict, records.MergeState]:
+        """The manifest of a committed version and its merge state, read and parsed once per
+        version (a poll re-reads only the small HEAD pointers)."""
         if head.dir not in self._manifests:
             if len(self._manifests) > 4 * len(self.fragments):
                 self._manifests.clear()
-            self._manifests[head.dir] = self.store.fragment_manifest(head)
+            manifest = self.store.fragment_manifest(head)
+            self._manifests[head.dir] = (manifest, records.merge_state_of(manifest))
         return self._manifests[head.dir]
 
     def _active_islands(self) -> set[str]:
@@ -178,9 +159,7 @@ class Merger:
         """Committed, unapplied, unquarantined pseudo-gradients per owned fragment (reads the
         heads' cursors; lists from there, never the history)."""
         heads = self.store.heads(self.fragments)
-        cursors = {
-            h.fragment: dict(self._manifest(h)["merge_state"]["cursors"]) for h in heads if h
-        }
+        cursors = {h.fragment: self._version(h)[1].cursors for h in heads if h}
         if len(cursors) != len(self.fragments):
             return {}
         return self.store.pending_after(cursors, [i.name for i in self.cfg.islands])
@@ -192,12 +171,12 @@ class Merger:
         heads = self.store.heads(self.fragments)
         if any(h is None for h in heads):
             raise RuntimeError(f"experiment {self.cfg.name!r} has no global version: run init")
-        manifests = {h.fragment: self._manifest(h) for h in heads}
+        versions = {h.fragment: self._version(h) for h in heads}
         for h in heads:
             if h.dir not in self._repaired:
-                self.store.repair_ledger(h, manifests[h.fragment])
+                self.store.repair_ledger(h, versions[h.fragment][0])
                 self._repaired.add(h.dir)
-        cursors = {p: dict(m["merge_state"]["cursors"]) for p, m in manifests.items()}
+        cursors = {p: ms.cursors for p, (_, ms) in versions.items()}
         pending = self.store.pending_after(cursors, [i.name for i in self.cfg.islands])
         fault_point("merge.after-read")
         active = self._active_islands()
@@ -205,7 +184,7 @@ class Merger:
         for head in heads:
             if pending[head.fragment]:
                 self._merge_fragment(
-                    head, manifests[head.fragment], pending[head.fragment], active, result, beats
+                    head, *versions[head.fragment], pending[head.fragment], active, result, beats
                 )
         result.skipped = self.store.skipped.count - skipped_before
         if result.versions:
@@ -232,6 +211,7 @@ class Merger:
         self,
         head: HeadPointer,
         manifest: dict,
+        ms: records.MergeState,
         refs: list[PseudoGradRef],
         active: set[str],
         result: MergeResult,
@@ -239,7 +219,6 @@ class Merger:
     ) -> None:
         started = time.monotonic()
         p = head.fragment
-        ms = manifest["merge_state"]
         base_times, previous = claims.history(ms)
         round_ = claims.Round(
             claims.Limits.from_config(self.cfg), self.clock(), base_times, previous, beats
@@ -276,7 +255,7 @@ class Merger:
         seen = self._seen.get(p, {})
         self._seen[p] = seen = {c.id: seen.get(c.id, now) for c in candidates}
         groups, wait = rules.select(
-            self.cfg, candidates, active, now, ms["sync_s"], min(seen.values(), default=now)
+            self.cfg, candidates, active, now, ms.sync_s, min(seen.values(), default=now)
         )
         if wait is not None:
             result.waiting_until = min(result.waiting_until or wait, wait)
@@ -287,13 +266,13 @@ class Merger:
         if broadcast.enabled(self.cfg) and shadow is None:
             shadow = {n: v.copy() for n, v in params.items()}  # S = Theta: params change below
         state = rules.state_from_tensors(
-            self.cfg.outer, self.shapes[p], outer_tensors, ms["steps"], ms["seen"]
+            self.cfg.outer, self.shapes[p], outer_tensors, ms.steps, ms.seen
         )
         del outer_tensors
         params_norm = merge_stream.norm_of(params)
-        norms = list(ms["norms"])
-        cursors = dict(ms["cursors"])
-        last_claim = dict(ms.get("last_claim") or {})
+        norms = list(ms.norms)
+        cursors = dict(ms.cursors)
+        last_claim = ms.last_claim
         tokens_merged = int(manifest["tokens_merged"])
         applied, details = [], []
         # outer.anchor = now: stale votes re-anchored at the params as they stand (`_vote`)
@@ -325,7 +304,7 @@ class Merger:
                 combiner.add(vote, weight, scale, body_sq)
                 del vote
                 voted += kept
-                norms += [[island, n] for n in vote_norms]
+                norms += [records.IslandNorm(island, n) for n in vote_norms]
                 for c in kept:
                     details.append(
                         dict(
@@ -366,17 +345,26 @@ class Merger:
                 applied.append(c.id)
                 cursors[c.island] = max(cursors.get(c.island, -1), c.seq)
                 tokens_merged += c.tokens
-                claims.remember(last_claim, self._claim(c))
+                last_claim = claims.remember(last_claim, self._claim(c))
         if not applied:
             return
-        sync_s = 0.8 * ms["sync_s"] + 0.2 * (time.monotonic() - started)
+        sync_s = 0.8 * ms.sync_s + 0.2 * (time.monotonic() - started)
         merged_at = self.clock()
         times = claims.version_times(
             ms, head.version + 1, merged_at, self.cfg.outer.max_staleness + 1
         )
+        next_ms = records.MergeState(
+            steps=state.steps,
+            seen=state.seen,
+            cursors=cursors,
+            norms=tuple(norms[-rules.NORM_HISTORY :]),
+            sync_s=sync_s,
+            version_times=times,
+            last_claim=last_claim,
+        )
         extra = dict(
             tokens_merged=tokens_merged,
-            merge_state=_merge_state(state, cursors, norms, sync_s, times, last_claim),
+            merge_state=next_ms.to_json(),
             contributions=details,
             merged_at=merged_at,
         )
@@ -547,7 +535,7 @@ class Merger:
     def _after_merge(self, result: MergeResult) -> None:
         """Budget, metrics and (at most every SNAPSHOT_EVERY_S) a snapshot, after a round."""
         heads = self.store.heads(self.fragments)
-        manifests = [self._manifest(h) for h in heads if h is not None]
+        manifests = [self._version(h)[0] for h in heads if h is not None]
         result.tokens_merged = sum(int(m["tokens_merged"]) for m in manifests) // max(
             len(manifests), 1
         )

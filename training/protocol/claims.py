@@ -40,11 +40,12 @@ a full one is the case it does touch (1 step against 32: 89% instead of 97%).
 
 from __future__ import annotations
 
-import math
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from training.store.merge_records import LastClaim, MergeState
 
 MAX_STEPS_PER_S = 1000.0
 CLOCK_SKEW_S = 5.0
@@ -193,43 +194,6 @@ def _against_history(
     return None
 
 
-def check_claims(
-    claims: Sequence[Claim],
-    limits: Limits,
-    now: float,
-    *,
-    base_times: dict[int, float] | None = None,
-    previous: dict[str, Claim] | None = None,
-    heartbeats: dict[str, Beat] | None = None,
-) -> dict[tuple[str, int], str]:
-    """Check a round's claims in (island, seq) order, each against the ones accepted before it.
-
-    Returns {(island, seq): reason} for the rejected ones. `base_times`: version -> merger
-    time of its publication; `previous`: island -> its last accepted claim from earlier
-    rounds; `heartbeats`: island -> its heartbeat.
-    """
-    base_times, heartbeats = base_times or {}, heartbeats or {}
-    last = dict(previous or {})
-    accepted: dict[tuple[str, int], list[Claim]] = {}
-    rejected: dict[tuple[str, int], str] = {}
-    for claim in sorted(claims, key=lambda c: (c.island, c.seq)):
-        reason = check_claim(
-            claim,
-            limits,
-            now,
-            base_time=base_times.get(claim.base_version),
-            earlier=accepted.get((claim.island, claim.fragment), []),
-            previous=last.get(claim.island),
-            heartbeat=heartbeats.get(claim.island),
-        )
-        if reason is None:
-            accepted.setdefault((claim.island, claim.fragment), []).append(claim)
-            last[claim.island] = claim
-        else:
-            rejected[(claim.island, claim.seq)] = reason
-    return rejected
-
-
 def cap_weights(weights: Sequence[float], k: float = WEIGHT_CAP) -> list[float]:
     """Each weight capped at k x the median of the others' (computed from the uncapped
     weights). A single weight, or others with median 0, are left as they are."""
@@ -264,7 +228,7 @@ class Round:
     """What one merge of a fragment knows to bound claims: the limits, the merger's clock, when
     recent versions of the fragment were published, each island's last applied claim and its
     heartbeat, and the claims accepted so far in this round. Pure: the merger gathers the facts
-    (`history` reads them from the fragment's merge_state)."""
+    (`history` reads them from the fragment's parsed merge state)."""
 
     limits: Limits
     now: float
@@ -299,37 +263,32 @@ def beats(heartbeats: dict[str, dict]) -> dict[str, Beat]:
     return out
 
 
-def _real(x: Any) -> bool:
-    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
-
-
-def history(merge_state: dict) -> tuple[dict[int, float], dict[str, Claim]]:
+def history(state: MergeState) -> tuple[dict[int, float], dict[str, Claim]]:
     """(version -> merger time of its publication, island -> its last applied claim), as kept
-    in a fragment's merge_state (`version_times`, `last_claim`); entries that do not parse are
-    ignored (they only loosen the bounds)."""
-    times = {}
-    for v, t in (merge_state.get("version_times") or {}).items():
-        if isinstance(v, str) and v.isascii() and v.isdigit() and _real(t):
-            times[int(v)] = float(t)
-    previous = {}
-    for island, c in (merge_state.get("last_claim") or {}).items():
-        if isinstance(c, list) and len(c) == 3 and all(_real(x) for x in c):
-            seq, step, at = c
-            previous[island] = Claim(island, 0, int(seq), 0, 1, 1, float(at), int(step))
+    in a fragment's parsed merge state (`version_times`, `last_claim`)."""
+    times = {int(v): float(t) for v, t in state.version_times.items()}
+    previous = {
+        island: Claim(island, 0, int(c.seq), 0, 1, 1, float(c.published_at), int(c.island_step))
+        for island, c in state.last_claim.items()
+    }
     return times, previous
 
 
-def remember(last_claim: dict[str, list], claim: Claim) -> None:
-    """Keep an island's newest applied claim ([seq, island_step, published_at])."""
+def remember(last_claim: Mapping[str, LastClaim], claim: Claim) -> dict[str, LastClaim]:
+    """`last_claim` with `claim` as its island's newest applied claim (a new mapping). Left as
+    it is when the claim lacks island_step or published_at, or the island's known claim is of
+    this seq or a later one."""
     if claim.island_step is None or claim.published_at is None:
-        return
+        return dict(last_claim)
     known = last_claim.get(claim.island)
-    if isinstance(known, list) and known and _real(known[0]) and known[0] >= claim.seq:
-        return
-    last_claim[claim.island] = [claim.seq, claim.island_step, claim.published_at]
+    if known is not None and known.seq >= claim.seq:
+        return dict(last_claim)
+    new = LastClaim(claim.seq, claim.island_step, claim.published_at)
+    return {**last_claim, claim.island: new}
 
 
-def version_times(merge_state: dict, version: int, at: float, keep: int) -> dict[str, float]:
-    """merge_state's version_times with `version` published at `at`, the newest `keep` kept."""
-    times = dict(merge_state.get("version_times") or {}, **{str(version): at})
+def version_times(state: MergeState, version: int, at: float, keep: int) -> dict[str, float]:
+    """The merge state's version_times with `version` published at `at`, the newest `keep`
+    kept."""
+    times = {**state.version_times, str(version): at}
     return dict(sorted(times.items(), key=lambda kv: -int(kv[0]))[:keep])

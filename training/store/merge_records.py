@@ -1,5 +1,5 @@
 """Strict parsers of the merge side's records: pseudo-gradient manifests, fragment HEADs and
-version manifests (merge_state, applied ids), ledger and quarantine entries (docs/STORE.md).
+version manifests (their typed `MergeState`, applied ids), ledger and quarantine entries (docs/STORE.md).
 
 The contract every parser keeps (bytes or a loaded dict in; the record or its own `BadRecord`
 out, nothing else) and the shared field checks are in training/store/record_fields.py.
@@ -8,8 +8,9 @@ out, nothing else) and the shared field checks are in training/store/record_fiel
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, get_args
+from typing import Any, NamedTuple, get_args
 
 from training.config.experiment import Codec
 from training.store import safejson
@@ -221,24 +222,77 @@ def validate_applied(value: Any, error: type[CorruptObject] = BadFragmentManifes
     return ids
 
 
-def _norm_ok(n: Any) -> bool:
+# -- a fragment version's merge_state
+
+
+class IslandNorm(NamedTuple):
+    """One merged norm of a merge state's `norms`, `[island, norm]` in JSON."""
+
+    island: str
+    norm: float
+
+
+class LastClaim(NamedTuple):
+    """An island's newest applied claim, `[seq, island_step, published_at]` in JSON (for the
+    claims' bounds, training/protocol/claims.py). The merger writes two ints and a time; any
+    finite numbers are accepted, and kept as they are."""
+
+    seq: int
+    island_step: int
+    published_at: float
+
+
+@dataclass(frozen=True)
+class MergeState:
+    """A fragment version's merge_state (docs/STORE.md), parsed by `parse_merge_state`: the
+    outer optimizer's counters (steps, seen), the cursors (island -> the highest seq applied to
+    the fragment), the last merged norms (`IslandNorm`s; a bare number is a legacy entry of
+    older stores), sync_s (the merger's running sync time), and for the claims' bounds
+    version_times (version, as its decimal key, -> merger time) and last_claim (island ->
+    `LastClaim`). Numbers are kept as stored, so `to_json` gives back the same JSON. Never
+    changed in place: the next version's is a new one (`dataclasses.replace`)."""
+
+    steps: int
+    seen: int
+    cursors: Mapping[str, int] = field(default_factory=dict)
+    norms: tuple[IslandNorm | float, ...] = ()
+    sync_s: float = 0.0
+    version_times: Mapping[str, float] = field(default_factory=dict)
+    last_claim: Mapping[str, LastClaim] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON object of the manifest's `merge_state` (lists for the pairs and triples)."""
+        return dict(
+            steps=self.steps,
+            seen=self.seen,
+            cursors=dict(self.cursors),
+            norms=[list(n) if isinstance(n, IslandNorm) else n for n in self.norms],
+            sync_s=self.sync_s,
+            version_times=dict(self.version_times),
+            last_claim={island: list(c) for island, c in self.last_claim.items()},
+        )
+
+
+def _norm(n: Any) -> IslandNorm | float | None:
+    """A `norms` entry: [island, norm >= 0] or a bare norm >= 0 (legacy); None if neither."""
     if isinstance(n, list) and len(n) == 2 and is_name(n[0]):
-        n = n[1]
-    return is_real(n) and n >= 0
+        return IslandNorm(n[0], n[1]) if is_real(n[1]) and n[1] >= 0 else None
+    return n if is_real(n) and n >= 0 else None
 
 
-def validate_merge_state(value: Any, error: type[CorruptObject] = BadFragmentManifest) -> dict:
+def parse_merge_state(value: Any, error: type[CorruptObject] = BadFragmentManifest) -> MergeState:
     """A fragment's merge_state: steps and seen (ints >= 0), cursors (island -> the highest seq
     applied, an int in [-1, 10^8)), norms ([island, norm] or bare norms >= 0), sync_s (>= 0);
     if present version_times (version -> unix time) and last_claim (island -> [seq,
-    island_step, published_at]). Other keys pass unchecked."""
+    island_step, published_at]). Other keys are ignored. `error` (BadFragmentManifest), the
+    message naming the field."""
     f = Fields(value if isinstance(value, dict) else {}, error, "merge_state")
     if not isinstance(value, dict):
         f.fail(f"{show(value)} is not an object")
-    f.int("steps")
-    f.int("seen")
+    steps, seen = f.int("steps"), f.int("seen")
     norms = value.get("norms")
-    if not isinstance(norms, list) or not all(_norm_ok(n) for n in norms):
+    parsed = [_norm(n) for n in norms] if isinstance(norms, list) else [None]
+    if any(n is None for n in parsed):
         f.fail(f"norms {show(norms)} is not a list of [island, norm >= 0]")
     cursors = value.get("cursors")
     if not isinstance(cursors, dict):
@@ -246,7 +300,7 @@ def validate_merge_state(value: Any, error: type[CorruptObject] = BadFragmentMan
     for island, seq in cursors.items():
         if not (is_name(island) and is_int(seq) and -1 <= seq <= MAX_SEQ):
             f.fail(f"cursor {show(island)}: {show(seq)} is not island: seq")
-    f.real("sync_s", 0.0)
+    sync_s = f.real("sync_s", 0.0)
     times = value.get("version_times", {})
     if not isinstance(times, dict) or not all(
         isinstance(v, str) and v.isascii() and v.isdigit() and len(v) <= 8 and is_real(t)
@@ -259,7 +313,23 @@ def validate_merge_state(value: Any, error: type[CorruptObject] = BadFragmentMan
         for i, c in last.items()
     ):
         f.fail(f"last_claim {show(last)} is not island: [seq, island_step, published_at]")
-    return value
+    return MergeState(
+        steps,
+        seen,
+        dict(cursors),
+        tuple(parsed),
+        sync_s,
+        dict(times),
+        {island: LastClaim(*c) for island, c in last.items()},
+    )
+
+
+def merge_state_of(manifest: Mapping[str, Any]) -> MergeState:
+    """The merge state of a fragment version's manifest (its JSON object: a checked one's
+    `raw`, as the store's readers give it). BadFragmentManifest if it has none."""
+    if "merge_state" not in manifest:
+        raise BadFragmentManifest("merge_state: missing")
+    return parse_merge_state(manifest["merge_state"])
 
 
 @dataclass(frozen=True)
@@ -272,6 +342,7 @@ class FragmentManifest:
     applied: list[str]
     checksums: dict[str, tuple[str, str]]  # payload -> (algorithm, hex)
     nbytes: dict[str, int]
+    merge_state: MergeState | None
     raw: dict[str, Any] = field(repr=False, compare=False)
 
 
@@ -286,7 +357,7 @@ def parse_fragment_manifest(
     given); a parent (version - 1 and its directory of the same fragment) or none; `applied`
     ids (of this fragment); nbytes and one checksum kind (crc32c or sha256: a map payload ->
     hex) of each payload; if present tokens_merged (int),
-    merge_state (validate_merge_state) and merged_at (the merger's fields). BadFragmentManifest."""
+    merge_state (parse_merge_state) and merged_at (the merger's fields). BadFragmentManifest."""
     m = load_object(data, safejson.FRAGMENT_MANIFEST, BadFragmentManifest, "fragment manifest")
     f = Fields(m, BadFragmentManifest, "fragment manifest")
     if m.get("experiment") != experiment:
@@ -316,8 +387,7 @@ def parse_fragment_manifest(
         Fields(sizes, BadFragmentManifest, "fragment manifest nbytes").int(name)
     f.int("tokens_merged", optional=True)
     f.real("merged_at", optional=True)
-    if "merge_state" in m:
-        validate_merge_state(m["merge_state"])
+    merge_state = parse_merge_state(m["merge_state"]) if "merge_state" in m else None
     applied = validate_applied(m.get("applied"))
     if any(parse_pseudograd_id(i)[2] != fragment for i in applied):
         f.fail(f"applied lists a pseudo-gradient of another fragment than {fragment}")
@@ -330,6 +400,7 @@ def parse_fragment_manifest(
         applied=applied,
         checksums={n: (algorithm, digests[n]) for n in payloads},
         nbytes={n: sizes[n] for n in payloads},
+        merge_state=merge_state,
         raw=m,
     )
 

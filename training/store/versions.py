@@ -349,7 +349,7 @@ class FragmentVersions:
         if any(h is None for h in heads):
             return {}
         cursors = {
-            h.fragment: dict(self.fragment_manifest(h)["merge_state"]["cursors"]) for h in heads
+            h.fragment: records.merge_state_of(self.fragment_manifest(h)).cursors for h in heads
         }
         return self.pending_after(cursors, [i for i in islands if isinstance(i, str)])
 
