@@ -125,13 +125,13 @@ class IslandTrigger(PollingTrigger):
 
     def check(self, estore, backend, spec, now: float) -> dict[str, Any] | None:
         """One blocking poll: the event payload, or None to keep waiting."""
-        from diloco_airflow.backends import IslandState
+        from diloco_airflow.backends import ResourceState
 
         island = spec.island
         if island in estore.done():
             return {"status": "done", "island": island}
         st = backend.status(spec, {})
-        if st.state == IslandState.SUCCEEDED:
+        if st.state == ResourceState.SUCCEEDED:
             if island in estore.done():  # marked done just before exiting
                 return {"status": "done", "island": island}
             return _failed(island, f"island exited without a done marker: {st.message}", True)
@@ -139,7 +139,7 @@ class IslandTrigger(PollingTrigger):
             if island in estore.done():
                 return {"status": "done", "island": island}
             return _failed(island, f"island {st.state.value}: {st.message}", st.retryable)
-        if st.state != IslandState.RUNNING:
+        if st.state != ResourceState.RUNNING:
             return None  # PENDING / PROVISIONING: the execution timeout bounds this
         beat = estore.heartbeats().get(island) or {}
         if beat and now - self._progress_at >= PROGRESS_EVERY_S:
