@@ -13,7 +13,7 @@ from tests.helpers import (
 )
 from training.codecs import host as codecs
 from training.merge.merger import Merger
-from training.protocol.pseudograd import pseudo_gradient
+from training.protocol.pseudograd import delta
 
 
 def _applied_lists(store):
@@ -30,7 +30,7 @@ def test_sync_merge_with_outer_sgd_lr1_averages_island_parameters():
         for n, i in enumerate(["a", "b"])
     }
     for i, params in islands.items():
-        publish_delta(store, cfg, i, 0, pseudo_gradient(theta, params))
+        publish_delta(store, cfg, i, 0, {k: delta(theta[k], v) for k, v in params.items()})
     r = Merger(cfg, store).merge_once()
     assert r.version == 1 and len(r.applied) == 2
     new = store.load_params()

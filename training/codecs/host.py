@@ -380,11 +380,3 @@ def checked_codes(
             )
         checked[n] = codes
     return checked
-
-
-def decode_tensor(
-    payload: dict[str, np.ndarray], name: str, codec: str, block: int = DEFAULT_BLOCK
-) -> np.ndarray:
-    """One float32 tensor of a payload (the streaming merge decodes one at a time)."""
-    _check_codec(codec)
-    return _decode_tensor(name, payload, codec, block)

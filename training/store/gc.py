@@ -11,7 +11,6 @@ A mixin of `ExperimentStore` (training/store/experiment.py), which supplies the 
 
 from __future__ import annotations
 
-from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +23,7 @@ from training.store.layout import (
     load_json,
     parse_pseudograd_id,
 )
-from training.store.objectstore import CorruptObject, ObjectNotFound
+from training.store.objectstore import CorruptObject
 
 _PAYLOAD_FILES = tuple(
     f"{n}.safetensors" for n in ("params", "outer_state", "update", "shadow")
@@ -217,28 +216,6 @@ class GarbageCollection:
         keys = self._list(relative_prefix)
         self._parallel(lambda k: self.store.delete(self._key(k)), keys)
         return len(keys)
-
-    def delete_fragment_version(
-        self, fragment: int, version: int, protected: Collection[int] = ()
-    ) -> bool:
-        """Delete the payloads of committed version `version` of `fragment`.
-
-        Its manifest.json stays next to a `collected.json` marker, written first; loading it
-        then raises ObjectNotFound. Refuses (ValueError) HEAD, any version in `protected`, and
-        any version `referenced_versions()` keeps. False if it has no payloads left.
-        """
-        head, dirs, _ = self._chain(fragment)
-        if head is None or version not in dirs:
-            raise ObjectNotFound(f"{self.url}: fragment {fragment} has no version {version}")
-        if version >= head or version in protected:
-            raise ValueError(
-                f"{self.url}: fragment {fragment} version {version} is HEAD or protected"
-            )
-        if version in self.referenced_versions(keep_last=1, keep_first=False).get(fragment, set()):
-            raise ValueError(
-                f"{self.url}: fragment {fragment} version {version} is still referenced"
-            )
-        return self._collect_version(dirs[version])
 
     def _collect_version(self, directory: str) -> bool:
         names = [f"{directory}/{n}" for n in _PAYLOAD_FILES]
