@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from training.config.experiment import without_retired_fields
 from training.config.names import validate_name
 from training.faults.points import fault_point
 from training.store import island_records, merge_records, safejson
@@ -244,18 +245,21 @@ class ExperimentStore(FragmentVersions, GarbageCollection, IslandObjects):
 
     # config --------------------------------------------------------------------------------
     def write_config(self, cfg: Mapping[str, Any]) -> None:
-        """Create config.json (recording `layout`). Re-creating it with equal content is a
-        no-op; different content raises ExperimentExists (a name is never reused)."""
+        """Create config.json (recording `layout`). Re-creating it with equal content (the
+        stored one's retired fields aside: `without_retired_fields`) is a no-op; different
+        content raises ExperimentExists (a name is never reused)."""
         data = dump_json({**dict(cfg), "layout": LAYOUT_VERSION})
         if self.store.create(self._key(self.CONFIG), data):
             return
-        if self._read_json(self.CONFIG, safejson.CONFIG) != json.loads(data):
+        existing = without_retired_fields(self._read_json(self.CONFIG, safejson.CONFIG))
+        if existing != json.loads(data):
             raise ExperimentExists(
                 f"{self.url} exists with a different config.json; pick a new experiment name"
             )
 
     def read_config(self) -> dict[str, Any]:
-        """config.json without its `layout` key; ObjectNotFound if the experiment has none,
+        """config.json without its `layout` key and retired fields (parse_config_record);
+        ObjectNotFound if the experiment has none,
         BadConfigRecord if it is not a JSON object naming this experiment, LayoutMismatch if it
         was written for another store layout."""
         data = self.store.read(self._key(self.CONFIG), max_bytes=safejson.CONFIG.max_bytes)
