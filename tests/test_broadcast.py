@@ -183,7 +183,7 @@ def test_an_update_that_fails_its_checksum_is_refused(caplog):
     store = new_store(cfg)
     for seq in range(2):
         _merge(cfg, store, seq)
-    key = store._key(f"{store.head(0).dir}/update.safetensors")
+    key = store.object_key(f"{store.head(0).dir}/update.safetensors")
     data = bytearray(store.store.read(key))
     data[-1] ^= 0xFF
     store.store.write(key, bytes(data))
@@ -202,7 +202,7 @@ def test_a_garbage_collected_update_means_a_full_read():
         _merge(cfg, store, seq)
     directory = store.find_version(0, 2).dir
     assert store.collect_garbage(GCPlan(versions=[directory]))["versions"] == 1
-    assert not [k for k in store._list(f"{directory}/") if k.endswith(".safetensors")]
+    assert not [k for k in store.list_keys(f"{directory}/") if k.endswith(".safetensors")]
     got = _fetch(store, cfg, _shadow_at(store, 1))
     assert got.how == "full"
     _assert_bit_equal(got.tensors, _stored_shadow(store))
@@ -215,7 +215,7 @@ def test_fp32_broadcast_writes_no_update_and_islands_read_the_params():
     store = new_store(cfg)
     _merge(cfg, store, 0)
     head = store.head(0)
-    files = sorted(k.rsplit("/", 1)[1] for k in store._list(f"{head.dir}/"))
+    files = sorted(k.rsplit("/", 1)[1] for k in store.list_keys(f"{head.dir}/"))
     assert files == ["manifest.json", "outer_state.safetensors", "params.safetensors"]
     assert broadcast.CODEC_FIELD not in store.fragment_manifest(head)
     _assert_bit_equal(_stored_shadow(store), store.load_fragment(head).params)

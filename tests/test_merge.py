@@ -226,7 +226,9 @@ def test_anchor_now_falls_back_to_the_base_anchor_when_the_base_is_unreadable():
     publish_delta(store, cfg, "a", 0, da)
     merger.merge_once()
     base = store.find_version(0, 0)
-    store.store.delete(store._key(f"{base.dir}/params.safetensors"))  # version 0's payload gone
+    store.store.delete(
+        store.object_key(f"{base.dir}/params.safetensors")
+    )  # version 0's payload gone
     publish_delta(store, cfg, "b", 0, db, base_version=0)
     assert merger.merge_once().applied == ["b/00000000-f000"]
     k = "blocks/0/mlp_up/kernel"
@@ -252,7 +254,7 @@ def _hostile(store, cfg, theta, kind):
         payload["blocks/0/mlp_up/kernel"][0, 0] = np.nan
         from training.store.tensors import encode_tensors
 
-        store.store.write(store._key(ref.payload_key), encode_tensors(payload))
+        store.store.write(store.object_key(ref.payload_key), encode_tensors(payload))
         return ref
     raise AssertionError(kind)
 
