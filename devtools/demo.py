@@ -81,7 +81,6 @@ def _base_conf(name: str, store_url: str, budget: int) -> dict:
         "outer_momentum": 0.8,
         "quorum": 1,
         "token_budget": budget,
-        "eval_every_versions": 4,
         "heartbeat_s": 2.0,
         "syncer_shards": 2,
         "syncer_idle_s": 300.0,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import uuid
 
 import numpy as np
@@ -64,6 +65,14 @@ def publish_payload(
         published_at=float(seq),
     )
     return store.publish_pseudograd(island, seq, fragment, payload, manifest)
+
+
+def fragment_sizes(shapes, assignment, num_fragments) -> list[int]:
+    """Element count of each fragment of an `assignment` (name -> fragment) of tensors `shapes`."""
+    sizes = [0] * num_fragments
+    for name, shape in shapes.items():
+        sizes[assignment[name]] += math.prod(shape)
+    return sizes
 
 
 def random_delta(params, seed, scale=1e-2):

@@ -6,7 +6,7 @@ import copy
 import json
 
 import pytest
-from diloco_airflow.backends import BackendError, IslandSpec, IslandState, get_backend
+from diloco_airflow.backends import BackendError, IslandSpec, ResourceState, get_backend
 from diloco_airflow.backends.gke import (
     ACCELERATOR_LABEL,
     TOPOLOGY_LABEL,
@@ -212,12 +212,12 @@ def test_backend_jobset_lifecycle_with_fake_api():
     spec = _spec("g3", topology="2x2x2", hosts=2)
     h = backend.provision(spec)
     assert h["kind"] == "JobSet" and h["namespace"] == "training"
-    assert backend.status(spec, h).state == IslandState.GONE
+    assert backend.status(spec, h).state == ResourceState.GONE
     h = backend.launch(spec, h)
-    assert backend.status(spec, h).state == IslandState.PROVISIONING
+    assert backend.status(spec, h).state == ResourceState.PROVISIONING
     obj = api.objects[("training", h["name"])]
     obj["status"] = {"replicatedJobsStatus": [{"name": "island", "ready": 1, "active": 1}]}
-    assert backend.status(spec, {}).state == IslandState.RUNNING
+    assert backend.status(spec, {}).state == ResourceState.RUNNING
     # a retried launch replaces the earlier copy instead of running two
     backend.launch(spec, {})
     assert api.calls == ["create", "create", "delete", "create"]
@@ -234,10 +234,10 @@ def test_jobset_status_mapping():
     def cond(kind, **kw):
         return {"status": {"conditions": [{"type": kind, "status": "True", **kw}]}}
 
-    assert jobset_status(cond("Completed")).state == IslandState.SUCCEEDED
+    assert jobset_status(cond("Completed")).state == ResourceState.SUCCEEDED
     st = jobset_status(cond("Failed", reason="FailedJobs", message="job island-0 failed"))
-    assert st.state == IslandState.FAILED and "island-0" in st.message
-    assert jobset_status({}).state == IslandState.PROVISIONING
+    assert st.state == ResourceState.FAILED and "island-0" in st.message
+    assert jobset_status({}).state == ResourceState.PROVISIONING
 
 
 def _v1pod(status: dict):
@@ -261,19 +261,19 @@ def _terminated(code: int, message: str) -> dict:
 
 
 def test_pod_status_mapping_of_real_v1pod_objects():
-    assert pod_status(_v1pod({"phase": "Running"})).state == IslandState.RUNNING
-    assert pod_status(_v1pod({"phase": "Succeeded"})).state == IslandState.SUCCEEDED
+    assert pod_status(_v1pod({"phase": "Running"})).state == ResourceState.RUNNING
+    assert pod_status(_v1pod({"phase": "Succeeded"})).state == ResourceState.SUCCEEDED
     disrupted = {"type": "DisruptionTarget", "status": "True", "message": "spot VM reclaimed"}
     preempted = _v1pod({"phase": "Failed", "conditions": [disrupted]})
-    assert pod_status(preempted).state == IslandState.PREEMPTED
+    assert pod_status(preempted).state == ResourceState.PREEMPTED
     failed = _v1pod({"phase": "Failed", "containerStatuses": [_terminated(3, "loss went NaN")]})
     st = pod_status(failed)
-    assert st.state == IslandState.FAILED and "exit code 3" in st.message
+    assert st.state == ResourceState.FAILED and "exit code 3" in st.message
     assert "loss went NaN" in st.message
     unschedulable = {"type": "PodScheduled", "status": "False", "reason": "Unschedulable"}
     pending = _v1pod({"phase": "Pending", "conditions": [{**unschedulable, "message": "0/3"}]})
     st = pod_status(pending)
-    assert st.state == IslandState.PROVISIONING and st.message == "0/3"
+    assert st.state == ResourceState.PROVISIONING and st.message == "0/3"
 
 
 class _FakeCoreApi:
@@ -308,11 +308,11 @@ def test_backend_pod_lifecycle_with_fake_api():
     spec = _spec("g1")
     h = backend.provision(spec)
     assert h["kind"] == "Pod"
-    assert backend.status(spec, h).state == IslandState.GONE
+    assert backend.status(spec, h).state == ResourceState.GONE
     h = backend.launch(spec, h)
-    assert backend.status(spec, h).state == IslandState.PROVISIONING
+    assert backend.status(spec, h).state == ResourceState.PROVISIONING
     api.pods[("training", h["name"])]["status"] = {"phase": "Running"}
-    assert backend.status(spec, {}).state == IslandState.RUNNING
+    assert backend.status(spec, {}).state == ResourceState.RUNNING
     backend.launch(spec, {})  # a retried launch replaces the earlier copy
     assert api.calls == ["create", "create", "delete", "create"] and len(api.pods) == 1
     backend.teardown(spec, h)

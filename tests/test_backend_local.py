@@ -13,7 +13,7 @@ import pytest
 from diloco_airflow.backends import (
     BackendError,
     IslandSpec,
-    IslandState,
+    ResourceState,
     get_backend,
     resource_id,
 )
@@ -56,25 +56,25 @@ def test_success_records_exit_code_and_env(backend, tmp_path):
     )
     handle = backend.provision(spec)
     assert Path(handle["run_dir"]) == tmp_path / "runs" / "exp1" / "i0"
-    assert backend.status(spec, handle).state == IslandState.PENDING
+    assert backend.status(spec, handle).state == ResourceState.PENDING
     handle = backend.launch(spec, handle)
     json.dumps(handle)  # JSON-serializable
     assert {"pid", "pgid", "log_path", "exit_path", "start_ticks", "started_at"} <= set(handle)
     st = _wait(backend, spec, handle)
-    assert st.state == IslandState.SUCCEEDED, st.message
+    assert st.state == ResourceState.SUCCEEDED, st.message
     assert out.read_text() == "42"
     assert Path(handle["exit_path"]).read_text() == "0"
     assert "hi" in Path(handle["log_path"]).read_text()
     # a different backend object (another Airflow task) sees the same, from the files alone
     other = LocalBackend(runs_root=tmp_path / "runs")
-    assert other.status(spec, {}).state == IslandState.SUCCEEDED
+    assert other.status(spec, {}).state == ResourceState.SUCCEEDED
 
 
 def test_failure_reports_exit_code_and_log_tail(backend):
     spec = _spec("import sys; print('loss went NaN at step 7', file=sys.stderr); sys.exit(3)")
     handle = backend.launch(spec, backend.provision(spec))
     st = _wait(backend, spec, handle)
-    assert st.state == IslandState.FAILED
+    assert st.state == ResourceState.FAILED
     assert "exit code 3" in st.message
     assert "loss went NaN at step 7" in st.message
 
@@ -83,21 +83,21 @@ def test_sigkilled_island_is_failed_killed(backend):
     spec = _spec("import os, signal, time; os.kill(os.getpid(), signal.SIGKILL); time.sleep(5)")
     handle = backend.launch(spec, backend.provision(spec))
     st = _wait(backend, spec, handle)
-    assert st.state == IslandState.FAILED
+    assert st.state == ResourceState.FAILED
     assert "killed by SIGKILL" in st.message
 
 
 def test_whole_group_sigkilled_is_failed(backend, tmp_path):
     spec = _spec("import time; time.sleep(30)")
     handle = backend.launch(spec, backend.provision(spec))
-    assert backend.status(spec, handle).state == IslandState.RUNNING
+    assert backend.status(spec, handle).state == ResourceState.RUNNING
     os.killpg(handle["pgid"], signal.SIGKILL)  # the wrapper dies too: no exit-code file
     st = _wait(backend, spec, handle)
-    assert st.state == IslandState.FAILED
+    assert st.state == ResourceState.FAILED
     assert "SIGKILL" in st.message
     # a status reader that did not launch it cannot know the signal, but still says FAILED
     other = LocalBackend(runs_root=tmp_path / "runs")
-    assert other.status(spec, {}).state == IslandState.FAILED
+    assert other.status(spec, {}).state == ResourceState.FAILED
 
 
 def test_relaunch_kills_previous_copy(backend, tmp_path):
@@ -111,9 +111,9 @@ def test_relaunch_kills_previous_copy(backend, tmp_path):
         assert second["pid"] != first["pid"]
         assert second["launch"] == first["launch"] + 1
         assert not group_members(first["pgid"])
-        assert retry.status(spec, {}).state == IslandState.RUNNING
+        assert retry.status(spec, {}).state == ResourceState.RUNNING
         # the old handle does not mistake the new process for its own
-        assert retry.status(spec, second).state == IslandState.RUNNING
+        assert retry.status(spec, second).state == ResourceState.RUNNING
     finally:
         backend.teardown(spec, first)  # a stale handle still stops the current copy
         assert not group_members(second["pgid"])
@@ -137,7 +137,7 @@ def test_teardown_leaves_no_process(backend):
     backend.teardown(spec, handle)
     assert group_members(handle["pgid"]) == []
     st = backend.status(spec, handle)
-    assert st.state == IslandState.FAILED
+    assert st.state == ResourceState.FAILED
     assert "SIGTERM" in st.message  # SIGTERM was enough: no SIGKILL after the grace period
     backend.teardown(spec, handle)  # idempotent
     backend.teardown(_spec("pass", island="never-launched"), {})  # always safe
@@ -170,13 +170,13 @@ def test_missing_command_is_failed_with_message(backend):
     )
     handle = backend.launch(spec, backend.provision(spec))
     st = _wait(backend, spec, handle)
-    assert st.state == IslandState.FAILED
+    assert st.state == ResourceState.FAILED
     assert "exit code 127" in st.message
     assert "cannot start" in st.message
 
 
 def test_status_of_unknown_island_is_gone(backend):
-    assert backend.status(_spec("pass", island="nope"), {}).state == IslandState.GONE
+    assert backend.status(_spec("pass", island="nope"), {}).state == ResourceState.GONE
 
 
 def test_spec_validation_and_labels():

@@ -6,7 +6,7 @@ import json
 import time
 
 import pytest
-from diloco_airflow.backends import BackendError, IslandSpec, IslandState, get_backend
+from diloco_airflow.backends import BackendError, IslandSpec, ResourceState, get_backend
 from diloco_airflow.backends.tpu_vm import TpuVmBackend, startup_script, tpu_hosts
 from google.auth.credentials import AnonymousCredentials
 
@@ -106,30 +106,30 @@ def test_state_mapping(backend, fake):
     spec = _spec("a1")
     h = backend.provision(spec)
     qr_id = spec.resource_id
-    assert backend.status(spec, h).state == IslandState.PROVISIONING  # ACCEPTED
+    assert backend.status(spec, h).state == ResourceState.PROVISIONING  # ACCEPTED
     for state in ("WAITING_FOR_RESOURCES", "PROVISIONING"):
         fake.set_state(qr_id, state)
-        assert backend.status(spec, h).state == IslandState.PROVISIONING
+        assert backend.status(spec, h).state == ResourceState.PROVISIONING
     fake.set_state(qr_id, "ACTIVE")
-    assert backend.status(spec, {}).state == IslandState.RUNNING  # works without a handle
+    assert backend.status(spec, {}).state == ResourceState.RUNNING  # works without a handle
     # every host published exit code 0 -> SUCCEEDED
     fake.set_guest_attribute(qr_id, "exitcode", "0")
     st = backend.status(spec, h)
-    assert st.state == IslandState.SUCCEEDED, st.message
+    assert st.state == ResourceState.SUCCEEDED, st.message
     fake.set_guest_attribute(qr_id, "exitcode", "1")
     fake.set_guest_attribute(qr_id, "tail", "Traceback: boom")
     st = backend.status(spec, h)
-    assert st.state == IslandState.FAILED and "code 1" in st.message and "boom" in st.message
+    assert st.state == ResourceState.FAILED and "code 1" in st.message and "boom" in st.message
     fake.set_state(
         qr_id, "FAILED", error_message="There is no more capacity in the zone us-east5-a"
     )
     st = backend.status(spec, h)
-    assert st.state == IslandState.FAILED
+    assert st.state == ResourceState.FAILED
     assert "no more capacity" in st.message and st.retryable
     fake.set_state(qr_id, "DELETING")
-    assert backend.status(spec, h).state == IslandState.GONE
+    assert backend.status(spec, h).state == ResourceState.GONE
     backend.teardown(spec, h)
-    assert backend.status(spec, h).state == IslandState.GONE
+    assert backend.status(spec, h).state == ResourceState.GONE
 
 
 def test_multi_host_success_needs_every_host(backend, fake):
@@ -139,9 +139,9 @@ def test_multi_host_success_needs_every_host(backend, fake):
     fake.set_state(spec.resource_id, "ACTIVE")
     for worker in range(3):
         fake.set_guest_attribute(spec.resource_id, "exitcode", "0", worker=worker)
-    assert backend.status(spec, h).state == IslandState.RUNNING
+    assert backend.status(spec, h).state == ResourceState.RUNNING
     fake.set_guest_attribute(spec.resource_id, "exitcode", "0", worker=3)
-    assert backend.status(spec, h).state == IslandState.SUCCEEDED
+    assert backend.status(spec, h).state == ResourceState.SUCCEEDED
     backend.teardown(spec, h)
 
 
@@ -149,23 +149,23 @@ def test_preemption_teardown_and_retry(backend, fake):
     spec = _spec("a2")
     h = backend.launch(spec, backend.provision(spec))
     fake.set_state(spec.resource_id, "ACTIVE")
-    assert backend.status(spec, h).state == IslandState.RUNNING
+    assert backend.status(spec, h).state == ResourceState.RUNNING
 
     # node preempted while the queued resource still says ACTIVE
     fake.preempt(spec.resource_id, suspend=False)
     st = backend.status(spec, h)
-    assert st.state == IslandState.PREEMPTED and st.retryable
+    assert st.state == ResourceState.PREEMPTED and st.retryable
     # then the queued resource is suspended (spot)
     fake.preempt(spec.resource_id)
     st = backend.status(spec, h)
-    assert st.state == IslandState.PREEMPTED and st.retryable
+    assert st.state == ResourceState.PREEMPTED and st.retryable
 
     backend.teardown(spec, h)
     assert not fake.exists(spec.resource_id)
     delete = fake.deletes()[-1]
     assert delete.query.get("force") == "true"
     backend.teardown(spec, h)  # idempotent: NotFound is fine
-    assert backend.status(spec, h).state == IslandState.GONE
+    assert backend.status(spec, h).state == ResourceState.GONE
 
     # the retried island: same spec object (so the same request id, which the server
     # deduplicates against the deleted incarnation) -> the backend still creates it anew

@@ -14,6 +14,7 @@ from training.merge.merger import Merger
 from training.model import inner
 from training.model.runtime import fragment_names
 from training.protocol import broadcast
+from training.store.gc import GCPlan
 
 
 def _cfg(codec="int4", mode="codec", islands=("a", "b")):
@@ -182,7 +183,7 @@ def test_an_update_that_fails_its_checksum_is_refused(caplog):
     store = new_store(cfg)
     for seq in range(2):
         _merge(cfg, store, seq)
-    key = store._key(f"{store.head(0).dir}/update.safetensors")
+    key = store.object_key(f"{store.head(0).dir}/update.safetensors")
     data = bytearray(store.store.read(key))
     data[-1] ^= 0xFF
     store.store.write(key, bytes(data))
@@ -199,9 +200,9 @@ def test_a_garbage_collected_update_means_a_full_read():
     store = new_store(cfg)
     for seq in range(4):
         _merge(cfg, store, seq)
-    assert store.delete_fragment_version(0, 2)
     directory = store.find_version(0, 2).dir
-    assert not [k for k in store._list(f"{directory}/") if k.endswith(".safetensors")]
+    assert store.collect_garbage(GCPlan(versions=[directory]))["versions"] == 1
+    assert not [k for k in store.list_keys(f"{directory}/") if k.endswith(".safetensors")]
     got = _fetch(store, cfg, _shadow_at(store, 1))
     assert got.how == "full"
     _assert_bit_equal(got.tensors, _stored_shadow(store))
@@ -214,7 +215,7 @@ def test_fp32_broadcast_writes_no_update_and_islands_read_the_params():
     store = new_store(cfg)
     _merge(cfg, store, 0)
     head = store.head(0)
-    files = sorted(k.rsplit("/", 1)[1] for k in store._list(f"{head.dir}/"))
+    files = sorted(k.rsplit("/", 1)[1] for k in store.list_keys(f"{head.dir}/"))
     assert files == ["manifest.json", "outer_state.safetensors", "params.safetensors"]
     assert broadcast.CODEC_FIELD not in store.fragment_manifest(head)
     _assert_bit_equal(_stored_shadow(store), store.load_fragment(head).params)

@@ -111,7 +111,7 @@ def test_chaos_monkey_task_kills_running_islands_and_records_each_kill(tmp_path)
         assert len(out["kills"]) == 2
         events = [e for e in store.read_metrics("chaos") if e["event"] == "kill"]
         assert sorted(e["n"] for e in events) == [1, 2]
-        from diloco_airflow.backends import IslandState
+        from diloco_airflow.backends import ResourceState
 
         states = {}
         for e in entries:
@@ -119,7 +119,7 @@ def test_chaos_monkey_task_kills_running_islands_and_records_each_kill(tmp_path)
             states[e["name"]] = backend.status(spec, {})
         killed = {e["island"] for e in events}
         for name in killed:
-            assert states[name].state == IslandState.FAILED, states[name]
+            assert states[name].state == ResourceState.FAILED, states[name]
         # a retried monkey task counts the kills already made: max_kills is per experiment
         assert ops.run_chaos_monkey({"local": entries}, url, cfg.name)["kills"] == []
     finally:
@@ -147,7 +147,7 @@ def test_chaos_monkey_is_a_noop_without_kill_mtbi_and_stops_when_islands_are_don
 
 
 def test_stalled_island_is_stopped_by_its_wait_task_so_the_retry_relaunches_it(tmp_path):
-    from diloco_airflow.backends import IslandState
+    from diloco_airflow.backends import ResourceState
     from diloco_airflow.island_tasks import IslandWaitOperator
 
     url = f"file://{tmp_path}/store"
@@ -157,7 +157,7 @@ def test_stalled_island_is_stopped_by_its_wait_task_so_the_retry_relaunches_it(t
     _launch(entry)
     op = IslandWaitOperator(task_id="wait", island=entry)
     backend, spec = _backend_and_spec(entry)
-    assert backend.status(spec, {}).state == IslandState.RUNNING
+    assert backend.status(spec, {}).state == ResourceState.RUNNING
     event = {
         "status": "failed",
         "island": "a",
@@ -167,7 +167,7 @@ def test_stalled_island_is_stopped_by_its_wait_task_so_the_retry_relaunches_it(t
     }
     with pytest.raises(RuntimeError, match="heartbeat stopped"):
         op.execute_complete({}, event)
-    assert backend.status(spec, {}).state != IslandState.RUNNING  # the retry relaunches it
+    assert backend.status(spec, {}).state != ResourceState.RUNNING  # the retry relaunches it
 
 
 def test_sigterm_checkpoints_but_does_not_mark_the_island_done():

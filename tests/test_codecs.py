@@ -187,3 +187,27 @@ def test_payload_keys_are_what_encode_writes(codec):
     delta = _delta()
     payload, _ = codecs.encode(delta, codec)
     assert codecs.payload_keys(delta, codec) == set(payload)
+
+
+@pytest.mark.parametrize("codec", codecs.CODECS)
+def test_checked_codes_of_a_payload_decode_to_what_decode_returns(codec):
+    delta = _delta()
+    payload, _ = codecs.encode(delta, codec)
+    codes = codecs.checked_codes(payload, codec, {n: x.shape for n, x in delta.items()})
+    assert set(codes) == set(delta)
+    for name, c in codes.items():
+        out = np.empty(math.prod(c.shape), np.float32)
+        got = codecs.decode_chunk(c, 0, out.size, out)
+        np.testing.assert_array_equal(got.reshape(c.shape), codecs.decode(payload, codec)[name])
+
+
+def test_checked_codes_refuse_a_wrong_tree_a_foreign_key_and_a_wrong_shape():
+    payload, _ = codecs.encode({"w": np.ones(N, np.float32)}, "int8")
+    with pytest.raises(ValueError, match=r"wrong tree for fragment 3: extra \['w'\], missing"):
+        codecs.checked_codes(payload, "int8", {"v": (N,)}, fragment=3)
+    with pytest.raises(ValueError, match="unreadable payload: unexpected"):
+        codecs.checked_codes(
+            dict(payload, **{"w.__shape": np.ones(1, np.int32)}), "int8", {"w": (N,)}
+        )
+    with pytest.raises(ValueError, match=r"wrong shape for w: \(1000,\), expected \(10, 100\)"):
+        codecs.checked_codes(payload, "int8", {"w": (10, 100)})

@@ -22,6 +22,7 @@ from training.config.experiment import (
         ({"name": "ok", "model": {"preset": "huge"}}, "model.preset"),
         ({"name": "ok", "outer": {"lr": -1}}, "outer.lr"),
         ({"name": "ok", "typo": 1}, "typo"),
+        ({"name": "ok", "eval_every_versions": 5}, "eval_every_versions"),  # removed: refused
         ({"name": "ok", "islands": []}, "at least one island"),
         ({"name": "ok", "islands": [{"name": "a"}, {"name": "a"}]}, "duplicate"),
         ({"name": "ok", "data": {"seq_len": 4096}}, "max_seq_len"),

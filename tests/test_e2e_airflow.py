@@ -61,7 +61,7 @@ def _conf(name: str, store_url: str) -> dict:
     # island must come back and finish its share after its relaunch
     for island in conf["islands"]:
         island["max_tokens"] = ISLAND_TOKENS
-    return dict(conf, eval_every_versions=3)
+    return conf
 
 
 class Bucket:

@@ -74,7 +74,7 @@ def _conf(name: str, store_url: str, chaos: dict) -> dict:
     # the chaos run merge the same number of tokens
     for island in conf["islands"]:
         island["max_tokens"] = ISLAND_TOKENS
-    return dict(conf, eval_every_versions=3, chaos=chaos)
+    return dict(conf, chaos=chaos)
 
 
 def _run(airflow, gcs_bucket: str, label: str, chaos: dict) -> dict:  # noqa: F811

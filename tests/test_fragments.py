@@ -4,6 +4,7 @@ import math
 import numpy as np
 import pytest
 
+from tests.helpers import fragment_sizes
 from training.protocol import fragments
 
 
@@ -54,7 +55,7 @@ def test_every_name_assigned_once_and_no_empty_fragment(strategy, P):
 def test_tensor_strategy_reaches_p_beyond_the_layer_count_and_balances():
     shapes = model_shapes()
     P = len(fragments.layer_groups(shapes)) + 1  # more fragments than layer groups
-    sizes = fragments.fragment_sizes(shapes, fragments.assign_fragments(shapes, P, "tensors"), P)
+    sizes = fragment_sizes(shapes, fragments.assign_fragments(shapes, P, "tensors"), P)
     assert min(sizes) > 0
     biggest = max(int(np.prod(s)) for s in shapes.values())
     assert max(sizes) <= max(biggest, 4 / 3 * sum(sizes) / P)  # LPT: 4/3 of optimal or one tensor
@@ -84,7 +85,7 @@ def test_balanced_is_within_four_thirds_of_lower_bound():
     for n_layers, vocab, P in [(6, 256, 4), (12, 32000, 5), (24, 50257, 8), (8, 256, 8)]:
         shapes = model_shapes(n_layers=n_layers, d=128, vocab=vocab)
         assignment = fragments.assign_fragments(shapes, P, "balanced")
-        sizes = fragments.fragment_sizes(shapes, assignment, P)
+        sizes = fragment_sizes(shapes, assignment, P)
         groups = fragments.layer_groups(shapes)
         group_sizes = [sum(math.prod(shapes[n]) for n in names) for names in groups.values()]
         lower = max(sum(group_sizes) / P, max(group_sizes))
@@ -99,7 +100,7 @@ def test_balanced_lpt_bound_against_brute_force_optimum():
         sizes = [int(s) for s in rng.integers(1, 100, size=int(rng.integers(P, 8)))]
         shapes = {f"t{i}": (s,) for i, s in enumerate(sizes)}
         assignment = fragments.assign_fragments(shapes, P, "balanced")
-        makespan = max(fragments.fragment_sizes(shapes, assignment, P))
+        makespan = max(fragment_sizes(shapes, assignment, P))
         assert makespan <= (4 / 3 - 1 / (3 * P)) * _optimal_makespan(sizes, P) + 1e-9
 
 

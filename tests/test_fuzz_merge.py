@@ -58,7 +58,7 @@ class Hostile:
         self.cfg, self.store, self.theta, self.seq = cfg, store, theta, 0
 
     def put(self, relative: str, data: bytes) -> None:
-        self.store.store.write(self.store._key(relative), data)
+        self.store.store.write(self.store.object_key(relative), data)
 
     def commit(self, tensors=None, raw: bytes | None = None, fields=None) -> None:
         """Commit `tensors` (or `raw` payload bytes) with a valid manifest, then apply
@@ -148,7 +148,7 @@ class Hostile:
         elif kind == "copy":  # an old commit (its own, or one b published) under a new seq
             src = self.store.list_pseudograds(island=x)
             if src:
-                raw = self.store.store.read(self.store._key(f"pseudograds/{src[0].id}.json"))
+                raw = self.store.store.read(self.store.object_key(f"pseudograds/{src[0].id}.json"))
                 self.put(f"pseudograds/a/{self.seq:08d}-f000.json", raw)
                 self.seq += 1
 

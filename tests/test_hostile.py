@@ -54,9 +54,10 @@ def _commit_raw(store, island, seq, data: bytes, /, **fields):
     stem = f"pseudograds/{island}/{seq:08d}-f000"
     key = fields.pop("payload", f"{stem}-{uuid.uuid4().hex[:8]}.safetensors")
     if isinstance(key, str) and key.startswith("pseudograds/"):  # never clobber config.json
-        store.store.write(store._key(key), data)
+        store.store.write(store.object_key(key), data)
     assert store.store.create(
-        store._key(f"{stem}.json"), dump_json(_manifest(store, island, seq, key, data, **fields))
+        store.object_key(f"{stem}.json"),
+        dump_json(_manifest(store, island, seq, key, data, **fields)),
     )
     return f"{island}/{seq:08d}-f000"
 
@@ -64,7 +65,7 @@ def _commit_raw(store, island, seq, data: bytes, /, **fields):
 def _rewrite_payload(store, pg_id, transform):
     """Replace the committed payload of `pg_id` with transform(bytes) (manifest unchanged)."""
     ref = next(r for r in store.list_pseudograds() if r.id == pg_id)
-    key = store._key(ref.payload_key)
+    key = store.object_key(ref.payload_key)
     store.store.write(key, transform(store.store.read(key)))
 
 
@@ -189,7 +190,7 @@ def test_payload_deleted_after_commit_is_quarantined():
     store = new_store(cfg)
     theta = store.load_params()
     ref = publish_delta(store, cfg, "a", 0, random_delta(theta, 7))
-    store.store.delete(store._key(ref.payload_key))
+    store.store.delete(store.object_key(ref.payload_key))
     r = _merge_with_good_one(cfg, store, theta)
     _assert_quarantined_and_merge_went_on(cfg, store, r, BAD, "is missing")
 
@@ -262,7 +263,7 @@ def test_marker_that_is_not_json_is_quarantined_not_ignored():
     cfg = _cfg()
     store = new_store(cfg)
     theta = store.load_params()
-    store.store.create(store._key("pseudograds/a/00000000-f000.json"), b"\x80garbage")
+    store.store.create(store.object_key("pseudograds/a/00000000-f000.json"), b"\x80garbage")
     r = _merge_with_good_one(cfg, store, theta)
     _assert_quarantined_and_merge_went_on(cfg, store, r, BAD, "unreadable manifest: not valid JSON")
 
@@ -275,8 +276,8 @@ def test_commit_replayed_under_a_new_sequence_number_is_quarantined():
     old = publish_delta(store, cfg, "a", 0, random_delta(theta, 7))
     assert Merger(cfg, store).merge_once().applied == [old.id]
     store.store.create(
-        store._key("pseudograds/a/00000001-f000.json"),
-        store.store.read(store._key("pseudograds/a/00000000-f000.json")),
+        store.object_key("pseudograds/a/00000001-f000.json"),
+        store.store.read(store.object_key("pseudograds/a/00000000-f000.json")),
     )
     publish_delta(store, cfg, "b", 0, random_delta(theta, 1), base_version=1)
     r = Merger(cfg, store).merge_once()
@@ -296,7 +297,7 @@ def test_replay_of_a_merged_sequence_number_with_a_lost_ledger_entry_is_not_appl
     assert Merger(cfg, store).merge_once().version == 1
     publish_delta(store, cfg, "b", 0, random_delta(theta, 1), base_version=1)
     assert Merger(cfg, store).merge_once().version == 2
-    store.store.delete(store._key("ledger/a/00000004-f000.json"))  # HEAD (2) repairs only b
+    store.store.delete(store.object_key("ledger/a/00000004-f000.json"))  # HEAD (2) repairs only b
     r = Merger(cfg, store).merge_once()
     assert r.version is None and r.applied == [] and r.quarantined == {}
     assert [v["applied"] for v in store.list_fragment_versions(0)] == [

@@ -39,7 +39,7 @@ def _setup():
 
 
 def _plant(store, relative: str, data: bytes) -> None:
-    store.store.write(store._key(relative), data)
+    store.store.write(store.object_key(relative), data)
 
 
 def _commit(store, island, seq, data: bytes, **fields):

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from diloco_airflow.backends import IslandSpec, get_backend
-from diloco_airflow.backends.base import IslandState
+from diloco_airflow.backends.base import ResourceState
 from diloco_airflow.island_entry import IslandEntry
 from google.auth.credentials import AnonymousCredentials
 
@@ -167,8 +167,8 @@ def test_maintenance_dag_relaunch_ttl_and_gc(tmp_path):
 
     try:
         # relaunch decision: the stalled island's process was stopped, the healthy one runs on
-        assert local.status(specs["stuck"], {}).state == IslandState.FAILED
-        assert local.status(specs["fine"], {}).state == IslandState.RUNNING
+        assert local.status(specs["stuck"], {}).state == ResourceState.FAILED
+        assert local.status(specs["fine"], {}).state == ResourceState.RUNNING
     finally:
         for spec in specs.values():
             local.teardown(spec, {})

@@ -13,7 +13,7 @@ from tests.helpers import (
 )
 from training.codecs import host as codecs
 from training.merge.merger import Merger
-from training.protocol.pseudograd import pseudo_gradient
+from training.protocol.pseudograd import delta
 
 
 def _applied_lists(store):
@@ -30,7 +30,7 @@ def test_sync_merge_with_outer_sgd_lr1_averages_island_parameters():
         for n, i in enumerate(["a", "b"])
     }
     for i, params in islands.items():
-        publish_delta(store, cfg, i, 0, pseudo_gradient(theta, params))
+        publish_delta(store, cfg, i, 0, {k: delta(theta[k], v) for k, v in params.items()})
     r = Merger(cfg, store).merge_once()
     assert r.version == 1 and len(r.applied) == 2
     new = store.load_params()
@@ -226,7 +226,9 @@ def test_anchor_now_falls_back_to_the_base_anchor_when_the_base_is_unreadable():
     publish_delta(store, cfg, "a", 0, da)
     merger.merge_once()
     base = store.find_version(0, 0)
-    store.store.delete(store._key(f"{base.dir}/params.safetensors"))  # version 0's payload gone
+    store.store.delete(
+        store.object_key(f"{base.dir}/params.safetensors")
+    )  # version 0's payload gone
     publish_delta(store, cfg, "b", 0, db, base_version=0)
     assert merger.merge_once().applied == ["b/00000000-f000"]
     k = "blocks/0/mlp_up/kernel"
@@ -252,7 +254,7 @@ def _hostile(store, cfg, theta, kind):
         payload["blocks/0/mlp_up/kernel"][0, 0] = np.nan
         from training.store.tensors import encode_tensors
 
-        store.store.write(store._key(ref.payload_key), encode_tensors(payload))
+        store.store.write(store.object_key(ref.payload_key), encode_tensors(payload))
         return ref
     raise AssertionError(kind)
 

@@ -23,7 +23,7 @@ IDS = ["a/00000000-f000", "a/00000001-f000", "b/00000000-f000"]
 def _state_at_kill(store) -> dict:
     """What the killed merge left: fragment 0's HEAD version, ledger, and its version dirs by
     completeness."""
-    keys = store._list("fragments/f000/v")
+    keys = store.list_keys("fragments/f000/v")
     dirs = {k.split("/")[2] for k in keys}
     manifests = {k.split("/")[2] for k in keys if k.endswith("/manifest.json")}
     return dict(

@@ -85,6 +85,6 @@ def test_two_merge_processes_racing_on_gcs_apply_each_once(gcs_bucket, tmp_path)
     assert store.quarantined() == {}
     # the race was real: each losing publish logged it and left a manifest off HEAD's chain
     lost = sum(text.count("lost the head race") for text in out)
-    manifests = [k for k in store._list("fragments/") if k.endswith("/manifest.json")]
+    manifests = [k for k in store.list_keys("fragments/") if k.endswith("/manifest.json")]
     assert lost >= 1, out
     assert len(manifests) - len(chain) == lost

@@ -111,7 +111,7 @@ def test_merger_applies_an_islands_final_remainder_without_a_momentum_step():
             store, cfg, island, 3, tiny, base_version=3, steps=1, tokens=128
         )
         manifest = dict(payload_ref.manifest, final=True)
-        store.store.write(store._key(f"pseudograds/{payload_ref.id}.json"), _json(manifest))
+        store.store.write(store.object_key(f"pseudograds/{payload_ref.id}.json"), _json(manifest))
     r = merger.merge_once()
     assert sorted(r.applied) == ["a/00000003-f000", "b/00000003-f000"]
     after = store.load_params()

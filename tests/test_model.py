@@ -5,7 +5,7 @@ import jax
 import numpy as np
 import pytest
 
-from tests.helpers import new_store, small_config
+from tests.helpers import fragment_sizes, new_store, small_config
 from training.config.experiment import GEMMA_PRESETS, PRESETS, ConfigError, ModelConfig
 from training.island.process import Island
 from training.merge.merger import Merger
@@ -90,7 +90,7 @@ def test_gemma_balanced_fragments_keep_blocks_whole_and_even():
     assignment = fragments.assign_fragments(shapes, 4, "balanced")
     for block in range(8):
         assert len({p for n, p in assignment.items() if f"blocks/{block}/" in n}) == 1
-    sizes = fragments.fragment_sizes(shapes, assignment, 4)
+    sizes = fragment_sizes(shapes, assignment, 4)
     assert max(sizes) <= 4 / 3 * sum(sizes) / 4  # within Graham's bound of the perfect split
     assert [n for n in shapes if fragments.is_embedding(n)] == ["embed/embedding"]
 

@@ -6,7 +6,7 @@ import pytest
 
 from tests import reference_outer as outer
 from training.config.experiment import OuterConfig
-from training.protocol.pseudograd import pseudo_gradient
+from training.protocol.pseudograd import delta
 
 
 def _tree(rng, scale=1.0):
@@ -16,11 +16,16 @@ def _tree(rng, scale=1.0):
     }
 
 
+def _pseudo_gradient(base, local):
+    """The island's pseudo-gradient of a tree: `delta` per tensor (as the device encoder)."""
+    return {k: delta(base[k], local[k]) for k in local}
+
+
 def test_pseudo_gradient_is_global_minus_local():
-    base = {"w": np.array([1.0, 2.0], np.float32)}
-    local = {"w": np.array([0.5, 3.0], np.float32)}
+    base = np.array([1.0, 2.0], np.float32)
+    local = np.array([0.5, 3.0], np.float32)
     # (1 - 0.5, 2 - 3) = (0.5, -1)
-    np.testing.assert_array_equal(pseudo_gradient(base, local)["w"], [0.5, -1.0])
+    np.testing.assert_array_equal(delta(base, local), [0.5, -1.0])
 
 
 def test_outer_sgd_lr1_on_mean_delta_equals_parameter_average():
@@ -28,7 +33,7 @@ def test_outer_sgd_lr1_on_mean_delta_equals_parameter_average():
     rng = np.random.default_rng(0)
     theta = _tree(rng)
     islands = [_tree(rng) for _ in range(3)]
-    deltas = [pseudo_gradient(theta, isl) for isl in islands]
+    deltas = [_pseudo_gradient(theta, isl) for isl in islands]
     mean_delta = outer.combine(deltas, [1.0, 1.0, 1.0], rda=False)
     tx = optax.sgd(1.0)
     new, _ = outer.apply_outer(tx, theta, tx.init(theta), mean_delta)

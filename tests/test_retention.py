@@ -159,27 +159,6 @@ def test_collect_again_deletes_only_a_replayed_pseudograd_then_nothing(exp):
     assert exp.plan_gc(keep_last=KEEP_LAST).empty
 
 
-def test_delete_fragment_version_refuses_head_referenced_and_protected(exp):
-    with pytest.raises(ValueError, match="HEAD or protected"):
-        exp.delete_fragment_version(0, HEADS[0])
-    with pytest.raises(ValueError, match="still referenced"):
-        exp.delete_fragment_version(0, 2)  # b's heartbeat bases fragment 0 on it
-    with pytest.raises(ValueError, match="still referenced"):
-        exp.delete_fragment_version(0, 3)  # a's latest checkpoint bases fragment 0 on it
-    with pytest.raises(ValueError, match="still referenced"):
-        exp.delete_fragment_version(1, 1)  # b's heartbeat bases fragment 1 on it
-    with pytest.raises(ValueError, match="HEAD or protected"):
-        exp.delete_fragment_version(0, 1, protected={1})
-    with pytest.raises(ObjectNotFound):
-        exp.delete_fragment_version(0, HEADS[0] + 5)
-
-
-def test_delete_fragment_version_is_per_fragment_and_repeatable(exp):
-    assert exp.delete_fragment_version(0, 1) is True  # version 1 of fragment 1 stays referenced
-    assert exp.delete_fragment_version(0, 1) is False  # nothing left: a repeat is fine
-    assert float(exp.load_fragment(exp.find_version(1, 1)).params["f1/w"][0, 0]) == 1
-
-
 def test_delete_pseudograd_refuses_an_unmerged_one_and_repeats(exp):
     unmerged = exp.publish_pseudograd("a", 100, 0, {"d": np.ones(3, np.float32)}, {})
     with pytest.raises(ValueError, match="not merged"):

@@ -20,7 +20,7 @@ def _state(value: float = 0.0) -> dict[str, np.ndarray]:
 
 
 def _checkpoint_dirs(store: ExperimentStore, island: str) -> list[str]:
-    return sorted({k.rsplit("/", 1)[0] for k in store._list(f"checkpoints/{island}/c")})
+    return sorted({k.rsplit("/", 1)[0] for k in store.list_keys(f"checkpoints/{island}/c")})
 
 
 @pytest.fixture(params=BACKENDS)

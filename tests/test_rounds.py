@@ -81,7 +81,7 @@ def test_the_first_clock_record_stands():
 )
 def test_a_broken_clock_record_is_skipped_and_the_islands_keep_the_step_rule(record):
     store = new_store(small_config())
-    store.store.write(store._key("control/rounds.json"), record)
+    store.store.write(store.object_key("control/rounds.json"), record)
     assert store.round_clock() is None and store.skipped.count == 1
 
 

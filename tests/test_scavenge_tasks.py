@@ -14,7 +14,7 @@ import time
 import pytest
 from airflow.sdk.exceptions import AirflowSkipException
 from diloco_airflow import scavenge as ops
-from diloco_airflow.backends import IslandState
+from diloco_airflow.backends import ResourceState
 from diloco_airflow.island_entry import IslandEntry
 from diloco_airflow.island_tasks import teardown_island
 
@@ -79,7 +79,7 @@ def _check(win, entry, estore, now):
     return _trigger(win, entry).check(estore, e.make_backend(), e.spec, now)
 
 
-def _wait_state(entry: dict, state: IslandState, timeout_s: float = 60.0) -> None:
+def _wait_state(entry: dict, state: ResourceState, timeout_s: float = 60.0) -> None:
     e = IslandEntry.of(entry)
     deadline = time.monotonic() + timeout_s
     while e.make_backend().status(e.spec, {}).state != state:
@@ -146,7 +146,7 @@ def test_a_local_island_told_to_go_with_sigterm_is_reclaimed_not_retried(experim
         e = IslandEntry.of(entry)
         record = json.loads((e.make_backend().run_dir(e.spec) / "process.json").read_text())
         os.killpg(int(record["pgid"]), signal.SIGTERM)  # the capacity is taken back
-        _wait_state(entry, IslandState.SUCCEEDED)
+        _wait_state(entry, ResourceState.SUCCEEDED)
         assert _check(win, entry, estore, time.time()) == {
             "status": "reclaimed",
             "island": "scav-0",

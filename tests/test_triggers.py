@@ -13,7 +13,7 @@ import time
 import pytest
 from diloco_airflow.backends import IslandSpec
 from diloco_airflow.syncer import EvalTrigger, ShardTrigger
-from diloco_airflow.triggers import IslandTrigger
+from diloco_airflow.triggers import MAX_POLL_ERRORS, IslandTrigger, PollingTrigger
 
 from tests.helpers import new_store, publish_delta, small_config
 
@@ -39,6 +39,54 @@ def estore(tmp_path):
 
     s = open_experiment(f"file://{tmp_path / 'store'}", "exp")
     return s
+
+
+class FlakyTrigger(PollingTrigger):
+    """Fails its first `failures` polls (the n-th with "store down n", on two lines), then
+    fires; records the thread of each poll."""
+
+    def __init__(self, failures: int) -> None:
+        super().__init__()
+        self.failures, self.calls, self.threads, self.poll_s = failures, 0, set(), 0.0
+
+    def serialize(self):
+        return ("tests.test_triggers.FlakyTrigger", {"failures": self.failures})
+
+    def poll(self):
+        import threading
+
+        self.calls += 1
+        self.threads.add(threading.get_ident())
+        if self.calls <= self.failures:
+            raise OSError(f"store down {self.calls}\nretry later")
+        return {"status": "ok"}
+
+
+def test_the_polling_loop_retries_failed_polls_below_the_budget_in_a_thread():
+    import threading
+
+    t = FlakyTrigger(MAX_POLL_ERRORS - 1)
+    assert first_event(t) == {"status": "ok"}
+    assert t.calls == MAX_POLL_ERRORS
+    assert threading.get_ident() not in t.threads  # never on the event loop
+
+
+def test_the_polling_loop_fails_at_the_budget_with_the_last_error_on_one_line():
+    t = FlakyTrigger(MAX_POLL_ERRORS)
+    event = first_event(t)
+    assert t.calls == MAX_POLL_ERRORS
+    assert event == {
+        "status": "error",
+        "message": f"cannot poll the store: store down {MAX_POLL_ERRORS}\\nretry later",
+    }
+
+
+def test_an_island_trigger_that_cannot_poll_fails_retryable(tmp_path):
+    t = island_trigger(tmp_path, spec_for(tmp_path, ["true"]), poll_s=0.0)
+    t.backend = "no-such-backend"  # every poll raises
+    event = first_event(t)
+    assert event["status"] == "failed" and event["retryable"] and event["island"] == "isl-a"
+    assert event["message"].startswith("cannot poll the island: unknown island backend")
 
 
 def spec_for(tmp_path, command, island="isl-a"):
@@ -156,8 +204,8 @@ def shard_trigger(url, cfg, shard, **kw):
 def test_shard_trigger_fires_for_new_work_of_its_own_shard_only(sharded):
     url, store, cfg = sharded
     pg = _publish(store, cfg, fragment=1)
-    assert shard_trigger(url, cfg, 0).check() is None
-    assert shard_trigger(url, cfg, 1, seen=[pg]).check() is None  # left unmergeable before
+    assert shard_trigger(url, cfg, 0).poll() is None
+    assert shard_trigger(url, cfg, 1, seen=[pg]).poll() is None  # left unmergeable before
     assert first_event(shard_trigger(url, cfg, 1)) == {"status": "pending", "new": 1}
 
 
@@ -167,9 +215,9 @@ def test_shard_trigger_leaves_work_to_another_runs_live_lease(sharded):
     url, store, cfg = sharded
     _publish(store, cfg, fragment=0)
     assert ShardLease(store, 0, "run-0", 60).acquire()
-    assert shard_trigger(url, cfg, 0).check() is None
+    assert shard_trigger(url, cfg, 0).poll() is None
     ShardLease(store, 0, "run-0", 60).release()
-    assert shard_trigger(url, cfg, 0).check()["status"] == "pending"
+    assert shard_trigger(url, cfg, 0).poll()["status"] == "pending"
 
 
 def test_shard_and_eval_triggers_fire_finished_when_the_run_ends(sharded):
@@ -194,8 +242,8 @@ def test_a_syncer_trigger_fires_no_earlier_than_it_settled(sharded):
 
 def test_eval_trigger_fires_on_a_new_merge_once_not_before_passed(sharded):
     url, store, cfg = sharded
-    assert EvalTrigger(url, cfg.name, run_id="r", not_before=0).check() is None  # no merge yet
+    assert EvalTrigger(url, cfg.name, run_id="r", not_before=0).poll() is None  # no merge yet
     store.append_metric("merge", {"at": time.time()})
-    assert EvalTrigger(url, cfg.name, run_id="r", not_before=time.time() + 60).check() is None
+    assert EvalTrigger(url, cfg.name, run_id="r", not_before=time.time() + 60).poll() is None
     event = first_event(EvalTrigger(url, cfg.name, run_id="r", last_eval_at=5.0, poll_s=0.05))
     assert event == {"status": "changed", "evaluated": None, "last_eval_at": 5.0}

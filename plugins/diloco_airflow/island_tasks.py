@@ -15,7 +15,7 @@ from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowFailException
 
 from diloco_airflow import store
-from diloco_airflow.backends import BackendError, IslandState
+from diloco_airflow.backends import BackendError, ResourceState
 from diloco_airflow.island_entry import IslandEntry
 
 log = logging.getLogger(__name__)
@@ -52,7 +52,7 @@ def launch_island(island: IslandEntry | dict, handle: dict | None = None) -> dic
             log.info("island %s is already done", island.name)
             return dict(handle or {})
         st = backend.status(spec, handle or {})
-        if st.state in (IslandState.RUNNING, IslandState.PROVISIONING):
+        if st.state in (ResourceState.RUNNING, ResourceState.PROVISIONING):
             log.info("island %s already %s: %s", island.name, st.state.value, st.message)
             return dict(handle or {})
         if st.state.terminal:
@@ -110,7 +110,7 @@ class IslandWaitOperator(BaseOperator):
         try:
             st = island.make_backend().status(island.spec, {})
             self.log.info("island %s: %s %s", island.name, st.state.value, st.message)
-            if st.state not in (IslandState.RUNNING, IslandState.PROVISIONING):
+            if st.state not in (ResourceState.RUNNING, ResourceState.PROVISIONING):
                 self.log.warning("island %s is not running: relaunching it", island.name)
                 launch_island(island)
         except BackendError as exc:

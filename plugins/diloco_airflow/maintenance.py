@@ -22,7 +22,7 @@ def stop_stalled_islands(
     The island's wait task then sees it dead and its retry relaunches it (resuming from the
     store). Returns ``experiment/island`` of the islands stopped.
     """
-    from diloco_airflow.backends import IslandState
+    from diloco_airflow.backends import ResourceState
 
     stopped = []
     now = time.time()
@@ -39,7 +39,7 @@ def stop_stalled_islands(
                 continue
             age = now - beat_time
             backend, spec = isl.make_backend(), isl.spec
-            if backend.status(spec, {}).state == IslandState.RUNNING:
+            if backend.status(spec, {}).state == ResourceState.RUNNING:
                 log.warning(
                     "%s/%s: heartbeat %.0fs old, process alive: stopping it",
                     e["experiment"],

@@ -77,7 +77,6 @@ FIELD_MAP: dict[str, str] = {
     "outer_momentum": "outer.momentum",
     "quorum": "outer.quorum",
     "token_budget": "token_budget",
-    "eval_every_versions": "eval_every_versions",
     "heartbeat_s": "heartbeat_s",
     "chaos": "chaos",
 }
@@ -215,9 +214,6 @@ def _form() -> dict[str, Param]:
             title="Token budget (total)",
             description="Tokens merged into the global model, all islands together; the run "
             "ends there. At least one batch per island (data.batch_size x data.seq_len each).",
-        ),
-        "eval_every_versions": _field(
-            "eval_every_versions", type="integer", minimum=1, title="Eval every versions"
         ),
         "heartbeat_s": _field(
             "heartbeat_s", type="number", exclusiveMinimum=0, title="Heartbeat (s)"

@@ -15,19 +15,17 @@ No training (jax) import at module import: this module is imported by the trigge
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from typing import Any
 
 from airflow.sdk import BaseOperator
-from airflow.triggers.base import BaseTrigger, TriggerEvent
 
 from diloco_airflow import store
+from diloco_airflow.triggers import PollingTrigger
 
 log = logging.getLogger(__name__)
 
-MAX_POLL_ERRORS = 10  # consecutive failed trigger polls before the task is failed (and retried)
 # A trigger fires no earlier than this after its task deferred. Airflow 3.3 fails a task that
 # resumes (RUNNING) before the scheduler has processed the executor's "success" for the process
 # that deferred (apache/airflow#72716, #71580; fix proposed in #71579); on a loaded machine that
@@ -188,44 +186,14 @@ class EvaluatorOperator(BaseOperator):
         )
 
 
-class _PollingTrigger(BaseTrigger):
-    """From `settle_until` on, calls the blocking `check()` in a thread every `poll_s` until it
-    returns an event (see DEFER_SETTLE_S)."""
-
-    poll_s: float
-    settle_until: float
-
-    def check(self) -> dict[str, Any] | None:  # pragma: no cover - overridden
-        raise NotImplementedError
-
-    async def run(self):
-        errors = 0
-        if self.settle_until > time.time():
-            await asyncio.sleep(self.settle_until - time.time())
-        while True:
-            try:
-                event = await asyncio.to_thread(self.check)
-                errors = 0
-            except Exception as exc:  # the store blinked: transient until proven not
-                errors += 1
-                self.log.warning("poll failed (%d/%d): %s", errors, MAX_POLL_ERRORS, exc)
-                event = None
-                if errors >= MAX_POLL_ERRORS:
-                    event = {"status": "error", "message": f"cannot poll the store: {exc}"}
-            if event is not None:
-                yield TriggerEvent(event)
-                return
-            await asyncio.sleep(self.poll_s)
-
-
-class ShardTrigger(_PollingTrigger):
+class ShardTrigger(PollingTrigger):
     """Fires when shard `shard` of `experiment` has work, or the experiment is finished.
 
     From `settle_until` on. Payloads: ``{"status": "finished"}``; ``{"status": "pending",
     "new": n}`` when a pending pseudo-gradient of this shard not in `seen` (those the syncer
     left unmergeable) exists and the shard's lease is free, expired or `owner`'s (another
     owner's live lease: its syncer merges them); ``{"status": "error", "message"}`` after
-    `MAX_POLL_ERRORS` failed polls.
+    `triggers.MAX_POLL_ERRORS` failed polls in a row.
     """
 
     def __init__(
@@ -265,7 +233,11 @@ class ShardTrigger(_PollingTrigger):
             },
         )
 
-    def check(self) -> dict[str, Any] | None:
+    @property
+    def label(self) -> str:
+        return f"shard {self.shard}"
+
+    def poll(self) -> dict[str, Any] | None:
         from training.merge.syncer import ShardView, lease_action
 
         if self._view is None:
@@ -282,9 +254,10 @@ class ShardTrigger(_PollingTrigger):
         return {"status": "pending", "new": len(new)} if new else None
 
 
-class EvalTrigger(_PollingTrigger):
+class EvalTrigger(PollingTrigger):
     """Fires when a merge happened since the model `evaluated` and `not_before` has passed
-    (``{"status": "changed", "evaluated", "last_eval_at"}``), or the experiment is finished."""
+    (``{"status": "changed", "evaluated", "last_eval_at"}``), or the experiment is finished;
+    ``{"status": "error", "message"}`` after `triggers.MAX_POLL_ERRORS` failed polls in a row."""
 
     def __init__(
         self,
@@ -323,7 +296,11 @@ class EvalTrigger(_PollingTrigger):
             },
         )
 
-    def check(self) -> dict[str, Any] | None:
+    @property
+    def label(self) -> str:
+        return "evaluator"
+
+    def poll(self) -> dict[str, Any] | None:
         from training.merge.syncer import ShardView, latest_merge
 
         if self._view is None:

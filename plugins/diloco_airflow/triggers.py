@@ -1,7 +1,9 @@
 """Triggers (run in the triggerer): async, serializable kwargs only, one event each.
 
-Every blocking store or backend call runs in a thread (`asyncio.to_thread`) so the event loop is
-never blocked. A trigger may run twice (triggerer restart, HA): they only read, never write.
+Every trigger of this project polls through one loop, `PollingTrigger.run`: every blocking store
+or backend call runs in a thread (`asyncio.to_thread`) so the event loop is never blocked, and
+`MAX_POLL_ERRORS` failed polls in a row end it with a failure event. A trigger may run twice
+(triggerer restart, HA): they only read, never write.
 """
 
 from __future__ import annotations
@@ -19,7 +21,63 @@ MAX_POLL_ERRORS = 10
 PROGRESS_EVERY_S = 10.0  # a progress line in the wait task's log this often (from the heartbeat)
 
 
-class IslandTrigger(BaseTrigger):
+def _one_line(exc: BaseException) -> str:
+    """The error's message on one line (a cloud API's may span several), bounded."""
+    from training.store.safejson import one_line
+
+    return one_line(exc)
+
+
+class PollingTrigger(BaseTrigger):
+    """The polling loop of every trigger here: from `settle_until` on (default: at once), calls
+    the blocking `poll()` in a thread every `poll_s` seconds until it returns an event payload,
+    and yields that one event.
+
+    A poll that raises (the store or the cloud API blinked: transient until proven not) is
+    logged on one line and retried; the `MAX_POLL_ERRORS`-th in a row yields
+    `poll_failed(<the last error, on one line>)` instead. Subclasses set `poll_s` (and
+    `settle_until`) in `__init__`, serialize them, and define `poll()`, `label` and, for
+    another failure payload than ``{"status": "error", "message"}``, `poll_failed`.
+    """
+
+    poll_s: float = 5.0
+    settle_until: float = 0.0
+
+    @property
+    def label(self) -> str:
+        """Who polls, for the log line of a failed poll."""
+        return type(self).__name__
+
+    def poll(self) -> dict[str, Any] | None:  # pragma: no cover - overridden
+        """One blocking poll (in a thread): the event payload, or None to keep waiting."""
+        raise NotImplementedError
+
+    def poll_failed(self, error: str) -> dict[str, Any]:
+        """The event payload after `MAX_POLL_ERRORS` failed polls in a row."""
+        return {"status": "error", "message": f"cannot poll the store: {error}"}
+
+    async def run(self):
+        errors = 0
+        if self.settle_until > time.time():
+            await asyncio.sleep(self.settle_until - time.time())
+        while True:
+            try:
+                event = await asyncio.to_thread(self.poll)
+                errors = 0
+            except Exception as exc:
+                errors += 1
+                error = _one_line(exc)
+                self.log.warning(
+                    "%s: poll failed (%d/%d): %s", self.label, errors, MAX_POLL_ERRORS, error
+                )
+                event = self.poll_failed(error) if errors >= MAX_POLL_ERRORS else None
+            if event is not None:
+                yield TriggerEvent(event)
+                return
+            await asyncio.sleep(self.poll_s)
+
+
+class IslandTrigger(PollingTrigger):
     """Watches one island: its done marker, its backend state and its heartbeat.
 
     Event payloads: ``{"status": "done"}``; ``{"status": "failed", "message", "retryable"}`` when
@@ -49,6 +107,7 @@ class IslandTrigger(BaseTrigger):
         self.startup_timeout_s = float(startup_timeout_s)
         self.poll_s = float(poll_s)
         self._progress_at = 0.0  # when the last progress line was logged (not serialized)
+        self._opened = None  # (store, backend, spec) from the first poll on (not serialized)
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return (
@@ -66,13 +125,13 @@ class IslandTrigger(BaseTrigger):
 
     def check(self, estore, backend, spec, now: float) -> dict[str, Any] | None:
         """One blocking poll: the event payload, or None to keep waiting."""
-        from diloco_airflow.backends import IslandState
+        from diloco_airflow.backends import ResourceState
 
         island = spec.island
         if island in estore.done():
             return {"status": "done", "island": island}
         st = backend.status(spec, {})
-        if st.state == IslandState.SUCCEEDED:
+        if st.state == ResourceState.SUCCEEDED:
             if island in estore.done():  # marked done just before exiting
                 return {"status": "done", "island": island}
             return _failed(island, f"island exited without a done marker: {st.message}", True)
@@ -80,7 +139,7 @@ class IslandTrigger(BaseTrigger):
             if island in estore.done():
                 return {"status": "done", "island": island}
             return _failed(island, f"island {st.state.value}: {st.message}", st.retryable)
-        if st.state != IslandState.RUNNING:
+        if st.state != ResourceState.RUNNING:
             return None  # PENDING / PROVISIONING: the execution timeout bounds this
         beat = estore.heartbeats().get(island) or {}
         if beat and now - self._progress_at >= PROGRESS_EVERY_S:
@@ -98,31 +157,23 @@ class IslandTrigger(BaseTrigger):
             return {**_failed(island, message, True), "stalled": True}
         return None
 
-    async def run(self):
+    @property
+    def label(self) -> str:
+        return f"island {self.spec.get('island')}"
+
+    def poll(self) -> dict[str, Any] | None:
+        """Opens the store and the backend at the first poll, then `check`s at the time now."""
         from diloco_airflow.backends import IslandSpec, get_backend
 
-        spec = IslandSpec.from_dict(self.spec)
-        errors = 0
-        estore = backend = None
-        while True:
-            try:
-                if estore is None:
-                    estore = await asyncio.to_thread(
-                        store.open_experiment, spec.store_url, spec.experiment
-                    )
-                    backend = get_backend(self.backend, **self.backend_kwargs)
-                event = await asyncio.to_thread(self.check, estore, backend, spec, time.time())
-                errors = 0
-            except Exception as exc:  # the store or the cloud API: transient until proven not
-                errors += 1
-                self.log.warning("island %s: poll failed (%d): %s", spec.island, errors, exc)
-                event = None
-                if errors >= MAX_POLL_ERRORS:
-                    event = _failed(spec.island, f"cannot poll the island: {exc}", True)
-            if event is not None:
-                yield TriggerEvent(event)
-                return
-            await asyncio.sleep(self.poll_s)
+        if self._opened is None:
+            spec = IslandSpec.from_dict(self.spec)
+            estore = store.open_experiment(spec.store_url, spec.experiment)
+            self._opened = (estore, get_backend(self.backend, **self.backend_kwargs), spec)
+        estore, backend, spec = self._opened
+        return self.check(estore, backend, spec, time.time())
+
+    def poll_failed(self, error: str) -> dict[str, Any]:
+        return _failed(self.spec.get("island"), f"cannot poll the island: {error}", True)
 
 
 def _failed(island: str, message: str, retryable: bool) -> dict[str, Any]:

@@ -20,6 +20,7 @@ next residual, so the quantization error is sent later instead of lost.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import NamedTuple, get_args
 
 import ml_dtypes
@@ -343,9 +344,39 @@ def payload_keys(names, codec: str) -> set[str]:
     return keys
 
 
-def decode_tensor(
-    payload: dict[str, np.ndarray], name: str, codec: str, block: int = DEFAULT_BLOCK
-) -> np.ndarray:
-    """One float32 tensor of a payload (the streaming merge decodes one at a time)."""
-    _check_codec(codec)
-    return _decode_tensor(name, payload, codec, block)
+def checked_codes(
+    payload: Mapping[str, np.ndarray],
+    codec: str,
+    shapes: Mapping[str, tuple[int, ...]],
+    fragment: int = 0,
+) -> dict[str, TensorCodes]:
+    """The codes of each tensor of a payload read from the bucket (untrusted), its structure
+    checked: exactly the tensors of `shapes` (the fragment's tree), no payload tensor that
+    `codec` does not write, each tensor's dtypes and sizes (`tensor_codes`) and shape;
+    ValueError with the reason at the first problem. Its values (finiteness, valid codes) are
+    checked as they are decoded. The one check of a pseudo-gradient (the merge) and of an update
+    (the broadcast)."""
+    names = sorted(k for k in payload if ".__" not in k)
+    if names != sorted(shapes):
+        extra = sorted(set(names) - set(shapes))[:3]
+        missing = sorted(set(shapes) - set(names))[:3]
+        raise ValueError(f"wrong tree for fragment {fragment}: extra {extra}, missing {missing}")
+    allowed = payload_keys(names, codec)
+    unexpected = sorted(set(payload) - allowed)
+    if unexpected:
+        raise ValueError(
+            f"unreadable payload: unexpected payload tensors for codec {codec!r}: {unexpected[:3]}"
+        )
+    flat = dict(payload)
+    checked = {}
+    for n in names:
+        try:
+            codes = tensor_codes(flat, n, codec)
+        except (ValueError, KeyError) as err:
+            raise ValueError(f"unreadable payload: {str(err).strip(chr(39))}") from None
+        if tuple(codes.shape) != tuple(shapes[n]):
+            raise ValueError(
+                f"wrong shape for {n}: {tuple(codes.shape)}, expected {tuple(shapes[n])}"
+            )
+        checked[n] = codes
+    return checked

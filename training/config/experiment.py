@@ -62,12 +62,6 @@ class ExperimentConfig(_Frozen):
         description="the islands (joiners are appended by a join)",
     )
     token_budget: int = Field(2_000_000, gt=0, description="total tokens merged, all islands")
-    eval_every_versions: int = Field(
-        5,
-        gt=0,
-        description="unused: the syncer evaluates on a time cadence (syncer.eval_every_s); "
-        "kept so that stored configs still parse",
-    )
     heartbeat_s: float = Field(5.0, gt=0, description="seconds between an island's heartbeats")
     syncer: SyncerConfig = Field(SyncerConfig(), description="the syncer on Airflow")
     checkpoint: CheckpointConfig = Field(
@@ -192,6 +186,19 @@ def _check_island_hardware(isl: IslandConfig, default_batch: int) -> None:
             f"island {isl.name!r}: {where} {batch} does not divide over its {devices} devices "
             f"(set islands[].batch_size to a multiple of {devices})"
         )
+
+
+RETIRED_FIELDS = ("eval_every_versions",)
+"""Top-level fields the config had and no longer has. The config forbids unknown keys, so a
+config.json stored before a field was removed would no longer parse: the store drops these keys
+when it reads config.json back (`without_retired_fields`); a config given by hand must not
+carry them. eval_every_versions: unused since the syncer evaluates on a time cadence
+(syncer.eval_every_s)."""
+
+
+def without_retired_fields(data: dict[str, Any]) -> dict[str, Any]:
+    """`data` (a stored config.json's top level) without the `RETIRED_FIELDS` (a new dict)."""
+    return {k: v for k, v in data.items() if k not in RETIRED_FIELDS}
 
 
 def field_docs(model: type[BaseModel] = None, prefix: str = "") -> dict[str, str]:

@@ -193,7 +193,7 @@ def experiment_running(
 
 # -- watching and leaving -----------------------------------------------------------------------
 def watch_outcome(state: str, done: bool, now: float, closes_at: float) -> str | None:
-    """What one look at a scavenged island decides (`state`: the backend's IslandState value):
+    """What one look at a scavenged island decides (`state`: the backend's ResourceState value):
 
     - ``"finished"``: it wrote its done marker (its own limit, or the experiment ended);
     - ``"window closed"``: the window is over: it is asked to leave;

@@ -74,7 +74,7 @@ class Adopter:
     def read_heads(self) -> tuple[list, list[broadcast.Fetched]]:
         """Every fragment's newest version (as process 0 saw it) and its parameters."""
         heads = self.agreed_heads(self.store.heads(range(len(self.frags))))
-        return heads, self.store._parallel(self.read_full, heads)
+        return heads, self.store.parallel(self.read_full, heads)
 
     def shapes(self, p: int) -> dict[str, tuple[int, ...]]:
         return {n: tuple(self.loop.param_shapes[n]) for n in self.frags[p]}

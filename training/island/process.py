@@ -390,9 +390,6 @@ class Island:
         if self.store.stop_requested(self.name):
             self._stop_marker = True
 
-    def should_stop(self) -> bool:
-        return self._stop or self.finished()
-
     def finished(self) -> bool:
         """Stop requested (for this island or all) or its own token limit reached: the island
         is done. A SIGTERM alone (preemption, a relaunch killing this copy, a teardown) only ends

@@ -6,7 +6,7 @@ The merger (training/merge/merger.py) is the I/O shell around these:
   A `Candidate` or the reason to quarantine it. Reads no payload.
 - `capped_weights`: the vote weights of a group, each island's capped (claims.cap_weights).
 - `select`: which candidates of one fragment to apply now (quorum K, grace window, sync).
-- `check_payload`: a payload's structure checked (tree, dtypes, shapes) and wrapped as a vote
+- `check_payload`: a payload's structure checked (codecs.checked_codes) and wrapped as a vote
   read chunk by chunk (training/merge/stream.py); `vote_sq_norms` checks its values (finite,
   valid codes) in the one pass that computes its norms.
 - `Combiner`: folds islands' votes into one update, tensor by tensor, in float32: radial-
@@ -383,32 +383,11 @@ def check_payload(
     shapes: Mapping[str, tuple[int, ...]],
     fragment: int = 0,
 ) -> merge_stream.PayloadVote:
-    """The payload as a vote to read chunk by chunk, its structure checked (tree, payload
-    keys, dtypes, sizes, shapes); ValueError with the reason at the first problem. Its values
-    (finiteness, valid codes) are checked as they are first decoded (merge_stream.sq_norms)."""
-    names = sorted(k for k in payload if ".__" not in k)
-    if names != sorted(shapes):
-        extra = sorted(set(names) - set(shapes))[:3]
-        missing = sorted(set(shapes) - set(names))[:3]
-        raise ValueError(f"wrong tree for fragment {fragment}: extra {extra}, missing {missing}")
-    allowed = codecs.payload_keys(names, codec)
-    unexpected = sorted(set(payload) - allowed)
-    if unexpected:
-        raise ValueError(
-            f"unreadable payload: unexpected payload tensors for codec {codec!r}: {unexpected[:3]}"
-        )
-    checked = {}
-    for n in names:
-        try:
-            codes = codecs.tensor_codes(dict(payload), n, codec)
-        except (ValueError, KeyError) as err:
-            raise ValueError(f"unreadable payload: {str(err).strip(chr(39))}") from None
-        if tuple(codes.shape) != tuple(shapes[n]):
-            raise ValueError(
-                f"wrong shape for {n}: {tuple(codes.shape)}, expected {tuple(shapes[n])}"
-            )
-        checked[n] = codes
-    return merge_stream.PayloadVote(checked)
+    """The payload as a vote to read chunk by chunk, its structure checked (codecs.checked_codes:
+    tree, payload keys, dtypes, sizes, shapes); ValueError with the reason at the first problem.
+    Its values (finiteness, valid codes) are checked as they are first decoded
+    (merge_stream.sq_norms)."""
+    return merge_stream.PayloadVote(codecs.checked_codes(payload, codec, shapes, fragment))
 
 
 def vote_sq_norms(

@@ -33,7 +33,6 @@ from typing import Any
 import numpy as np
 
 from training.codecs import host as codecs
-from training.merge import rules as merge_rules
 from training.store.layout import HeadPointer
 from training.store.objectstore import CorruptObject, ObjectNotFound
 
@@ -112,9 +111,9 @@ def check_update(
     fragment: int,
 ) -> dict[str, np.ndarray]:
     """An update payload read from the bucket (untrusted), checked as the merger checks a
-    pseudo-gradient (merge_rules.check_payload: tree, payload keys, dtypes, sizes, shapes; the
+    pseudo-gradient (codecs.checked_codes: tree, payload keys, dtypes, sizes, shapes; the
     codes as decoded) and decoded; ValueError naming the problem, also for non-finite values."""
-    merge_rules.check_payload(payload, codec, shapes, fragment)
+    codecs.checked_codes(payload, codec, shapes, fragment)
     decoded = codecs.decode(dict(payload), codec)
     for n, v in decoded.items():
         if not np.isfinite(v).all():

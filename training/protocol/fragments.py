@@ -78,16 +78,6 @@ def assign_fragments(
     return {name: group_fragment[key] for key, names in groups.items() for name in names}
 
 
-def fragment_sizes(
-    shapes: Mapping[str, Sequence[int]], assignment: Mapping[str, int], num_fragments: int
-) -> list[int]:
-    """Element count of each fragment."""
-    sizes = [0] * num_fragments
-    for name, shape in shapes.items():
-        sizes[assignment[name]] += _numel(shape)
-    return sizes
-
-
 def fragment_offsets(H: int, P: int) -> list[int]:
     """Staggered publish offsets: fragment p is offset by (p * H) // P inner steps."""
     if H < 1 or P < 1:

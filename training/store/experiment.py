@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from training.config.experiment import without_retired_fields
 from training.config.names import validate_name
 from training.faults.points import fault_point
 from training.store import island_records, merge_records, safejson
@@ -35,20 +36,20 @@ from training.store.gc import GarbageCollection, GCPlan
 from training.store.island_objects import IslandObjects
 from training.store.keys import ObjectName, SkipTally, parse_key_or_none
 from training.store.layout import (
-    _PG_RESERVED,
     ANY,
     LAYOUT_VERSION,
+    PG_RESERVED,
     DoubleApply,
     ExperimentExists,
     FragmentVersion,
     HeadPointer,
     PseudoGradRef,
     Snapshot,
-    _now,
-    _uuid8,
     dump_json,
     iso,
     load_json,
+    new_uuid8,
+    now,
     parse_pseudograd_id,
     pseudograd_id,
 )
@@ -109,65 +110,72 @@ class ExperimentStore(FragmentVersions, GarbageCollection, IslandObjects):
     def __repr__(self) -> str:
         return f"ExperimentStore({self.url!r})"
 
-    # low-level helpers ---------------------------------------------------------------------
-    def _key(self, relative: str) -> str:
+    # low-level helpers (public: the mixins and a few tests use them) ------------------------
+    def object_key(self, relative: str) -> str:
+        """The object store key of `relative` (a path under the experiment's root)."""
         return f"{self.experiment}/{relative}"
 
-    def _read_json(self, relative: str, limits: JSONLimits = ANY) -> dict[str, Any]:
-        data = self.store.read(self._key(relative), max_bytes=limits.max_bytes)
+    def read_json(self, relative: str, limits: JSONLimits = ANY) -> dict[str, Any]:
+        """The JSON object at `relative`, read and parsed under `limits` (safejson: bounded,
+        strict); ObjectNotFound, or CorruptObject naming the object."""
+        data = self.store.read(self.object_key(relative), max_bytes=limits.max_bytes)
         return load_json(data, f"{self.url}/{relative}", limits)
 
-    def _read_json_or_none(self, relative: str, limits: JSONLimits = ANY) -> dict[str, Any] | None:
+    def read_json_or_none(self, relative: str, limits: JSONLimits = ANY) -> dict[str, Any] | None:
+        """`read_json`, or None when the object does not exist."""
         try:
-            return self._read_json(relative, limits)
+            return self.read_json(relative, limits)
         except ObjectNotFound:
             return None
 
-    def _skip(self, relative: str, reason: Any) -> None:
+    def note_skipped(self, relative: str, reason: Any) -> None:
         """Count an object no contribution is to blame for, and go on (docs/STORE.md,
         "Threat model")."""
         self.skipped.note(relative, str(reason))
         log.warning("skipped %s/%s: %s", self.url, relative, reason)
 
-    def _parsed(self, relative: str) -> ObjectName | None:
+    def parse_listed(self, relative: str) -> ObjectName | None:
         """keys.parse_key of a listed name; a name outside the layout is skipped and counted."""
         name = parse_key_or_none(relative)
         if name is None:
-            self._skip(relative, "not a name of the layout")
+            self.note_skipped(relative, "not a name of the layout")
         return name
 
-    def _named(
+    def list_named(
         self, relative_prefix: str, kind: str, start_after: str | None = None
     ) -> list[ObjectName]:
         """Parsed names of kind `kind` under a prefix (after `start_after`); names outside the
         layout are skipped and counted (names of other kinds, e.g. payloads next to markers,
         are left alone)."""
         names = []
-        for relative in self._list(relative_prefix, start_after):
-            name = self._parsed(relative)
+        for relative in self.list_keys(relative_prefix, start_after):
+            name = self.parse_listed(relative)
             if name is not None and name.kind == kind:
                 names.append(name)
         return names
 
-    def _write_json(self, relative: str, obj: Any) -> None:
-        self.store.write(self._key(relative), dump_json(obj))
+    def write_json(self, relative: str, obj: Any) -> None:
+        """Write `obj` at `relative` as the store's canonical JSON (dump_json), overwriting."""
+        self.store.write(self.object_key(relative), dump_json(obj))
 
-    def _create_json(self, relative: str, obj: Any) -> bool:
-        return self.store.create(self._key(relative), dump_json(obj))
+    def create_json(self, relative: str, obj: Any) -> bool:
+        """Create `relative` holding `obj` (dump_json) if it does not exist: True if this call
+        created it, False if it existed (create-only: the first writer wins)."""
+        return self.store.create(self.object_key(relative), dump_json(obj))
 
     def sizes(self) -> dict[str, int]:
         """Key relative to the experiment root -> bytes, for every object of the experiment
         (one listing with sizes: `ObjectStore.sizes`)."""
-        root = self._key("")
+        root = self.object_key("")
         return {k[len(root) :]: n for k, n in self.store.sizes(root).items()}
 
-    def _list(self, relative_prefix: str, start_after: str | None = None) -> list[str]:
+    def list_keys(self, relative_prefix: str, start_after: str | None = None) -> list[str]:
         """Keys under `relative_prefix` (after `start_after`), relative to the experiment root."""
-        root = self._key("")
+        root = self.object_key("")
         after = None if start_after is None else root + start_after
         return [k[len(root) :] for k in self.store.list(root + relative_prefix, after)]
 
-    def _parallel(self, fn: Callable[[str], T], items: Sequence[str]) -> list[T]:
+    def parallel(self, fn: Callable[[str], T], items: Sequence[str]) -> list[T]:
         """map(fn, items) on a thread pool (object stores are latency bound); keeps order."""
         if len(items) <= 2 or self.max_workers <= 1:
             return [fn(item) for item in items]
@@ -180,7 +188,7 @@ class ExperimentStore(FragmentVersions, GarbageCollection, IslandObjects):
             pool = self._pool
         return list(pool.map(fn, items))
 
-    def _read_many(
+    def read_many(
         self, relatives: Sequence[str], max_bytes: int | None = None
     ) -> list[bytes | CorruptObject | None]:
         """Contents of many objects: None for one deleted since it was listed, the
@@ -188,21 +196,21 @@ class ExperimentStore(FragmentVersions, GarbageCollection, IslandObjects):
 
         def read(relative: str) -> bytes | CorruptObject | None:
             try:
-                return self.store.read(self._key(relative), max_bytes=max_bytes)
+                return self.store.read(self.object_key(relative), max_bytes=max_bytes)
             except ObjectNotFound:
                 return None
             except CorruptObject as exc:
                 return exc
 
-        return self._parallel(read, relatives)
+        return self.parallel(read, relatives)
 
-    def _read_records(
+    def read_records(
         self, relatives: Sequence[str], limit: int, parse: Callable[[bytes, str], T]
     ) -> list[tuple[str, T]]:
         """(relative, parse(bytes, relative)) of many objects read with `limit`; deleted ones
         are left out, unreadable ones skipped and counted."""
         out = []
-        for relative, data in zip(relatives, self._read_many(relatives, limit), strict=True):
+        for relative, data in zip(relatives, self.read_many(relatives, limit), strict=True):
             if data is None:
                 continue
             try:
@@ -210,10 +218,10 @@ class ExperimentStore(FragmentVersions, GarbageCollection, IslandObjects):
                     raise data
                 out.append((relative, parse(data, relative)))
             except CorruptObject as exc:
-                self._skip(relative, exc)
+                self.note_skipped(relative, exc)
         return out
 
-    def _verified_tensors(
+    def read_verified_tensors(
         self,
         relative: str,
         digest: Any,
@@ -230,7 +238,9 @@ class ExperimentStore(FragmentVersions, GarbageCollection, IslandObjects):
             raise CorruptObject(f"{what}: invalid nbytes {safejson.show(nbytes)}")
         algorithm, expected = digest
         try:
-            data = self.store.read_buffer(self._key(relative), max_bytes=nbytes, writable=copy)
+            data = self.store.read_buffer(
+                self.object_key(relative), max_bytes=nbytes, writable=copy
+            )
         except ObjectNotFound:
             raise CorruptObject(f"{what}: payload {relative} is missing") from None
         except CorruptObject as exc:
@@ -244,21 +254,24 @@ class ExperimentStore(FragmentVersions, GarbageCollection, IslandObjects):
 
     # config --------------------------------------------------------------------------------
     def write_config(self, cfg: Mapping[str, Any]) -> None:
-        """Create config.json (recording `layout`). Re-creating it with equal content is a
-        no-op; different content raises ExperimentExists (a name is never reused)."""
+        """Create config.json (recording `layout`). Re-creating it with equal content (the
+        stored one's retired fields aside: `without_retired_fields`) is a no-op; different
+        content raises ExperimentExists (a name is never reused)."""
         data = dump_json({**dict(cfg), "layout": LAYOUT_VERSION})
-        if self.store.create(self._key(self.CONFIG), data):
+        if self.store.create(self.object_key(self.CONFIG), data):
             return
-        if self._read_json(self.CONFIG, safejson.CONFIG) != json.loads(data):
+        existing = without_retired_fields(self.read_json(self.CONFIG, safejson.CONFIG))
+        if existing != json.loads(data):
             raise ExperimentExists(
                 f"{self.url} exists with a different config.json; pick a new experiment name"
             )
 
     def read_config(self) -> dict[str, Any]:
-        """config.json without its `layout` key; ObjectNotFound if the experiment has none,
+        """config.json without its `layout` key and retired fields (parse_config_record);
+        ObjectNotFound if the experiment has none,
         BadConfigRecord if it is not a JSON object naming this experiment, LayoutMismatch if it
         was written for another store layout."""
-        data = self.store.read(self._key(self.CONFIG), max_bytes=safejson.CONFIG.max_bytes)
+        data = self.store.read(self.object_key(self.CONFIG), max_bytes=safejson.CONFIG.max_bytes)
         cfg = island_records.parse_config_record(data, self.experiment)
         layout = cfg.pop("layout", 1)
         if layout != LAYOUT_VERSION:
@@ -279,7 +292,7 @@ class ExperimentStore(FragmentVersions, GarbageCollection, IslandObjects):
         decides nothing here: a join passes the config's join rule as `change`
         (`training.merge.create.add_islands`).
         """
-        key = self._key(self.CONFIG)
+        key = self.object_key(self.CONFIG)
         for attempt in range(attempts):
             got = self.store.read_versioned(key, max_bytes=safejson.CONFIG.max_bytes)
             if got is None:
@@ -329,17 +342,17 @@ class ExperimentStore(FragmentVersions, GarbageCollection, IslandObjects):
         """
         pg_id = pseudograd_id(island, seq, fragment)
         caller = dict(manifest or {})
-        clash = sorted(_PG_RESERVED & caller.keys())
+        clash = sorted(PG_RESERVED & caller.keys())
         if clash:
             raise ValueError(f"manifest may not set {clash}")
         stem = f"pseudograds/{pg_id}"
-        existing = self._read_json_or_none(f"{stem}.json", safejson.MANIFEST)
+        existing = self.read_json_or_none(f"{stem}.json", safejson.MANIFEST)
         if existing is not None:
             return self._pg_ref(island, seq, fragment, existing)
 
         parts = tensor_parts(tensors)
-        payload = f"{stem}-{_uuid8()}.safetensors"
-        self.store.write_parts(self._key(payload), parts)
+        payload = f"{stem}-{new_uuid8()}.safetensors"
+        self.store.write_parts(self.object_key(payload), parts)
         fault_point("pseudograd.payload-written")
         full = {
             **caller,
@@ -350,14 +363,14 @@ class ExperimentStore(FragmentVersions, GarbageCollection, IslandObjects):
             "payload": payload,
             "nbytes": sum(len(p) for p in parts),
             "crc32c": checksum(parts),
-            "created_at": _now(),
+            "created_at": now(),
         }
-        if self._create_json(f"{stem}.json", full):
+        if self.create_json(f"{stem}.json", full):
             return self._pg_ref(island, seq, fragment, json.loads(dump_json(full)))
         # Someone committed this pseudo-gradient in between; theirs stands, ours is unreferenced.
-        self.store.delete(self._key(payload))
+        self.store.delete(self.object_key(payload))
         return self._pg_ref(
-            island, seq, fragment, self._read_json(f"{stem}.json", safejson.MANIFEST)
+            island, seq, fragment, self.read_json(f"{stem}.json", safejson.MANIFEST)
         )
 
     @staticmethod
@@ -388,11 +401,11 @@ class ExperimentStore(FragmentVersions, GarbageCollection, IslandObjects):
         after = self._after_seq("pseudograds", island, after_seq)
         ids = [
             n.id
-            for n in self._named(prefix, "pseudograd-marker", after)
+            for n in self.list_named(prefix, "pseudograd-marker", after)
             if n.id not in excluded and (after_seq is None or n.seq > after_seq)
         ]
         refs = []
-        markers = self._read_many(
+        markers = self.read_many(
             [f"pseudograds/{i}.json" for i in ids], safejson.MANIFEST.max_bytes
         )
         for pg_id, data in zip(ids, markers, strict=True):
@@ -445,7 +458,7 @@ class ExperimentStore(FragmentVersions, GarbageCollection, IslandObjects):
                 f"{what}: payload of {commit.nbytes} bytes is over the {max_nbytes}-byte limit"
                 f"{limit_of}"
             )
-        return self._verified_tensors(
+        return self.read_verified_tensors(
             commit.payload,
             commit.checksum,
             commit.nbytes,
@@ -457,12 +470,12 @@ class ExperimentStore(FragmentVersions, GarbageCollection, IslandObjects):
     # ledger and quarantine -----------------------------------------------------------------
     def applied_ids(self) -> set[str]:
         """Ids of applied pseudo-gradients, from a listing only (no reads)."""
-        return {n.id for n in self._named("ledger/", "ledger")}
+        return {n.id for n in self.list_named("ledger/", "ledger")}
 
     def is_applied(self, pg_id: str) -> bool:
         """Whether `pg_id` has a ledger entry (one existence check, whatever the history)."""
         parse_pseudograd_id(pg_id)
-        return self.store.exists(self._key(f"ledger/{pg_id}.json"))
+        return self.store.exists(self.object_key(f"ledger/{pg_id}.json"))
 
     def applied(self, among: Iterable[str] | None = None) -> dict[str, int]:
         """pseudo-gradient id -> the version that applied it, from the ledger (only the ids
@@ -474,7 +487,7 @@ class ExperimentStore(FragmentVersions, GarbageCollection, IslandObjects):
         """
         ids = sorted(self.applied_ids() if among is None else set(among) & self.applied_ids())
         result: dict[str, int] = {}
-        entries = self._read_many([f"ledger/{i}.json" for i in ids], safejson.POINTER.max_bytes)
+        entries = self.read_many([f"ledger/{i}.json" for i in ids], safejson.POINTER.max_bytes)
         for pg_id, data in zip(ids, entries, strict=True):
             if data is None:
                 continue
@@ -483,7 +496,7 @@ class ExperimentStore(FragmentVersions, GarbageCollection, IslandObjects):
                     raise data
                 result[pg_id] = merge_records.parse_ledger_entry(data)
             except CorruptObject as exc:
-                self._skip(f"ledger/{pg_id}.json", exc)
+                self.note_skipped(f"ledger/{pg_id}.json", exc)
                 result[pg_id] = -1
         return result
 
@@ -496,26 +509,26 @@ class ExperimentStore(FragmentVersions, GarbageCollection, IslandObjects):
         ids = list(ids)
         for pg_id in ids:
             parse_pseudograd_id(pg_id)
-        at = _now()
+        at = now()
         entry = dump_json({"version": version, "at": at, "at_iso": iso(at)})
 
         def record(pg_id: str) -> str | None:
             relative = f"ledger/{pg_id}.json"
-            if self.store.create(self._key(relative), entry):
+            if self.store.create(self.object_key(relative), entry):
                 return None
             try:
                 existing = merge_records.parse_ledger_entry(
-                    self.store.read(self._key(relative), safejson.POINTER.max_bytes)
+                    self.store.read(self.object_key(relative), safejson.POINTER.max_bytes)
                 )
             except CorruptObject as exc:  # unreadable: the id stays applied (see applied())
-                self._skip(relative, exc)
+                self.note_skipped(relative, exc)
                 return None
             return None if existing == version else f"{pg_id} (version {existing})"
 
         outcomes = [record(ids[0])] if ids else []
         if len(ids) > 1:
             fault_point("ledger.partial")
-            outcomes += self._parallel(record, ids[1:])
+            outcomes += self.parallel(record, ids[1:])
         conflicts = [c for c in outcomes if c is not None]
         if conflicts:
             shown = ", ".join(conflicts[:5]) + (" ..." if len(conflicts) > 5 else "")
@@ -528,20 +541,18 @@ class ExperimentStore(FragmentVersions, GarbageCollection, IslandObjects):
         """Mark a pseudo-gradient as never to be applied (overwrites an earlier reason)."""
         parse_pseudograd_id(pg_id)
         reason = safejson.one_line(reason, merge_records.MAX_REASON)
-        at = _now()
-        self._write_json(
-            f"quarantine/{pg_id}.json", {"reason": reason, "at": at, "at_iso": iso(at)}
-        )
+        at = now()
+        self.write_json(f"quarantine/{pg_id}.json", {"reason": reason, "at": at, "at_iso": iso(at)})
 
     def quarantine_ids(self) -> list[str]:
         """Ids of quarantined pseudo-gradients, sorted, from a listing only (no reads)."""
-        return sorted(n.id for n in self._named("quarantine/", "quarantine"))
+        return sorted(n.id for n in self.list_named("quarantine/", "quarantine"))
 
     def quarantine_reason(self, pg_id: str) -> str | None:
         """The reason of one quarantine entry (None if absent; unreadable: said so)."""
         parse_pseudograd_id(pg_id)
         relative = f"quarantine/{pg_id}.json"
-        data = self._read_many([relative], safejson.QUARANTINE.max_bytes)[0]
+        data = self.read_many([relative], safejson.QUARANTINE.max_bytes)[0]
         if data is None:
             return None
         try:
@@ -549,7 +560,7 @@ class ExperimentStore(FragmentVersions, GarbageCollection, IslandObjects):
                 raise data
             return merge_records.parse_quarantine_entry(data).reason
         except CorruptObject as exc:
-            self._skip(relative, exc)
+            self.note_skipped(relative, exc)
             return f"(unreadable quarantine entry: {exc})"
 
     def quarantined(
@@ -562,11 +573,11 @@ class ExperimentStore(FragmentVersions, GarbageCollection, IslandObjects):
             "quarantine/" if island is None else f"quarantine/{validate_name('island', island)}/"
         )
         after = None if island is None else self._after_seq("quarantine", island, after_seq)
-        ids = [n.id for n in self._named(prefix, "quarantine", after)]
+        ids = [n.id for n in self.list_named(prefix, "quarantine", after)]
         result = {}
         limit = safejson.QUARANTINE.max_bytes
         for pg_id, data in zip(
-            ids, self._read_many([f"quarantine/{i}.json" for i in ids], limit), strict=True
+            ids, self.read_many([f"quarantine/{i}.json" for i in ids], limit), strict=True
         ):
             if data is None:
                 continue
@@ -575,6 +586,6 @@ class ExperimentStore(FragmentVersions, GarbageCollection, IslandObjects):
                     raise data
                 result[pg_id] = merge_records.parse_quarantine_entry(data).reason
             except CorruptObject as exc:
-                self._skip(f"quarantine/{pg_id}.json", exc)
+                self.note_skipped(f"quarantine/{pg_id}.json", exc)
                 result[pg_id] = f"(unreadable quarantine entry: {exc})"
         return result

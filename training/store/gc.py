@@ -11,20 +11,19 @@ A mixin of `ExperimentStore` (training/store/experiment.py), which supplies the 
 
 from __future__ import annotations
 
-from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
 from training.store import safejson
 from training.store.keys import FRAGMENT_DIR
 from training.store.layout import (
-    _is_int,
-    _now,
     fragment_root,
     load_json,
+    now,
     parse_pseudograd_id,
 )
-from training.store.objectstore import CorruptObject, ObjectNotFound
+from training.store.objectstore import CorruptObject
+from training.store.record_fields import is_int
 
 _PAYLOAD_FILES = tuple(
     f"{n}.safetensors" for n in ("params", "outer_state", "update", "shadow")
@@ -94,7 +93,7 @@ class GarbageCollection:
             parent, parent_dir = manifest.get("parent_version"), manifest.get("parent_dir")
             if parent_dir is None:
                 complete = True
-            elif _is_int(parent) and isinstance(parent_dir, str):
+            elif is_int(parent) and isinstance(parent_dir, str):
                 dirs[parent] = parent_dir
         return head.version, dirs, complete
 
@@ -102,14 +101,14 @@ class GarbageCollection:
         """Every base version an island names (heartbeat and latest checkpoint): per-fragment
         lists, or one int for every fragment."""
         bases: list[Any] = [b.get("base_version") for b in self.heartbeats().values()]
-        islands = [n.island for n in self._named("checkpoints/", "checkpoint-latest")]
+        islands = [n.island for n in self.list_named("checkpoints/", "checkpoint-latest")]
         for island in islands:
             try:
                 latest = self.checkpoint_pointer(island)
                 if latest is not None:
                     bases.append(self.checkpoint_meta(island, latest).get("base_version"))
             except CorruptObject as exc:  # an island's own broken checkpoint protects nothing
-                self._skip(f"checkpoints/{island}/LATEST.json", exc)
+                self.note_skipped(f"checkpoints/{island}/LATEST.json", exc)
         return bases
 
     def referenced_versions(
@@ -128,18 +127,18 @@ class GarbageCollection:
             if keep_first and 0 in dirs:
                 kept.add(0)
             for base in bases:
-                if _is_int(base):
+                if is_int(base):
                     kept.add(base)
-                elif isinstance(base, list) and p < len(base) and _is_int(base[p]):
+                elif isinstance(base, list) and p < len(base) and is_int(base[p]):
                     kept.add(base[p])
-            if p < len(best_versions) and _is_int(best_versions[p]):
+            if p < len(best_versions) and is_int(best_versions[p]):
                 kept.add(best_versions[p])
             keep[p] = kept
         return keep
 
     def plan_gc(self, keep_last: int = 5, keep_first: bool = True) -> GCPlan:
         """What `collect_garbage` would delete now; reads only (see GCPlan)."""
-        if not _is_int(keep_last) or keep_last < 1:
+        if not is_int(keep_last) or keep_last < 1:
             raise ValueError(f"keep_last must be an int >= 1, got {keep_last!r}")
         plan = GCPlan(keep_last=keep_last)
         protected = self.referenced_versions(keep_last, keep_first)
@@ -150,7 +149,7 @@ class GarbageCollection:
                 continue
             plan.heads[p] = head
             files: dict[str, set[str]] = {}
-            for key in self._list(f"{fragment_root(p)}/v"):
+            for key in self.list_keys(f"{fragment_root(p)}/v"):
                 directory, _, name = key.rpartition("/")
                 files.setdefault(directory, set()).add(name)
             for version, directory in sorted(dirs.items()):
@@ -168,8 +167,8 @@ class GarbageCollection:
         quarantined = set(self.quarantined())
         markers: set[str] = set()
         payload_keys: dict[str, list[str]] = {}
-        for key in self._list("pseudograds/"):
-            name = self._parsed(key)
+        for key in self.list_keys("pseudograds/"):
+            name = self.parse_listed(key)
             if name is not None and name.kind == "pseudograd-marker":
                 markers.add(name.id)
             elif name is not None and name.kind == "pseudograd-payload":
@@ -186,7 +185,7 @@ class GarbageCollection:
                 plan.pseudograds.append(pg_id)
         collected = set(plan.pseudograds)
         several = [i for i in sorted(markers - collected) if len(payload_keys.get(i, [])) > 1]
-        got = self._read_records(
+        got = self.read_records(
             [f"pseudograds/{i}.json" for i in several],
             safejson.MANIFEST.max_bytes,
             lambda data, relative: load_json(data, relative, safejson.MANIFEST),
@@ -198,13 +197,13 @@ class GarbageCollection:
                 plan.orphan_payloads += [k for k in payload_keys[pg_id] if k != named]
 
         ckpt_dirs: dict[str, dict[str, int]] = {}
-        for name in self._named("checkpoints/", "checkpoint-file"):
+        for name in self.list_named("checkpoints/", "checkpoint-file"):
             ckpt_dirs.setdefault(name.island, {})[name.dir] = name.step
         for island, directories in sorted(ckpt_dirs.items()):
             try:
                 latest = self.checkpoint_pointer(island)
             except CorruptObject as exc:
-                self._skip(f"checkpoints/{island}/LATEST.json", exc)
+                self.note_skipped(f"checkpoints/{island}/LATEST.json", exc)
                 continue
             if latest is None:
                 continue  # no committed checkpoint: everything may still be in flight
@@ -213,41 +212,20 @@ class GarbageCollection:
                     plan.checkpoints.append(directory)
         return plan
 
-    def _delete_prefix(self, relative_prefix: str) -> int:
-        keys = self._list(relative_prefix)
-        self._parallel(lambda k: self.store.delete(self._key(k)), keys)
+    def delete_prefix(self, relative_prefix: str) -> int:
+        """Delete every object under `relative_prefix` (in parallel); the number listed."""
+        keys = self.list_keys(relative_prefix)
+        self.parallel(lambda k: self.store.delete(self.object_key(k)), keys)
         return len(keys)
-
-    def delete_fragment_version(
-        self, fragment: int, version: int, protected: Collection[int] = ()
-    ) -> bool:
-        """Delete the payloads of committed version `version` of `fragment`.
-
-        Its manifest.json stays next to a `collected.json` marker, written first; loading it
-        then raises ObjectNotFound. Refuses (ValueError) HEAD, any version in `protected`, and
-        any version `referenced_versions()` keeps. False if it has no payloads left.
-        """
-        head, dirs, _ = self._chain(fragment)
-        if head is None or version not in dirs:
-            raise ObjectNotFound(f"{self.url}: fragment {fragment} has no version {version}")
-        if version >= head or version in protected:
-            raise ValueError(
-                f"{self.url}: fragment {fragment} version {version} is HEAD or protected"
-            )
-        if version in self.referenced_versions(keep_last=1, keep_first=False).get(fragment, set()):
-            raise ValueError(
-                f"{self.url}: fragment {fragment} version {version} is still referenced"
-            )
-        return self._collect_version(dirs[version])
 
     def _collect_version(self, directory: str) -> bool:
         names = [f"{directory}/{n}" for n in _PAYLOAD_FILES]
-        present = [n for n in names if self.store.exists(self._key(n))]
+        present = [n for n in names if self.store.exists(self.object_key(n))]
         if not present:
             return False
-        self._write_json(f"{directory}/{self.COLLECTED}", {"at": _now()})
+        self.write_json(f"{directory}/{self.COLLECTED}", {"at": now()})
         for name in present:
-            self.store.delete(self._key(name))
+            self.store.delete(self.object_key(name))
         return True
 
     def delete_pseudograd(self, pg) -> int:
@@ -258,12 +236,12 @@ class GarbageCollection:
         """
         pg_id = pg if isinstance(pg, str) else pg.id
         parse_pseudograd_id(pg_id)
-        if not self.store.exists(self._key(f"ledger/{pg_id}.json")):
+        if not self.store.exists(self.object_key(f"ledger/{pg_id}.json")):
             raise ValueError(f"{self.url}: pseudo-gradient {pg_id} is not merged; not deleted")
-        marker = self._key(f"pseudograds/{pg_id}.json")
+        marker = self.object_key(f"pseudograds/{pg_id}.json")
         deleted = int(self.store.exists(marker))
         self.store.delete(marker)
-        return deleted + self._delete_prefix(f"pseudograds/{pg_id}-")
+        return deleted + self.delete_prefix(f"pseudograds/{pg_id}-")
 
     def collect_garbage(self, plan: GCPlan) -> dict[str, int]:
         """Delete what `plan` (from `plan_gc`) lists; safe to repeat. Counts of what went."""
@@ -277,12 +255,12 @@ class GarbageCollection:
                 continue
             counts["versions"] += int(self._collect_version(directory))
         for directory in plan.orphan_dirs:
-            counts["orphan_dirs"] += int(self._delete_prefix(f"{directory}/") > 0)
+            counts["orphan_dirs"] += int(self.delete_prefix(f"{directory}/") > 0)
         for pg_id in plan.pseudograds:
             counts["pseudograds"] += int(self.delete_pseudograd(pg_id) > 0)
         for key in plan.orphan_payloads:
-            self.store.delete(self._key(key))
+            self.store.delete(self.object_key(key))
             counts["orphan_payloads"] += 1
         for directory in plan.checkpoints:
-            counts["checkpoints"] += int(self._delete_prefix(f"{directory}/") > 0)
+            counts["checkpoints"] += int(self.delete_prefix(f"{directory}/") > 0)
         return counts

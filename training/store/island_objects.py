@@ -15,13 +15,13 @@ from training.config.names import validate_name
 from training.store import island_records, safejson
 from training.store.keys import ROUNDS, checkpoint_dir
 from training.store.layout import (
-    _is_int,
-    _now,
-    _unique_time_ns,
-    _uuid8,
     iso,
+    new_uuid8,
+    now,
+    unique_time_ns,
 )
 from training.store.objectstore import CorruptObject, ObjectNotFound
+from training.store.record_fields import is_int
 from training.store.tensors import stream_tensors
 
 
@@ -47,16 +47,18 @@ class IslandObjects:
         self, folder: str, kind: str, parse: Callable[[bytes, str], dict[str, Any]], limit: int
     ) -> dict[str, dict[str, Any]]:
         """island -> its parsed record under `folder`; broken ones are skipped and counted."""
-        islands = {f"{folder}/{n.island}.json": n.island for n in self._named(f"{folder}/", kind)}
-        got = self._read_records(list(islands), limit, lambda d, r: parse(d, islands[r]))
+        islands = {
+            f"{folder}/{n.island}.json": n.island for n in self.list_named(f"{folder}/", kind)
+        }
+        got = self.read_records(list(islands), limit, lambda d, r: parse(d, islands[r]))
         return {islands[relative]: record for relative, record in got}
 
     def write_heartbeat(self, island: str, info: Mapping[str, Any]) -> None:
         """Overwrite heartbeats/{island}.json with `info` plus island and "at" (unix seconds,
         unless `info` sets it)."""
         validate_name("island", island)
-        record = with_iso({"at": _now(), **info, "island": island})
-        self._write_json(f"heartbeats/{island}.json", record)
+        record = with_iso({"at": now(), **info, "island": island})
+        self.write_json(f"heartbeats/{island}.json", record)
 
     def heartbeats(self) -> dict[str, dict[str, Any]]:
         """island -> its last heartbeat."""
@@ -67,7 +69,7 @@ class IslandObjects:
     def mark_done(self, island: str, info: Mapping[str, Any]) -> None:
         """Write done/{island}.json: the island finished its work."""
         validate_name("island", island)
-        self._write_json(f"done/{island}.json", with_iso({"at": _now(), **info, "island": island}))
+        self.write_json(f"done/{island}.json", with_iso({"at": now(), **info, "island": island}))
 
     def done(self) -> dict[str, dict[str, Any]]:
         """island -> its done record."""
@@ -78,7 +80,7 @@ class IslandObjects:
     def clear_done(self, island: str) -> None:
         """Remove done/{island}.json (missing is fine): the island rejoins (a scavenged slot's
         next window, training/config/scavenge.py); written by the Airflow workers, not the island."""
-        self.store.delete(self._key(f"done/{validate_name('island', island)}.json"))
+        self.store.delete(self.object_key(f"done/{validate_name('island', island)}.json"))
 
     # checkpoints ---------------------------------------------------------------------------
     def save_checkpoint(
@@ -100,9 +102,9 @@ class IslandObjects:
         for the publishes its meta counts (if it raises, nothing is committed).
         """
         validate_name("island", island)
-        if not _is_int(step) or step < 0:
+        if not is_int(step) or step < 0:
             raise ValueError(f"invalid step {step!r}")
-        directory = checkpoint_dir(island, step, _uuid8())
+        directory = checkpoint_dir(island, step, new_uuid8())
         written: dict[str, Any] = {}
 
         def chunks() -> Iterator[Any]:  # one attempt of the streamed write, hashed as it goes
@@ -113,14 +115,14 @@ class IslandObjects:
                 yield chunk
             written.update(sha256=digest.hexdigest(), nbytes=nbytes)
 
-        self.store.write_stream(self._key(f"{directory}/state.safetensors"), chunks)
+        self.store.write_stream(self.object_key(f"{directory}/state.safetensors"), chunks)
         digest, nbytes = written["sha256"], written["nbytes"]
-        fixed = {"island": island, "step": step, "created_at": _now()}
-        self._write_json(f"{directory}/meta.json", {**meta, **fixed, "sha256": digest})
+        fixed = {"island": island, "step": step, "created_at": now()}
+        self.write_json(f"{directory}/meta.json", {**meta, **fixed, "sha256": digest})
         if before_commit is not None:
             before_commit()
         latest = {"step": step, "dir": directory, "sha256": digest, "nbytes": nbytes}
-        self._write_json(f"checkpoints/{island}/LATEST.json", latest)
+        self.write_json(f"checkpoints/{island}/LATEST.json", latest)
         self.prune_checkpoints(island, step)
 
     def prune_checkpoints(self, island: str, latest_step: int) -> int:
@@ -128,10 +130,10 @@ class IslandObjects:
         committed LATEST.json): none can be restored any more, as garbage collection would
         decide (`plan_gc`'s checkpoint rule). Returns the directories deleted."""
         validate_name("island", island)
-        names = self._named(f"checkpoints/{island}/", "checkpoint-file")
+        names = self.list_named(f"checkpoints/{island}/", "checkpoint-file")
         old = sorted({n.dir for n in names if n.island == island and n.step < latest_step})
         for directory in old:
-            self._delete_prefix(f"{directory}/")
+            self.delete_prefix(f"{directory}/")
         return len(old)
 
     def load_checkpoint(self, island: str) -> tuple[dict[str, np.ndarray], dict[str, Any]] | None:
@@ -145,7 +147,7 @@ class IslandObjects:
             return None
         directory, step = latest.dir, latest.step
         what = f"{self.url} checkpoint of {island} at step {step}"
-        tensors = self._verified_tensors(
+        tensors = self.read_verified_tensors(
             f"{directory}/state.safetensors", ("sha256", latest.sha256), latest.nbytes, what
         )
         return tensors, self.checkpoint_meta(island, latest)
@@ -154,7 +156,7 @@ class IslandObjects:
         """checkpoints/{island}/LATEST.json, parsed (None if absent; BadCheckpoint)."""
         relative = f"checkpoints/{island}/LATEST.json"
         try:
-            data = self.store.read(self._key(relative), safejson.POINTER.max_bytes)
+            data = self.store.read(self.object_key(relative), safejson.POINTER.max_bytes)
         except ObjectNotFound:
             return None
         try:
@@ -168,7 +170,7 @@ class IslandObjects:
         """The meta.json of the checkpoint `latest` points at (BadCheckpoint, CorruptObject)."""
         relative = f"{latest.dir}/meta.json"
         try:
-            data = self.store.read(self._key(relative), safejson.CHECKPOINT_META.max_bytes)
+            data = self.store.read(self.object_key(relative), safejson.CHECKPOINT_META.max_bytes)
         except ObjectNotFound:
             raise CorruptObject(f"{self.url}/{relative} is missing") from None
         return island_records.parse_checkpoint_meta(data, island, latest.step)
@@ -181,8 +183,8 @@ class IslandObjects:
         with an epoch "at" gets "at_iso" beside it.
         """
         validate_name("metric kind", kind)
-        name = f"metrics/{kind}/{_unique_time_ns():020d}-{_uuid8()}.json"
-        self._write_json(name, with_iso(record))
+        name = f"metrics/{kind}/{unique_time_ns():020d}-{new_uuid8()}.json"
+        self.write_json(name, with_iso(record))
 
     def read_metrics(self, kind: str) -> list[dict[str, Any]]:
         """The records of `kind`, oldest first."""
@@ -194,11 +196,11 @@ class IslandObjects:
         validate_name("metric kind", kind)
         relatives = [
             k
-            for k in self._list(f"metrics/{kind}/", after)
-            if (n := self._parsed(k)) and n.kind == "metric" and n.metric == kind
+            for k in self.list_keys(f"metrics/{kind}/", after)
+            if (n := self.parse_listed(k)) and n.kind == "metric" and n.metric == kind
         ]
         limit = safejson.METRIC.max_bytes
-        return self._read_records(
+        return self.read_records(
             relatives, limit, lambda d, _: island_records.parse_metric(d, kind)
         )
 
@@ -208,39 +210,37 @@ class IslandObjects:
 
     def request_stop(self, island: str | None = None) -> None:
         """Ask every island (None) or one island to stop: control/STOP or control/stop/{island}."""
-        self._write_json(self._stop_key(island), with_iso({"at": _now()}))
+        self.write_json(self._stop_key(island), with_iso({"at": now()}))
 
     def clear_stop(self, island: str | None = None) -> None:
         """Remove a stop marker written by request_stop (missing is fine)."""
-        self.store.delete(self._key(self._stop_key(island)))
+        self.store.delete(self.object_key(self._stop_key(island)))
 
     def stopped_islands(self) -> set[str]:
         """Islands asked to leave (control/stop/{island}), from a listing only."""
-        return {n.island for n in self._named("control/stop/", "island-stop")}
+        return {n.island for n in self.list_named("control/stop/", "island-stop")}
 
     def stop_requested(self, island: str | None = None) -> bool:
         """True if an experiment-wide stop, or (given an island) that island's stop, exists."""
-        if self.store.exists(self._key(self.STOP)):
+        if self.store.exists(self.object_key(self.STOP)):
             return True
-        return island is not None and self.store.exists(self._key(self._stop_key(island)))
+        return island is not None and self.store.exists(self.object_key(self._stop_key(island)))
 
     # the round clock (training/protocol/rounds.py) -------------------------------------------------
     def create_round_clock(self, t0: float, period_s: float) -> bool:
         """Write control/rounds.json once (create-only); False if it already exists (the first
         writer's clock stands)."""
         island_records.parse_round_clock(dict(t0=t0, period_s=period_s))
-        return self._create_json(
-            ROUNDS, {"t0": float(t0), "period_s": float(period_s), "at": _now()}
-        )
+        return self.create_json(ROUNDS, {"t0": float(t0), "period_s": float(period_s), "at": now()})
 
     def round_clock(self) -> tuple[float, float] | None:
         """(t0, period_s) of control/rounds.json, or None while it does not exist. A broken
         record is skipped and counted (islands then keep the step rule)."""
         try:
-            data = self.store.read(self._key(ROUNDS), max_bytes=safejson.POINTER.max_bytes)
+            data = self.store.read(self.object_key(ROUNDS), max_bytes=safejson.POINTER.max_bytes)
             return island_records.parse_round_clock(data)
         except ObjectNotFound:
             return None
         except CorruptObject as exc:
-            self._skip(ROUNDS, exc)
+            self.note_skipped(ROUNDS, exc)
             return None

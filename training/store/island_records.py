@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from training.config.experiment import MAX_ROUND_S
+from training.config.experiment import MAX_ROUND_S, without_retired_fields
 from training.store import safejson
 from training.store.keys import CHECKPOINT_DIR, MAX_SEQ, MAX_VERSION
 from training.store.record_fields import (
@@ -54,9 +54,11 @@ class BadDoneMarker(BadRecord):
 
 
 def parse_config_record(data: Any, experiment: str | None = None) -> dict[str, Any]:
-    """config.json's top level: a JSON object whose `name`, if present, is `experiment`.
-    BadConfigRecord. (`parse_experiment_config` validates every field.)"""
-    m = load_object(data, safejson.CONFIG, BadConfigRecord, "config.json")
+    """config.json's top level: a JSON object whose `name`, if present, is `experiment`, without
+    the fields the config no longer has (an experiment created before they were removed still
+    loads: `without_retired_fields`). BadConfigRecord. (`parse_experiment_config` validates
+    every field.)"""
+    m = without_retired_fields(load_object(data, safejson.CONFIG, BadConfigRecord, "config.json"))
     if "name" in m and experiment is not None and m["name"] != experiment:
         raise BadConfigRecord(f"config.json names experiment {show(m['name'])}, not {experiment!r}")
     return m

@@ -43,11 +43,13 @@ __all__ = [
 
 LAYOUT_VERSION = 2  # recorded in config.json as "layout"; a store of another layout is refused
 
-_FRAGMENT_RESERVED = frozenset(
+# manifest fields the store writes itself: a fragment version's and a pseudo-gradient's extra
+# fields (the caller's) may not use them
+FRAGMENT_RESERVED = frozenset(
     {"experiment", "fragment", "version", "parent_version", "parent_dir", "created_at"}
     | {"created_at_iso", "applied", "sha256", "crc32c", "nbytes"}
 )
-_PG_RESERVED = frozenset(
+PG_RESERVED = frozenset(
     {"experiment", "island", "seq", "fragment", "payload", "nbytes", "sha256", "crc32c"}
     | {"created_at"}
 )
@@ -73,7 +75,8 @@ def load_json(data: bytes, what: str, limits: JSONLimits = ANY) -> dict[str, Any
         raise type(exc)(f"{what}: {exc}") from None
 
 
-def _now() -> float:
+def now() -> float:
+    """The time now in unix seconds, to the millisecond: what records store as their times."""
     return round(time.time(), 3)
 
 
@@ -82,7 +85,8 @@ def iso(t: float) -> str:
     return datetime.fromtimestamp(t, UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
 
 
-def _uuid8() -> str:
+def new_uuid8() -> str:
+    """8 random hex digits: the suffix that makes a directory or record name unique."""
     return uuid.uuid4().hex[:8]
 
 
@@ -90,16 +94,12 @@ _last_time_ns = 0
 _time_ns_lock = threading.Lock()
 
 
-def _unique_time_ns() -> int:
+def unique_time_ns() -> int:
     """time.time_ns(), strictly increasing within this process (orders metric records)."""
     global _last_time_ns
     with _time_ns_lock:
         _last_time_ns = max(time.time_ns(), _last_time_ns + 1)
         return _last_time_ns
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -24,22 +24,22 @@ from training.store import merge_records as records
 from training.store import safejson
 from training.store.keys import BEST, BadName, parse_fragment_dir
 from training.store.layout import (
-    _FRAGMENT_RESERVED,
+    FRAGMENT_RESERVED,
     FragmentVersion,
     HeadPointer,
     Snapshot,
-    _is_int,
-    _now,
-    _unique_time_ns,
-    _uuid8,
     dump_json,
     fragment_dir,
     fragment_root,
     iso,
     load_json,
+    new_uuid8,
+    now,
     parse_pseudograd_id,
+    unique_time_ns,
 )
 from training.store.objectstore import CorruptObject, ObjectNotFound, StoreError
+from training.store.record_fields import is_int
 from training.store.tensors import checksum, tensor_parts
 
 log = logging.getLogger(__name__)
@@ -61,14 +61,16 @@ class FragmentVersions:
     def num_fragments(self) -> int:
         """P, from config.json (fixed for the life of the experiment)."""
         count = self.read_config().get("fragments", {}).get("count", 1)
-        if not _is_int(count) or not 1 <= count <= 999:
+        if not is_int(count) or not 1 <= count <= 999:
             raise CorruptObject(f"{self.url}/config.json: invalid fragments.count {count!r}")
         return count
 
     def head(self, fragment: int) -> HeadPointer | None:
         """Fragment p's HEAD pointer (with its generation), or None before its first version."""
         relative = f"{fragment_root(fragment)}/HEAD.json"
-        got = self.store.read_versioned(self._key(relative), max_bytes=safejson.POINTER.max_bytes)
+        got = self.store.read_versioned(
+            self.object_key(relative), max_bytes=safejson.POINTER.max_bytes
+        )
         if got is None:
             return None
         data, generation = got
@@ -81,7 +83,7 @@ class FragmentVersions:
     def heads(self, fragments: Sequence[int] | None = None) -> list[HeadPointer | None]:
         """The HEADs of `fragments` (default: all P), read in parallel, in that order."""
         wanted = list(range(self.num_fragments())) if fragments is None else list(fragments)
-        return self._parallel(self.head, wanted)
+        return self.parallel(self.head, wanted)
 
     # versions ------------------------------------------------------------------------------
     def publish_fragment(
@@ -106,14 +108,14 @@ class FragmentVersions:
         and sized like the two others, before the manifest).
         """
         root = fragment_root(fragment)
-        if not _is_int(version) or version < 0:
+        if not is_int(version) or version < 0:
             raise ValueError(f"invalid version {version!r}")
         if expected is not None and (
             expected.fragment != fragment or version != expected.version + 1
         ):
             raise ValueError(f"version {version} of fragment {fragment} does not follow {expected}")
         extra = dict(manifest_extra or {})
-        clash = sorted(_FRAGMENT_RESERVED & extra.keys())
+        clash = sorted(FRAGMENT_RESERVED & extra.keys())
         if clash:
             raise ValueError(f"manifest_extra may not set {clash}")
         ids = list(applied)
@@ -126,15 +128,15 @@ class FragmentVersions:
         if set(more) - set(EXTRA_PAYLOADS):
             raise ValueError(f"unknown payloads {sorted(set(more) - set(EXTRA_PAYLOADS))}")
 
-        directory = fragment_dir(fragment, version, _uuid8())
+        directory = fragment_dir(fragment, version, new_uuid8())
         sums, sizes = {}, {}
         for name, tensors in (("params", params), ("outer_state", outer_state), *more.items()):
             parts = tensor_parts(tensors)  # the arrays' own bytes: nothing is serialized
             sums[name], sizes[name] = checksum(parts), sum(len(p) for p in parts)
-            self.store.write_parts(self._key(f"{directory}/{name}.safetensors"), parts)
+            self.store.write_parts(self.object_key(f"{directory}/{name}.safetensors"), parts)
             del parts
         fault_point("global.payload-written")
-        created = _now()
+        created = now()
         manifest = {
             **extra,
             "experiment": self.experiment,
@@ -148,12 +150,12 @@ class FragmentVersions:
             "crc32c": sums,
             "nbytes": sizes,
         }
-        if not self._create_json(f"{directory}/manifest.json", manifest):
+        if not self.create_json(f"{directory}/manifest.json", manifest):
             raise StoreError(f"{self.url}/{directory}/manifest.json exists: uuid collision")
         fault_point("global.before-cas")
         pointer = dump_json({"version": version, "dir": directory})
         generation = self.store.compare_and_swap_generation(
-            self._key(f"{root}/HEAD.json"),
+            self.object_key(f"{root}/HEAD.json"),
             pointer,
             None if expected is None else expected.generation,
         )
@@ -168,7 +170,7 @@ class FragmentVersions:
         """The manifest of the version `head` points at; CorruptObject if it does not match."""
         relative = f"{head.dir}/manifest.json"
         try:
-            data = self.store.read(self._key(relative), safejson.FRAGMENT_MANIFEST.max_bytes)
+            data = self.store.read(self.object_key(relative), safejson.FRAGMENT_MANIFEST.max_bytes)
         except ObjectNotFound:
             raise CorruptObject(
                 f"{self.url}/{relative} is missing but a pointer names it"
@@ -211,20 +213,20 @@ class FragmentVersions:
         names = PAYLOADS if outer_state else ("params",)
         for name in names:
             limit = None if max_nbytes is None else max_nbytes.get(name)
-            if limit is not None and _is_int(sizes.get(name)) and sizes[name] > limit:
+            if limit is not None and is_int(sizes.get(name)) and sizes[name] > limit:
                 raise CorruptObject(
                     f"{what}: {name} of {sizes[name]} bytes is over the {limit}-byte size of "
                     "the fragment"
                 )
         try:
             tensors = {
-                name: self._verified_tensors(
+                name: self.read_verified_tensors(
                     f"{head.dir}/{name}.safetensors", digests.get(name), sizes.get(name), what
                 )
                 for name in names
             }
         except CorruptObject:
-            if self.store.exists(self._key(f"{head.dir}/{self.COLLECTED}")):
+            if self.store.exists(self.object_key(f"{head.dir}/{self.COLLECTED}")):
                 raise ObjectNotFound(f"{what} was garbage-collected (payloads deleted)") from None
             raise
         return FragmentVersion(
@@ -259,11 +261,11 @@ class FragmentVersions:
             )
         extra = {} if max_header is None else {"max_header": max_header}
         try:
-            return self._verified_tensors(
+            return self.read_verified_tensors(
                 f"{head.dir}/{name}.safetensors", checked.checksums[name], size, what, **extra
             )
         except CorruptObject:
-            if self.store.exists(self._key(f"{head.dir}/{self.COLLECTED}")):
+            if self.store.exists(self.object_key(f"{head.dir}/{self.COLLECTED}")):
                 raise ObjectNotFound(f"{what} was garbage-collected (payloads deleted)") from None
             raise
 
@@ -278,13 +280,13 @@ class FragmentVersions:
             return []
         names = [
             n
-            for n in self._named(f"{fragment_root(fragment)}/", "fragment-file")
+            for n in self.list_named(f"{fragment_root(fragment)}/", "fragment-file")
             if n.file == "manifest.json" and n.fragment == fragment
         ]
         relatives = [f"{n.dir}/manifest.json" for n in names]
         limit = safejson.FRAGMENT_MANIFEST.max_bytes
         raw: dict[str, tuple[int, Any]] = {}
-        for name, data in zip(names, self._read_many(relatives, limit), strict=True):
+        for name, data in zip(names, self.read_many(relatives, limit), strict=True):
             if data is not None:
                 raw[name.dir] = (name.version, data)
         chain: list[dict[str, Any]] = []
@@ -363,7 +365,7 @@ class FragmentVersions:
         heads = self.heads()
         if any(h is None for h in heads):
             return None
-        manifests = self._parallel(self.fragment_manifest, heads)
+        manifests = self.parallel(self.fragment_manifest, heads)
         tokens = [int(m.get("tokens_merged", 0)) for m in manifests]
         return Snapshot(
             versions=tuple(h.version for h in heads),
@@ -374,16 +376,18 @@ class FragmentVersions:
 
     def record_snapshot(self, snapshot: Snapshot, extra: Mapping[str, Any] | None = None) -> str:
         """Write `snapshot` as snapshots/{time_ns:020d}-{uuid8}.json; returns its name."""
-        name = f"snapshots/{_unique_time_ns():020d}-{_uuid8()}.json"
-        self._write_json(name, {**dict(extra or {}), **snapshot.to_dict()})
+        name = f"snapshots/{unique_time_ns():020d}-{new_uuid8()}.json"
+        self.write_json(name, {**dict(extra or {}), **snapshot.to_dict()})
         return name
 
     def snapshots(self) -> list[dict[str, Any]]:
         """Every recorded snapshot, oldest first (unreadable ones skipped and counted)."""
         relatives = [
-            k for k in self._list("snapshots/") if (n := self._parsed(k)) and n.kind == "snapshot"
+            k
+            for k in self.list_keys("snapshots/")
+            if (n := self.parse_listed(k)) and n.kind == "snapshot"
         ]
-        records = self._read_records(
+        records = self.read_records(
             relatives,
             safejson.SNAPSHOT.max_bytes,
             lambda data, rel: load_json(data, f"{self.url}/{rel}", safejson.SNAPSHOT),
@@ -400,7 +404,7 @@ class FragmentVersions:
             raise CorruptObject(f"{self.url}: invalid snapshot {safejson.show(dict(record), 200)}")
         for p, (v, d) in enumerate(zip(versions, dirs, strict=True)):
             try:
-                ok = _is_int(v) and parse_fragment_dir(d, p)[1] == v
+                ok = is_int(v) and parse_fragment_dir(d, p)[1] == v
             except BadName:
                 ok = False
             if not ok:
@@ -409,7 +413,7 @@ class FragmentVersions:
                     f"{safejson.show(v)} {safejson.show(d)}"
                 )
         tokens = record.get("tokens_merged", 0)
-        if not _is_int(tokens):
+        if not is_int(tokens):
             raise CorruptObject(f"{self.url}: snapshot has invalid tokens_merged {tokens!r:.50}")
         return Snapshot(tuple(versions), tuple(dirs), tokens)
 
@@ -424,7 +428,7 @@ class FragmentVersions:
             for p, (v, d) in enumerate(zip(snapshot.versions, snapshot.dirs, strict=True))
         ]
         params: dict[str, np.ndarray] = {}
-        for fv in self._parallel(self.load_fragment, pointers):
+        for fv in self.parallel(self.load_fragment, pointers):
             params.update(fv.params)
         return params
 
@@ -444,7 +448,7 @@ class FragmentVersions:
             extra = {
                 k: val
                 for k, val in current.items()
-                if k not in _FRAGMENT_RESERVED and k != "update_codec"  # no update: S = params
+                if k not in FRAGMENT_RESERVED and k != "update_codec"  # no update: S = params
             }
             extra["restored_from"] = {"version": v, "dir": d, "reason": reason}
             new = self.publish_fragment(
@@ -456,7 +460,7 @@ class FragmentVersions:
 
     def best(self) -> dict[str, Any] | None:
         """snapshots/BEST.json: the best evaluated snapshot with its eval record, or None."""
-        return self._read_json_or_none(BEST, safejson.SNAPSHOT)
+        return self.read_json_or_none(BEST, safejson.SNAPSHOT)
 
     def offer_best(self, record: Mapping[str, Any]) -> bool:
         """Make `record` (an eval record naming a snapshot and its `loss`) BEST if its loss is
@@ -465,7 +469,7 @@ class FragmentVersions:
         loss = record.get("loss")
         if not isinstance(loss, float | int) or not np.isfinite(loss):
             return False
-        key = self._key(BEST)
+        key = self.object_key(BEST)
         for _ in range(10):
             got = self.store.read_versioned(key, max_bytes=safejson.SNAPSHOT.max_bytes)
             if got is not None:

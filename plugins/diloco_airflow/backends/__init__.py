@@ -12,7 +12,7 @@ from .base import (
     BackendStatus,
     IslandBackend,
     IslandSpec,
-    IslandState,
+    ResourceState,
     resource_id,
 )
 from .registry import BACKENDS, get_backend
@@ -26,7 +26,7 @@ __all__ = [
     "BackendStatus",
     "IslandBackend",
     "IslandSpec",
-    "IslandState",
+    "ResourceState",
     "get_backend",
     "resource_id",
 ]

@@ -42,8 +42,9 @@ LABEL_TTL = "diloco-ttl"
 _LABEL_VALUE_RE = re.compile(r"^[a-z0-9_-]{0,63}$")
 
 
-class IslandState(StrEnum):
-    """Where an island is in its life, as far as the infrastructure can tell."""
+class ResourceState(StrEnum):
+    """Where an island's resource (process, VM, pod) is in its life, as far as the infrastructure
+    can tell (not the island's training state: that is `training.island.state.IslandState`)."""
 
     PENDING = "PENDING"  # nothing asked for yet / not launched
     PROVISIONING = "PROVISIONING"  # waiting for capacity, booting
@@ -56,10 +57,10 @@ class IslandState(StrEnum):
     @property
     def terminal(self) -> bool:
         return self in (
-            IslandState.SUCCEEDED,
-            IslandState.FAILED,
-            IslandState.PREEMPTED,
-            IslandState.GONE,
+            ResourceState.SUCCEEDED,
+            ResourceState.FAILED,
+            ResourceState.PREEMPTED,
+            ResourceState.GONE,
         )
 
 
@@ -198,7 +199,7 @@ class IslandSpec:
 class BackendStatus:
     """A backend's view of an island. ``message`` carries the cloud's / process's own text."""
 
-    state: IslandState
+    state: ResourceState
     message: str = ""
     retryable: bool = True
 

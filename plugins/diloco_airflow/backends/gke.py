@@ -11,7 +11,7 @@ from typing import Any
 
 from training.config.hardware import GKE_TPU_ACCELERATORS
 
-from .base import BackendError, BackendStatus, IslandBackend, IslandSpec, IslandState
+from .base import BackendError, BackendStatus, IslandBackend, IslandSpec, ResourceState
 from .common import RETRYABLE_HTTP_STATUS, says_retryable, wait_gone
 from .k8s_manifests import (
     ACCELERATOR_LABEL,
@@ -223,7 +223,7 @@ class GkeBackend(IslandBackend):
         h = self._handle(spec, handle)
         obj = self._read(h)
         if obj is None:
-            return BackendStatus(IslandState.GONE, f"{h['kind']} {h['name']} not found")
+            return BackendStatus(ResourceState.GONE, f"{h['kind']} {h['name']} not found")
         if h["kind"] == "Pod":
             return pod_status(obj)
         return jobset_status(obj)
@@ -266,14 +266,14 @@ def pod_status(pod: Any) -> BackendStatus:
     if phase == "Pending":
         unschedulable = [c for c in conditions if _get(c, "reason") == "Unschedulable"]
         text = _get(unschedulable[0], "message") if unschedulable else "pod Pending"
-        return BackendStatus(IslandState.PROVISIONING, text or "pod Pending")
+        return BackendStatus(ResourceState.PROVISIONING, text or "pod Pending")
     if phase == "Running":
-        return BackendStatus(IslandState.RUNNING, "pod Running")
+        return BackendStatus(ResourceState.RUNNING, "pod Running")
     if phase == "Succeeded":
-        return BackendStatus(IslandState.SUCCEEDED, "pod Succeeded")
+        return BackendStatus(ResourceState.SUCCEEDED, "pod Succeeded")
     if disrupted or any(w in reason.lower() for w in _PREEMPTION_REASONS):
         why = _get(disrupted[0], "message") if disrupted else f"{reason}: {message}"
-        return BackendStatus(IslandState.PREEMPTED, f"pod preempted: {why}")
+        return BackendStatus(ResourceState.PREEMPTED, f"pod preempted: {why}")
     for cs in _get(pod, "status", "container_statuses") or []:
         term = _get(cs, "state", "terminated")
         if term is not None:
@@ -282,8 +282,10 @@ def pod_status(pod: Any) -> BackendStatus:
             message = f"exit code {code}: {text}".strip().rstrip(":")
             break
     if reason == "DeadlineExceeded":
-        return BackendStatus(IslandState.FAILED, f"pod passed its TTL: {message}", retryable=False)
-    return BackendStatus(IslandState.FAILED, f"pod {phase}: {reason} {message}".strip())
+        return BackendStatus(
+            ResourceState.FAILED, f"pod passed its TTL: {message}", retryable=False
+        )
+    return BackendStatus(ResourceState.FAILED, f"pod {phase}: {reason} {message}".strip())
 
 
 def jobset_status(jobset: dict) -> BackendStatus:
@@ -295,18 +297,18 @@ def jobset_status(jobset: dict) -> BackendStatus:
         return c if c and str(c.get("status")) == "True" else None
 
     if on("Completed"):
-        return BackendStatus(IslandState.SUCCEEDED, on("Completed").get("message") or "Completed")
+        return BackendStatus(ResourceState.SUCCEEDED, on("Completed").get("message") or "Completed")
     if on("Failed"):
         c = on("Failed")
         text = f"{c.get('reason', '')}: {c.get('message', '')}".strip(": ")
         if any(w in text.lower() for w in _PREEMPTION_REASONS):
-            return BackendStatus(IslandState.PREEMPTED, f"JobSet failed: {text}")
-        return BackendStatus(IslandState.FAILED, f"JobSet failed: {text}")
+            return BackendStatus(ResourceState.PREEMPTED, f"JobSet failed: {text}")
+        return BackendStatus(ResourceState.FAILED, f"JobSet failed: {text}")
     if on("Suspended"):
-        return BackendStatus(IslandState.PENDING, "JobSet suspended")
+        return BackendStatus(ResourceState.PENDING, "JobSet suspended")
     jobs = (jobset.get("status") or {}).get("replicatedJobsStatus") or []
     # "ready": child jobs whose pods are all ready (or done); "active": jobs not finished yet,
     # which includes pods still waiting for TPU nodes
     if any((j.get("ready") or 0) > 0 for j in jobs):
-        return BackendStatus(IslandState.RUNNING, "JobSet running")
-    return BackendStatus(IslandState.PROVISIONING, "JobSet waiting for its pods to be ready")
+        return BackendStatus(ResourceState.RUNNING, "JobSet running")
+    return BackendStatus(ResourceState.PROVISIONING, "JobSet waiting for its pods to be ready")

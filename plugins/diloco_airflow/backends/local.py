@@ -32,7 +32,7 @@ from typing import Any
 
 from diloco_airflow import knobs
 
-from .base import BackendError, BackendStatus, IslandBackend, IslandSpec, IslandState
+from .base import BackendError, BackendStatus, IslandBackend, IslandSpec, ResourceState
 
 _WRAPPER = r"""
 import os, signal, subprocess, sys
@@ -255,16 +255,16 @@ class LocalBackend(IslandBackend):
     def status(self, spec: IslandSpec, handle: dict) -> BackendStatus:
         run_dir = Path((handle or {}).get("run_dir") or self.run_dir(spec))
         if not run_dir.is_dir():
-            return BackendStatus(IslandState.GONE, f"run dir {run_dir} does not exist")
+            return BackendStatus(ResourceState.GONE, f"run dir {run_dir} does not exist")
         record = self._read_record(spec, handle)
         if not record:
-            return BackendStatus(IslandState.PENDING, "provisioned, not launched")
+            return BackendStatus(ResourceState.PENDING, "provisioned, not launched")
         pid = int(record["pid"])
         proc = self._procs.get(pid)
         if proc is not None:
             proc.poll()  # reap a finished wrapper we started, so it is not a zombie
         if process_alive(pid, record.get("start_ticks")):
-            return BackendStatus(IslandState.RUNNING, f"pid {pid} running")
+            return BackendStatus(ResourceState.RUNNING, f"pid {pid} running")
 
         log_path = Path(record.get("log_path") or run_dir / LOG_NAME)
         rc = self._exit_code(record)
@@ -273,7 +273,7 @@ class LocalBackend(IslandBackend):
                 proc.wait(timeout=2)  # dead but maybe not reaped yet by the poll above
             rc = proc.returncode  # the wrapper itself was killed (e.g. SIGKILL to the group)
         if rc == 0:
-            return BackendStatus(IslandState.SUCCEEDED, "exit code 0")
+            return BackendStatus(ResourceState.SUCCEEDED, "exit code 0")
         tail = _tail(log_path)
         if rc is None:
             what = "process ended without recording an exit code (killed, or lost on a reboot)"
@@ -282,7 +282,7 @@ class LocalBackend(IslandBackend):
         else:
             what = f"exit code {rc}"
         message = f"{what}; last log lines:\n{tail}" if tail else what
-        return BackendStatus(IslandState.FAILED, message, retryable=True)
+        return BackendStatus(ResourceState.FAILED, message, retryable=True)
 
     def teardown(self, spec: IslandSpec, handle: dict) -> None:
         # the handle's launch and the latest one on record (they differ if a later try relaunched)

@@ -53,7 +53,7 @@ from .base import (
     BackendStatus,
     IslandBackend,
     IslandSpec,
-    IslandState,
+    ResourceState,
 )
 from .common import says_retryable, wait_gone
 from .tpu_startup import GUEST_NAMESPACE, startup_script
@@ -377,26 +377,26 @@ class TpuVmBackend(IslandBackend):
         h = self._handle(spec, handle)
         qr = self._get_qr(h["name"])
         if qr is None:
-            return BackendStatus(IslandState.GONE, f"queued resource {h['name']} not found")
+            return BackendStatus(ResourceState.GONE, f"queued resource {h['name']} not found")
         state = qr.state.state
         label = _QR(state).name
         if state in _PROVISIONING_STATES:
-            return BackendStatus(IslandState.PROVISIONING, f"queued resource {label}")
+            return BackendStatus(ResourceState.PROVISIONING, f"queued resource {label}")
         if state == _QR.FAILED:
             error = qr.state.failed_data.error
             message = error.message or "queued resource FAILED (no message)"
             # INVALID_ARGUMENT / PERMISSION_DENIED will fail again the same way
             return BackendStatus(
-                IslandState.FAILED,
+                ResourceState.FAILED,
                 f"queued resource FAILED: {message}",
                 retryable=error.code not in (3, 7),
             )
         if state in (_QR.SUSPENDING, _QR.SUSPENDED):
             return BackendStatus(
-                IslandState.PREEMPTED, f"queued resource {label} (spot preemption)", True
+                ResourceState.PREEMPTED, f"queued resource {label} (spot preemption)", True
             )
         if state == _QR.DELETING:
-            return BackendStatus(IslandState.GONE, "queued resource DELETING")
+            return BackendStatus(ResourceState.GONE, "queued resource DELETING")
         # ACTIVE: look at the node(s), then at what the island published
         node_names = h.get("node_names") or [
             f"{ns.parent}/nodes/{ns.node_id}" for ns in qr.tpu.node_spec
@@ -405,24 +405,24 @@ class TpuVmBackend(IslandBackend):
             try:
                 node = self.client.get_node(name=node_name)
             except gexc.NotFound:
-                return BackendStatus(IslandState.PROVISIONING, f"node {node_name} not there yet")
+                return BackendStatus(ResourceState.PROVISIONING, f"node {node_name} not there yet")
             except Exception as exc:
                 raise map_error(exc, f"get node {node_name}") from exc
             node_state = _NODE(node.state)
             if node_state in (_NODE.PREEMPTED, _NODE.TERMINATED):
                 return BackendStatus(
-                    IslandState.PREEMPTED, f"node {node_state.name}: {node.health_description}"
+                    ResourceState.PREEMPTED, f"node {node_state.name}: {node.health_description}"
                 )
             if node_state in (_NODE.STOPPED, _NODE.STOPPING, _NODE.HIDDEN, _NODE.HIDING):
-                return BackendStatus(IslandState.PREEMPTED, f"node {node_state.name}")
+                return BackendStatus(ResourceState.PREEMPTED, f"node {node_state.name}")
             if node_state == _NODE.DELETING:
-                return BackendStatus(IslandState.GONE, "node DELETING")
+                return BackendStatus(ResourceState.GONE, "node DELETING")
             if node_state != _NODE.READY:
-                return BackendStatus(IslandState.PROVISIONING, f"node {node_state.name}")
+                return BackendStatus(ResourceState.PROVISIONING, f"node {node_state.name}")
             done = self._island_exit(node_name, int(h.get("hosts") or 1))
             if done is not None:
                 return done
-        return BackendStatus(IslandState.RUNNING, "queued resource ACTIVE, node READY")
+        return BackendStatus(ResourceState.RUNNING, "queued resource ACTIVE, node READY")
 
     def _island_exit(self, node_name: str, hosts: int) -> BackendStatus | None:
         """SUCCEEDED / FAILED from the exit codes the hosts published, None while running."""
@@ -453,10 +453,10 @@ class TpuVmBackend(IslandBackend):
             tail = tails.get(worker, "")
             message = f"island exited with code {code} on host {worker}"
             return BackendStatus(
-                IslandState.FAILED, f"{message}; last log lines:\n{tail}" if tail else message
+                ResourceState.FAILED, f"{message}; last log lines:\n{tail}" if tail else message
             )
         if codes and len(codes) >= hosts:
-            return BackendStatus(IslandState.SUCCEEDED, f"exit code 0 on all {hosts} host(s)")
+            return BackendStatus(ResourceState.SUCCEEDED, f"exit code 0 on all {hosts} host(s)")
         return None
 
     def _delete(self, name: str) -> None:
