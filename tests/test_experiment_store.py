@@ -139,13 +139,14 @@ def test_a_config_json_with_a_retired_field_still_loads_joins_and_rewrites(exp):
     """eval_every_versions (removed from the config, which forbids unknown keys) in a
     config.json stored before: dropped on read, so the experiment loads and can be joined."""
     from training.config.experiment import parse_config
+    from training.merge.create import add_islands
 
     cfg = json.loads(parse_config({"name": "exp", "data": {"num_shards": 3}}).to_json())
     old = {**cfg, "eval_every_versions": 5, "layout": 2}
     exp.store.write("exp/config.json", dump_json(old))
     assert exp.read_config() == cfg and parse_config(exp.read_config()).name == "exp"
     exp.write_config(cfg)  # the same experiment asked for again: a no-op, not ExperimentExists
-    joined = exp.add_islands([{"name": "island-2"}])
+    joined = add_islands(exp, [{"name": "island-2"}])
     assert "eval_every_versions" not in joined
     assert [i.name for i in parse_config(exp.read_config()).islands][-1] == "island-2"
 
