@@ -26,13 +26,14 @@ def _gcsfs_emulator_guard() -> None:
         os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
 
-def open_experiment(store_url: str, experiment: str):
-    """An `ExperimentStore` for one experiment (imports the store lazily)."""
+def open_experiment(store_url: str, experiment: str, faults=None):
+    """An `ExperimentStore` for one experiment (imports the store lazily). `faults`: the
+    process's fault plan, for the tasks that merge in their process (`knobs.fault_plan`)."""
     _gcsfs_emulator_guard()
     from training.store.experiment import ExperimentStore
     from training.store.registry import open_store
 
-    return ExperimentStore(open_store(store_url), experiment)
+    return ExperimentStore(open_store(store_url), experiment, faults=faults)
 
 
 def pending_pseudograds(estore, fragments=None) -> list[str]:
