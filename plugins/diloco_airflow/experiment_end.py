@@ -56,7 +56,7 @@ def islands_ended(store_url: str, experiment: str, run_id: str, islands: list[st
 
     names = sorted(islands)
     estore = store.open_experiment(store_url, experiment)
-    mark_run_ended(estore, run_id, {"islands": names})
+    mark_run_ended(estore, run_id, names)
     return {"run_id": run_id, "islands": names}
 
 

@@ -1,5 +1,5 @@
-"""Store access for Airflow tasks and triggers: `open_experiment` (what every task uses),
-`pending_pseudograds`, and `DilocoStoreHook`.
+"""Store access for Airflow tasks and triggers: `open_experiment` (what every task uses) and
+`DilocoStoreHook`.
 
 `DilocoStoreHook` (optional: no DAG of this project needs a connection) opens an experiment store from an explicit URL (``file:///...``,
 ``gs://bucket/prefix``) or from an Airflow connection (conn type ``diloco_store``: the URL in the
@@ -34,13 +34,6 @@ def open_experiment(store_url: str, experiment: str, faults=None):
     from training.store.registry import open_store
 
     return ExperimentStore(open_store(store_url), experiment, faults=faults)
-
-
-def pending_pseudograds(estore, fragments=None) -> list[str]:
-    """Ids of committed pseudo-gradients that are neither applied nor quarantined (of
-    `fragments`, default all), from the fragments' cursors: listings that start after them
-    and the small HEAD and manifest objects, never the history (and no jax)."""
-    return [r.id for refs in estore.pending(fragments).values() for r in refs]
 
 
 class DilocoStoreHook(BaseHook):  # type: ignore[misc]

@@ -94,7 +94,6 @@ class SyncerShardOperator(BaseOperator):
             estore,
             self.shard,
             owner,
-            lambda: store.pending_pseudograds(estore),
             run_id=self.run_id,
             on_merge=on_merge,
             **self._housekeeping(),
@@ -280,7 +279,7 @@ class ShardTrigger(_PollingTrigger):
             return {"status": "finished"}
         if lease_action(view.lease(), self.owner, time.time()) == "wait":
             return None
-        new = set(view.pending(cfg, lambda: store.pending_pseudograds(view.estore)))
+        new = set(view.pending(cfg))
         new -= set(self.seen)
         return {"status": "pending", "new": len(new)} if new else None
 
