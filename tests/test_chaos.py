@@ -17,10 +17,12 @@ from training.faults.chaos import (
     IslandChaos,
     arm_merge_kill,
     chaos_store,
+    for_process,
     kill_times,
     run_monkey,
     victim_chooser,
 )
+from training.faults.points import FaultPlan
 from training.island.process import Island
 from training.merge.merger import Merger, initial_version
 from training.store.experiment import ExperimentStore
@@ -241,16 +243,33 @@ def test_monkey_stops_on_request_and_without_mtbi():
 def test_merge_kill_is_armed_once_and_validated():
     cfg = small_config("chaos-merge", chaos={"kill_merge_at": "global.before-cas@2"})
     store = new_store(cfg)
-    env = {"DILOCO_FAULTS": "island.step@3"}
-    assert arm_merge_kill(cfg, store, env)
-    assert env["DILOCO_FAULTS"] == "island.step@3,global.before-cas@2"
-    assert not arm_merge_kill(cfg, store, {})  # already armed once in this experiment
+    plan = FaultPlan({"island.step": 3})
+    armed = arm_merge_kill(cfg, store, plan)
+    assert armed.plan == {"island.step": 3, "global.before-cas": 2}
+    assert plan.plan == {"island.step": 3}  # a new plan: the entry point's is left as it was
+    assert arm_merge_kill(cfg, store, plan) is plan  # already armed once in this experiment
+    assert arm_merge_kill(cfg, store, None) is None
     [event] = store.read_metrics("chaos")
     assert (event["event"], event["point"], event["nth"]) == ("merge_kill", "global.before-cas", 2)
     with pytest.raises(ConfigError):
         small_config("x", chaos={"kill_merge_at": "island.step"})
     with pytest.raises(ConfigError):
         small_config("x", chaos={"stall_island": "nope"})
+
+
+def test_a_merge_process_store_carries_the_armed_plan_through_the_chaos_wrap():
+    cfg = small_config(
+        "chaos-plan",
+        chaos={"kill_merge_at": "ledger.partial", "storage_latency_s": 0.001},
+    )
+    plan = FaultPlan({"merge.after-read": 5})
+    store = new_store(cfg).with_faults(plan)
+    merge_store = for_process(cfg, store, "merge")
+    assert isinstance(merge_store.store, ChaosStore)  # storage faults: the store is wrapped
+    assert merge_store.faults.plan == {"merge.after-read": 5, "ledger.partial": 1}
+    assert store.faults is plan and plan.plan == {"merge.after-read": 5}
+    island_store = for_process(cfg, store, "island")  # an island's store: the plan as it was
+    assert island_store.faults is plan
 
 
 _MERGE_SCRIPT = """

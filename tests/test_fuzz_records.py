@@ -1,6 +1,6 @@
 """Property-based tests of every store reader: whatever the bytes, only the documented error
-type escapes (training/store/keys.py, safejson.py, merge_records.py, island_records.py, tensors.py,
-training/codecs/host.py).
+type escapes (training/store/keys.py, safejson.py, merge_records.py, island_records.py,
+syncer_records.py, tensors.py, training/codecs/host.py).
 
 Inputs: random bytes, mutations of valid objects (fields deleted, replaced by values of the
 wrong type, huge numbers, deep nesting, unicode; bytes flipped, truncated, spliced), and names
@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from training.codecs import host as codecs
 from training.protocol.claims import norm_median
-from training.store import island_records, keys, merge_records, safejson
+from training.store import island_records, keys, merge_records, safejson, syncer_records
 from training.store.tensors import BadTensors, decode_tensors, encode_tensors, sha256
 
 FAST = settings(
@@ -239,6 +239,16 @@ READERS = {
         lambda d: island_records.parse_done(d, "isl-a"),
         island_records.BadDoneMarker,
     ),
+    "syncer lease": (
+        {"owner": "manual__2026-01-01T00:00:00+00:00", "expires_at": 1.0, "holder": "h/1"},
+        syncer_records.parse_lease,
+        syncer_records.BadLease,
+    ),
+    "run marker": (
+        {"run_id": "run-1", "ended_at": 1.0, "islands": ["isl-a"]},
+        lambda d: syncer_records.parse_run_marker(d, "run-1"),
+        syncer_records.BadRunMarker,
+    ),
     "bounded JSON": (
         {"a": [1, {"b": "c"}]},
         lambda d: safejson.load_json(d, safejson.MANIFEST),
@@ -388,6 +398,8 @@ VALID_KEYS = [
     "metrics/eval/00000000000000000001-0123abcd.json",
     "control/STOP",
     "control/stop/isl-a",
+    "control/syncer/shard-3.json",
+    "control/runs/manual__2026-01-01T00_00_00_00_00-33e279c4.json",
 ]
 
 

@@ -69,7 +69,6 @@ def _syncer(clock, merges, housekeeping, every_s):
         store,
         0,
         "run-1",
-        lambda: [],
         clock=clock,
         sleep=clock.sleep,
         merger_for=lambda cfg, fragments: _Merger(clock, merges),

@@ -22,7 +22,6 @@ from training.merge.syncer import (
     ShardView,
     lease_action,
     mark_run_ended,
-    owned,
     shard_fragments,
 )
 
@@ -51,7 +50,6 @@ def syncer_with(store, results, clock, owner="run-1", **kw):
         store,
         0,
         owner,
-        lambda: [],
         clock=clock,
         sleep=clock.sleep,
         merger_for=lambda cfg, fragments: merger,
@@ -74,9 +72,15 @@ def test_shards_partition_the_fragments():
     assert all(p % 5 == s for s, part in enumerate(parts) for p in part)
 
 
-def test_owned_keeps_this_shards_ids_and_drops_bad_ones():
-    ids = ["a/00000001-f000", "a/00000001-f001", "b/00000002-f002", "../x", "a/1-f0"]
-    assert owned(ids, [0, 2]) == ["a/00000001-f000", "b/00000002-f002"]
+def test_a_shards_view_asks_the_store_for_its_own_pending_work():
+    cfg = two_fragment_config()
+    store = new_store(cfg)
+    ids = [
+        publish_delta(store, cfg, "a", seq, fragment_delta(store, cfg, p), fragment=p).id
+        for seq, p in ((0, 0), (1, 1), (2, 0))
+    ]
+    assert ShardView(store, 0).pending(cfg) == [ids[0], ids[2]]
+    assert ShardView(store, 1).pending(cfg) == [ids[1]]
 
 
 def test_lease_action_takes_free_or_expired_renews_own_waits_for_others():
@@ -88,9 +92,11 @@ def test_lease_action_takes_free_or_expired_renews_own_waits_for_others():
 
 
 def test_a_lease_that_is_not_json_counts_as_free():
-    assert Lease.parse(b"\xff{") is None
-    assert Lease.parse(b'{"owner": 3, "expires_at": 1e30}') is None
-    assert Lease.parse(b'{"owner": "x", "expires_at": NaN}') is None
+    store, clock = new_store(small_config()), FakeClock(1000.0)
+    store.store.write(f"{store.experiment}/control/syncer/shard-0.json", b"\xff{")
+    assert ShardView(store, 0).lease() is None
+    assert ShardLease(store, 0, "r1", 30, clock).acquire()
+    assert ShardView(store, 0).lease() == Lease("r1", 1030.0, ShardLease(store, 0, "r1", 30).holder)
 
 
 # -- the lease in the store ------------------------------------------------------------------
@@ -160,10 +166,10 @@ def test_a_shard_merges_only_its_own_fragments():
         p: publish_delta(store, cfg, "a", 0, fragment_delta(store, cfg, p), fragment=p).id
         for p in (0, 1)
     }
-    shard0 = ShardSyncer(store, 0, "r", lambda: [], clock=clock, sleep=clock.sleep)
+    shard0 = ShardSyncer(store, 0, "r", clock=clock, sleep=clock.sleep)
     assert shard0.drain().reason == "idle"
     assert set(store.applied()) == {ids[0]}
-    shard1 = ShardSyncer(store, 1, "r", lambda: [], clock=clock, sleep=clock.sleep)
+    shard1 = ShardSyncer(store, 1, "r", clock=clock, sleep=clock.sleep)
     shard1.drain()
     assert set(store.applied()) == {ids[0], ids[1]}
 
@@ -174,7 +180,7 @@ def test_a_finished_experiment_gets_a_last_drain_and_its_lease_released():
     pg = publish_delta(store, cfg, "a", 0, fragment_delta(store, cfg, 0)).id
     for island in ("a", "b"):
         store.mark_done(island, {})
-    syncer = ShardSyncer(store, 0, "r", lambda: [], clock=clock, sleep=clock.sleep)
+    syncer = ShardSyncer(store, 0, "r", clock=clock, sleep=clock.sleep)
     out = syncer.drain()
     assert out.reason == "finished" and set(store.applied()) == {pg}
     assert ShardView(store, 0).lease().expires_at == 0.0
@@ -183,7 +189,7 @@ def test_a_finished_experiment_gets_a_last_drain_and_its_lease_released():
 def test_the_end_of_its_runs_islands_finishes_a_shard():
     cfg = two_fragment_config()
     store, clock = new_store(cfg), FakeClock(1000.0)
-    mark_run_ended(store, "manual__2026-01-01T00:00:00+00:00", {"islands": ["a", "b"]})
+    mark_run_ended(store, "manual__2026-01-01T00:00:00+00:00", ["a", "b"])
     syncer, _ = syncer_with(store, [], clock, run_id="manual__2026-01-01T00:00:00+00:00")
     assert syncer.drain().reason == "finished" and clock.t == 1000.0
     other, _ = syncer_with(store, [], FakeClock(1000.0), run_id="manual__other")
@@ -201,12 +207,10 @@ def test_two_shards_at_once_on_gcs_apply_each_contribution_once(gcs_bucket):  # 
             for p in (0, 1):
                 delta = fragment_delta(store, cfg, p, 1e-3 * (seq + 1))
                 committed.add(publish_delta(store, cfg, island, seq, delta, fragment=p).id)
-    from diloco_airflow.store import pending_pseudograds
-
     outs = {}
 
     def run(shard):
-        s = ShardSyncer(store, shard, "r", lambda: pending_pseudograds(store))
+        s = ShardSyncer(store, shard, "r")
         outs[shard] = s.drain()
 
     threads = [threading.Thread(target=run, args=(s,)) for s in (0, 1)]

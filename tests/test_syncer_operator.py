@@ -53,7 +53,7 @@ def test_a_shard_task_merges_then_defers_to_its_trigger_when_idle(exp):
 def test_a_shard_task_returns_after_a_last_drain_once_its_runs_islands_ended(exp):
     url, store, cfg = exp
     pg = _publish(store, cfg, 1)
-    mark_run_ended(store, "run-1", {"islands": ["a", "b"]})
+    mark_run_ended(store, "run-1", ["a", "b"])
     out = _shard(url, cfg, shard=1).execute_complete({}, {"status": "finished"})
     assert out == {"shard": 1, "merges": 1, "applied": 1} and pg in store.applied()
 

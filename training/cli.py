@@ -37,17 +37,19 @@ from training.island.multihost import flag_defaults
 log = logging.getLogger("diloco")
 
 
-def _open(store_url: str, experiment: str):
+def _open(store_url: str, experiment: str, faults=None):
+    """The experiment's store; `faults`: the process's fault plan (`diloco island` and `diloco
+    merge` hand over `FaultPlan.from_env()`, training/faults/points.py)."""
     from training.store.experiment import ExperimentStore
     from training.store.registry import open_store
 
     store = open_store(store_url)
     store.check()
-    return ExperimentStore(store, experiment)
+    return ExperimentStore(store, experiment, faults=faults)
 
 
-def _load(args) -> tuple[ExperimentConfig, object]:
-    estore = _open(args.store, args.experiment)
+def _load(args, faults=None) -> tuple[ExperimentConfig, object]:
+    estore = _open(args.store, args.experiment, faults)
     return parse_config(estore.read_config()), estore
 
 
@@ -92,7 +94,8 @@ def cmd_island(args) -> int:
     from training.faults.points import FaultPlan
     from training.island.process import Island
 
-    cfg, estore = _load(args)
+    faults = FaultPlan.from_env()  # one plan: the island's step and its store's points
+    cfg, estore = _load(args, faults)
     estore = for_process(cfg, estore, "island")
     # chaos mode's slow-down and stall are process 0's (it alone heartbeats)
     chaos = IslandChaos.for_island(cfg, args.island, estore) if group.writer else None
@@ -101,7 +104,7 @@ def cmd_island(args) -> int:
         args.island,
         estore,
         background=True,
-        faults=FaultPlan.from_env(),
+        faults=faults,
         group=group,
         chaos=chaos,
     )
@@ -112,10 +115,11 @@ def cmd_island(args) -> int:
 
 def cmd_merge(args) -> int:
     from training.faults.chaos import for_process
+    from training.faults.points import FaultPlan
     from training.merge.merger import Merger
 
-    cfg, estore = _load(args)
-    estore = for_process(cfg, estore, "merge")
+    cfg, estore = _load(args, FaultPlan.from_env())
+    estore = for_process(cfg, estore, "merge")  # the merger hits its store's fault plan
     merger = Merger(
         cfg, estore
     )  # kept warm across passes, as the syncer's (training/merge/syncer.py)

@@ -8,10 +8,9 @@ Heavy imports happen inside the functions, at task run time.
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
-from diloco_airflow import store
+from diloco_airflow import knobs, store
 from diloco_airflow.experiment_registry import unregister_experiment
 
 log = logging.getLogger(__name__)
@@ -20,34 +19,29 @@ log = logging.getLogger(__name__)
 def merge_experiments(experiments: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """`Merger.merge_all()` of each experiment, in this (task) process.
 
-    Chaos mode applies: the store goes through `training.faults.chaos.for_process(..., "merge")`, so
-    storage faults are injected, and `chaos.kill_merge_at` SIGKILLs this process at that fault
-    point the first time any merge of the experiment runs (the task's retry is not armed again:
-    the event is in the store's metrics; it repairs the ledger and merges on).
+    The task's fault plan (`knobs.fault_plan`: DILOCO_FAULTS) and chaos mode apply: the store
+    goes through `training.faults.chaos.for_process(..., "merge")`, so storage faults are
+    injected, and `chaos.kill_merge_at` SIGKILLs this process at that fault point the first time
+    any merge of the experiment runs (the task's retry is not armed again: the event is in the
+    store's metrics; it repairs the ledger and merges on). An armed kill is in this experiment's
+    store only: the next experiment's merge starts from the task's plan again.
     """
     from training.config.experiment import parse_config
     from training.faults.chaos import for_process
-    from training.faults.points import FAULTS_ENV
     from training.merge.merger import Merger
 
     out = []
+    faults = knobs.fault_plan()
     for e in experiments:
-        estore = store.open_experiment(e["store_url"], e["experiment"])
+        estore = store.open_experiment(e["store_url"], e["experiment"], faults)
         cfg = parse_config(estore.read_config())
-        faults_before = os.environ.get(FAULTS_ENV)
-        try:
-            estore = for_process(cfg, estore, "merge")
-            versions, applied, quarantined = [], 0, 0
-            for r in Merger(cfg, estore).merge_all():
-                if r.version is not None:
-                    versions.append(r.version)
-                applied += len(r.applied)
-                quarantined += len(r.quarantined)
-        finally:  # an armed kill belongs to this experiment's merge only
-            if faults_before is None:
-                os.environ.pop(FAULTS_ENV, None)
-            else:
-                os.environ[FAULTS_ENV] = faults_before
+        estore = for_process(cfg, estore, "merge")
+        versions, applied, quarantined = [], 0, 0
+        for r in Merger(cfg, estore).merge_all():
+            if r.version is not None:
+                versions.append(r.version)
+            applied += len(r.applied)
+            quarantined += len(r.quarantined)
         log.info(
             "%s: versions %s, applied %d, quarantined %d", cfg.name, versions, applied, quarantined
         )
@@ -62,7 +56,7 @@ def islands_ended(store_url: str, experiment: str, run_id: str, islands: list[st
 
     names = sorted(islands)
     estore = store.open_experiment(store_url, experiment)
-    mark_run_ended(estore, run_id, {"islands": names})
+    mark_run_ended(estore, run_id, names)
     return {"run_id": run_id, "islands": names}
 
 

@@ -6,8 +6,11 @@ task runs). Each is a `Knob`: ``KNOB.get()`` reads it now (unset or empty: its d
 else in `plugins/`, `dags/` or `devtools/` reads ``os.environ`` for a ``DILOCO_*`` name.
 
 The library has two variables of its own, ``DILOCO_FAULTS`` (fault points of a process:
-`training.faults.points`, where it is documented and read) and ``DILOCO_NATIVE`` (``0``: the codecs and
-the outer step never build or load their C loops: `training.codecs.native`). The backends *set* a few more for the island
+`training.faults.points`, where it is documented; read by `FaultPlan.from_env` alone, which only
+entry points call: ``diloco island``, ``diloco merge``, and here the tasks that merge in their
+own process, the syncer's shards and ``finalize``, through `fault_plan` below) and
+``DILOCO_NATIVE`` (``0``: the codecs and the outer step never build or load their C loops:
+`training.codecs.native`). The backends *set* a few more for the island
 process (`ISLAND_ENV`, below); an island gets its arguments on the command line, and reads only
 the multi-host three (``DILOCO_NUM_PROCESSES``, ``DILOCO_PROCESS_ID``, ``DILOCO_COORDINATOR``) as
 the defaults of ``diloco island``'s multi-host flags (`training.island.multihost.flag_defaults`); logs
@@ -117,6 +120,16 @@ PAGE_STORES = Knob(
     str,
     "comma-separated store URLs the DiLoCo page always shows (besides the registry and runs)",
 )
+
+
+def fault_plan():
+    """The fault points of a task that merges in its own process (``DILOCO_FAULTS``, parsed by
+    the library's one reader, `training.faults.points.FaultPlan.from_env`), or None. Imported
+    when called: this module stays standard library only at parse time."""
+    from training.faults.points import FaultPlan
+
+    return FaultPlan.from_env()
+
 
 # -- developer tools (devtools/) ----------------------------------------------------------------
 AIRFLOW_PORT = Knob("DILOCO_AIRFLOW_PORT", 8080, int, "port of the local Airflow's API server/UI")

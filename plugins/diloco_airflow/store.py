@@ -1,5 +1,5 @@
-"""Store access for Airflow tasks and triggers: `open_experiment` (what every task uses),
-`pending_pseudograds`, and `DilocoStoreHook`.
+"""Store access for Airflow tasks and triggers: `open_experiment` (what every task uses) and
+`DilocoStoreHook`.
 
 `DilocoStoreHook` (optional: no DAG of this project needs a connection) opens an experiment store from an explicit URL (``file:///...``,
 ``gs://bucket/prefix``) or from an Airflow connection (conn type ``diloco_store``: the URL in the
@@ -26,20 +26,14 @@ def _gcsfs_emulator_guard() -> None:
         os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
 
-def open_experiment(store_url: str, experiment: str):
-    """An `ExperimentStore` for one experiment (imports the store lazily)."""
+def open_experiment(store_url: str, experiment: str, faults=None):
+    """An `ExperimentStore` for one experiment (imports the store lazily). `faults`: the
+    process's fault plan, for the tasks that merge in their process (`knobs.fault_plan`)."""
     _gcsfs_emulator_guard()
     from training.store.experiment import ExperimentStore
     from training.store.registry import open_store
 
-    return ExperimentStore(open_store(store_url), experiment)
-
-
-def pending_pseudograds(estore, fragments=None) -> list[str]:
-    """Ids of committed pseudo-gradients that are neither applied nor quarantined (of
-    `fragments`, default all), from the fragments' cursors: listings that start after them
-    and the small HEAD and manifest objects, never the history (and no jax)."""
-    return [r.id for refs in estore.pending(fragments).values() for r in refs]
+    return ExperimentStore(open_store(store_url), experiment, faults=faults)
 
 
 class DilocoStoreHook(BaseHook):  # type: ignore[misc]

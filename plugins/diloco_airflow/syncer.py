@@ -21,7 +21,7 @@ from typing import Any
 
 from airflow.sdk import BaseOperator
 
-from diloco_airflow import store
+from diloco_airflow import knobs, store
 from diloco_airflow.triggers import PollingTrigger
 
 log = logging.getLogger(__name__)
@@ -34,15 +34,18 @@ DEFER_SETTLE_S = 15.0
 
 
 def _open(store_url: str, experiment: str, chaos: bool = False, arm_kill: bool = False):
-    estore = store.open_experiment(store_url, experiment)
+    """The experiment's store; `chaos` (a merge shard): carrying the task's fault plan
+    (`knobs.fault_plan`, plus chaos mode's merge kill when `arm_kill`), storage faults on when
+    configured."""
     if not chaos:
-        return estore
+        return store.open_experiment(store_url, experiment)
     from training.config.experiment import parse_config
     from training.faults.chaos import arm_merge_kill, chaos_store
 
+    estore = store.open_experiment(store_url, experiment, knobs.fault_plan())
     cfg = parse_config(estore.read_config())
     if arm_kill:  # chaos.kill_merge_at: one merge process, shard 0's (never two at once)
-        arm_merge_kill(cfg, estore)
+        estore = estore.with_faults(arm_merge_kill(cfg, estore, estore.faults))
     return chaos_store(estore, cfg.chaos)
 
 
@@ -89,7 +92,6 @@ class SyncerShardOperator(BaseOperator):
             estore,
             self.shard,
             owner,
-            lambda: store.pending_pseudograds(estore),
             run_id=self.run_id,
             on_merge=on_merge,
             **self._housekeeping(),
@@ -124,7 +126,7 @@ class SyncerShardOperator(BaseOperator):
         """Shard 0 collects the experiment's garbage while it merges (`knobs.GC_EVERY_S`)."""
         if self.shard != 0:
             return {}
-        from diloco_airflow import knobs, retention
+        from diloco_airflow import retention
 
         plain = store.open_experiment(self.store_url, self.experiment)  # no chaos faults
         return {
@@ -249,7 +251,7 @@ class ShardTrigger(PollingTrigger):
             return {"status": "finished"}
         if lease_action(view.lease(), self.owner, time.time()) == "wait":
             return None
-        new = set(view.pending(cfg, lambda: store.pending_pseudograds(view.estore)))
+        new = set(view.pending(cfg))
         new -= set(self.seen)
         return {"status": "pending", "new": len(new)} if new else None
 

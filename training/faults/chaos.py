@@ -21,8 +21,10 @@
   uniformly among the live ones; deterministic given the seed. `kill_times` is the same schedule
   for virtual-clock benches.
 - Merge: `arm_merge_kill` makes the merge process SIGKILL itself at the named fault point
-  (`training/faults/points.py`, `DILOCO_FAULTS`) the first time any merge process of the experiment runs
-  with chaos on; a restarted merger finds the recorded event and is not armed again.
+  (`training/faults/points.py`) the first time any merge process of the experiment runs with
+  chaos on: it returns the process's `FaultPlan` with that point added, which `for_process`
+  hands to the store the merger uses (nothing goes through the environment); a restarted merger
+  finds the recorded event and is not armed again.
 
 Every injected event is written with `append_metric("chaos", {"event": ..., "at": unix time})`.
 """
@@ -39,7 +41,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
 from training.config.experiment import MERGE_FAULT_POINTS, ChaosConfig, ExperimentConfig
-from training.faults.points import FAULTS_ENV
+from training.faults.points import FaultPlan
 from training.store.experiment import ExperimentStore
 from training.store.objectstore import (
     Generation,
@@ -205,7 +207,7 @@ def chaos_store(store: ExperimentStore, chaos: ChaosConfig, **kwargs: Any) -> Ex
             at=time.time(),
         )
     )
-    return ExperimentStore(wrapped, store.experiment, store.max_workers)
+    return ExperimentStore(wrapped, store.experiment, store.max_workers, store.faults)
 
 
 # -- islands ----------------------------------------------------------------------------------
@@ -368,34 +370,34 @@ def parse_fault(spec: str) -> tuple[str, int]:
 
 
 def arm_merge_kill(
-    cfg: ExperimentConfig, store: ExperimentStore, environ: dict[str, str] | None = None
-) -> bool:
-    """Make this merge process SIGKILL itself at `chaos.kill_merge_at` (a point of
-    `training/faults/points.py`, optionally `point@n`), unless an earlier merge process was armed
-    already (the event is in the metrics). Records the event; True if armed."""
+    cfg: ExperimentConfig, store: ExperimentStore, faults: FaultPlan | None = None
+) -> FaultPlan | None:
+    """The fault plan of this merge process: `faults` (the entry point's, or None) plus a
+    SIGKILL at `chaos.kill_merge_at` (a point of `training/faults/points.py`, optionally
+    `point@n`), unless chaos mode names none or an earlier merge process was armed already (the
+    event is in the metrics): then `faults` itself. Records the event when it arms."""
     spec = cfg.chaos.kill_merge_at
     if not spec:
-        return False
+        return faults
     point, nth = parse_fault(spec)
     if point not in MERGE_FAULT_POINTS:
         raise ValueError(f"chaos.kill_merge_at: {point!r} is not a merge fault point")
     if any(e.get("event") == "merge_kill" for e in store.read_metrics("chaos")):
-        return False
-    environ = os.environ if environ is None else environ
-    plan = [p for p in environ.get(FAULTS_ENV, "").split(",") if p.strip()]
-    plan = [p for p in plan if parse_fault(p.strip())[0] != point] + [f"{point}@{nth}"]
+        return faults
     recorder(store)(
         dict(event="merge_kill", point=point, nth=nth, pid=os.getpid(), armed=True, at=time.time())
     )
-    environ[FAULTS_ENV] = ",".join(plan)
-    return True
+    return (faults or FaultPlan({})).with_point(point, nth)
 
 
 def for_process(cfg: ExperimentConfig, store: ExperimentStore, role: str) -> ExperimentStore:
-    """What a process entry point calls: the store to use (storage faults on when configured);
-    for role "merge", also arms the merge kill."""
+    """What a process entry point calls: the store to use, carrying `store.faults` (the
+    process's fault plan) and, for role "merge", the merge kill (`arm_merge_kill`); storage
+    faults on when configured (`chaos_store`: the plan survives the wrap)."""
     if role not in ("island", "merge"):
         raise ValueError(f"role must be 'island' or 'merge', not {role!r}")
     if role == "merge":
-        arm_merge_kill(cfg, store)
+        faults = arm_merge_kill(cfg, store, store.faults)
+        if faults is not store.faults:
+            store = store.with_faults(faults)
     return chaos_store(store, cfg.chaos)

@@ -11,11 +11,15 @@ reaches `point`. A killed process gets no chance to clean up, exactly like a pre
     ledger.partial              one ledger entry of several written
     merge.after-read            merger read its inputs, computed nothing yet
 
-The island's per-step point is a `FaultPlan` object its entry point hands to it
-(`FaultPlan.from_env()` in `diloco island`; none in simulators and tests: nothing is looked up
-on a step). The store and merge points go through `fault_point`, which follows DILOCO_FAULTS
-as it is when they are reached (a merge process arms itself by setting it: chaos.py), parsing
-it again only when it changed.
+A process's fault points are one `FaultPlan` object, handed over by its entry point and never
+looked up on the way: the island takes it (`Island(..., faults=plan)`: `island.step`), the
+`ExperimentStore` carries it (`ExperimentStore(..., faults=plan)`: the store's points), and the
+merger uses its store's (`merge.after-read`). `FaultPlan.from_env` is the one reader of
+DILOCO_FAULTS; only the entry points call it: `diloco island` and `diloco merge`
+(training/cli.py), the WAN bench's island process, and the Airflow tasks that merge in their own
+process (the syncer's shard tasks, `finalize`'s last merge). Chaos mode's merge kill adds its
+point to that plan (`training.faults.chaos.arm_merge_kill` returns the plan to use). Simulators
+and tests build plans themselves, or none: a store or island without a plan runs no fault code.
 """
 
 from __future__ import annotations
@@ -26,7 +30,8 @@ import threading
 from collections.abc import Mapping
 
 FAULTS_ENV = "DILOCO_FAULTS"
-"""The environment variable naming this process's fault points (read here only)."""
+"""The environment variable naming this process's fault points (read by `FaultPlan.from_env`
+only)."""
 
 
 def parse_plan(text: str) -> dict[str, int]:
@@ -48,11 +53,25 @@ class FaultPlan:
         self._counts: dict[str, int] = {}
         self._lock = threading.Lock()
 
+    def __repr__(self) -> str:
+        return f"FaultPlan({self.plan!r})"
+
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> FaultPlan | None:
-        """The plan DILOCO_FAULTS names, or None when it names none."""
+        """The plan DILOCO_FAULTS names, or None when it names none. The only reader of the
+        variable: entry points call it once and hand the plan over."""
         plan = parse_plan((os.environ if environ is None else environ).get(FAULTS_ENV, ""))
         return cls(plan) if plan else None
+
+    def with_point(self, point: str, nth: int = 1) -> FaultPlan:
+        """A new plan: this one with `point` planned at visit `nth` instead (visits already
+        counted still count)."""
+        if nth < 1:
+            raise ValueError(f"fault {point}@{nth}: the visit count must be >= 1")
+        plan = FaultPlan({**self.plan, point: nth})
+        with self._lock:
+            plan._counts = dict(self._counts)
+        return plan
 
     def hit(self, point: str) -> None:
         """Count a visit of `point`; SIGKILL this process at its planned visit."""
@@ -63,18 +82,3 @@ class FaultPlan:
             self._counts[point] = count = self._counts.get(point, 0) + 1
         if count == nth:
             os.kill(os.getpid(), signal.SIGKILL)
-
-
-_env_plan: tuple[str, FaultPlan] = ("", FaultPlan({}))
-
-
-def fault_point(point: str) -> None:
-    """SIGKILL this process if DILOCO_FAULTS asks for it at this visit of `point`."""
-    global _env_plan
-    text = os.environ.get(FAULTS_ENV, "")
-    if text != _env_plan[0]:
-        previous = _env_plan[1]
-        plan = FaultPlan(parse_plan(text))
-        plan._counts = dict(previous._counts)  # visits already made still count
-        _env_plan = (text, plan)
-    _env_plan[1].hit(point)

@@ -36,7 +36,6 @@ import numpy as np
 
 from training.codecs import host as codecs
 from training.config.experiment import ExperimentConfig
-from training.faults.points import fault_point
 from training.merge import rules
 from training.merge import stream as merge_stream
 from training.model import definition as model
@@ -178,7 +177,7 @@ class Merger:
                 self._repaired.add(h.dir)
         cursors = {p: ms.cursors for p, (_, ms) in versions.items()}
         pending = self.store.pending_after(cursors, [i.name for i in self.cfg.islands])
-        fault_point("merge.after-read")
+        self.store.hit_fault("merge.after-read")  # the store's fault plan (faults/points.py)
         active = self._active_islands()
         beats = claims.beats(self.store.heartbeats()) if any(pending.values()) else {}
         for head in heads:

@@ -6,18 +6,22 @@ runs this in mapped tasks of the experiment's own DAG run):
 - **Shards.** Fragments are partitioned over `syncer.shards` S: shard s merges the fragments
   p with ``p % S == s`` and never touches another shard's (`shard_fragments`).
 - **Lease.** One live syncer per shard: ``<experiment>/control/syncer/shard-{s}.json`` holds
-  ``{"owner", "expires_at", ...}``, written by compare-and-swap only. An owner takes a missing or
-  expired lease, renews its own while it merges and releases it when it ends; a syncer that
-  finds another owner's live lease stands by (`lease_action`). The lease is an efficiency rule,
-  not a safety one: two syncers on one shard stay exactly-once by the merge's own CAS.
+  ``{"owner", "expires_at", "holder"}``, written by compare-and-swap only (name:
+  `training.store.keys.lease_key`; record: `training.store.syncer_records`, docs/STORE.md "The
+  syncer's objects"). An owner takes a missing or expired lease, renews its own while it merges
+  and releases it when it ends; a syncer that finds another owner's live lease stands by
+  (`lease_action`). An object there that is not a lease counts as a free lease. The lease is an
+  efficiency rule, not a safety one: two syncers on one shard stay exactly-once by the merge's
+  own CAS.
 - **Draining.** `ShardSyncer.drain()` merges while contributions arrive (one `merge_once` after
   another while each makes progress; a grace window's `waiting_until` is honoured; otherwise a
   cheap look for pending work every `poll_s`), and returns after `idle_s` without a merge (the
   caller then waits somewhere cheap: a deferrable trigger) or, once the experiment is finished
   (`finished`), after a last drain.
 - **Finished** = every island of the config is done (or asked to leave), or the DAG run that
-  started this syncer has marked its islands ended (`mark_run_ended`: its island tasks are over,
-  successful or not). A STOP alone does not finish: islands publish their remainders first.
+  started this syncer has marked its islands ended (`mark_run_ended`, ``control/runs/...``: its
+  island tasks are over, successful or not). A STOP alone does not finish: islands publish their
+  remainders first.
 - **Housekeeping** (optional, shard 0 on Airflow): a `housekeeping()` callable (garbage
   collection of the store, `plugins/diloco_airflow/retention.py`) runs after a merge once
   `housekeeping_every_s` have passed since the last run, so the bucket does not fill up during a
@@ -25,7 +29,7 @@ runs this in mapped tasks of the experiment's own DAG run):
 - **Evaluation** (`Evaluator.run`) evaluates the current model at most every `eval_every_s`
   seconds while merges happen, in a process of its own, so it never delays a merge.
 
-Pure decisions: `shard_fragments`, `owned`, `lease_action`, `is_finished`, `eval_due`,
+Pure decisions: `shard_fragments`, `lease_action`, `is_finished`, `eval_due`,
 `housekeeping_due`. The rest is
 thin I/O over `ExperimentStore` (and `training.merge.merger.Merger`, imported lazily: this module is
 imported by Airflow triggers, which must not import jax).
@@ -33,11 +37,8 @@ imported by Airflow triggers, which must not import jax).
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import os
-import re
 import socket
 import time
 from collections.abc import Callable, Iterable
@@ -45,13 +46,26 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from training.config.experiment import ExperimentConfig, parse_config
-from training.store.experiment import ExperimentStore, parse_pseudograd_id
-from training.store.objectstore import StoreUnreachable, TransientStoreError
+from training.store.experiment import ExperimentStore
+from training.store.keys import lease_key, run_marker_key
+from training.store.objectstore import (
+    ObjectStore,
+    ObjectTooLarge,
+    StoreUnreachable,
+    TransientStoreError,
+)
+from training.store.safejson import LEASE
+from training.store.syncer_records import (
+    MAX_HOLDER,
+    BadLease,
+    Lease,
+    lease_record,
+    parse_lease,
+    run_marker_record,
+)
 
 log = logging.getLogger("diloco.syncer")
 
-LEASE_DIR = "control/syncer"
-RUNS_DIR = "control/runs"
 MAX_ERRORS = 5  # consecutive transient store errors before a drain gives up (the task retries)
 
 
@@ -63,48 +77,21 @@ def shard_fragments(num_fragments: int, shards: int, shard: int) -> list[int]:
     return [p for p in range(num_fragments) if p % shards == shard]
 
 
-def owned(ids: Iterable[str], fragments: Iterable[int]) -> list[str]:
-    """The pseudo-gradient ids among `ids` whose fragment is in `fragments` (bad ids dropped)."""
-    mine = set(fragments)
-    out = []
-    for pg_id in ids:
-        try:
-            fragment = parse_pseudograd_id(pg_id)[2]
-        except ValueError:
-            continue
-        if fragment in mine:
-            out.append(pg_id)
-    return out
-
-
 # -- leases ----------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Lease:
-    owner: str
-    expires_at: float
-    holder: str = ""  # host/pid of the process, for people
-
-    def live(self, now: float) -> bool:
-        return self.expires_at > now
-
-    def to_json(self) -> bytes:
-        return json.dumps(
-            {"owner": self.owner, "expires_at": self.expires_at, "holder": self.holder}
-        ).encode()
-
-    @classmethod
-    def parse(cls, data: bytes) -> Lease | None:
-        """The lease in `data` (untrusted), or None when it is not one (treated as free)."""
-        try:
-            raw = json.loads(data)
-            owner, expires = raw["owner"], raw["expires_at"]
-        except (ValueError, TypeError, KeyError):
-            return None
-        if not isinstance(owner, str) or isinstance(expires, bool):
-            return None
-        if not isinstance(expires, int | float) or expires != expires:  # NaN
-            return None
-        return cls(owner, float(expires), str(raw.get("holder", ""))[:200])
+def read_lease(store: ObjectStore, key: str) -> tuple[Lease | None, Any]:
+    """(the lease at `key` or None, its generation or None when absent). An object there that
+    `parse_lease` refuses (broken, hostile) counts as a free lease: (None, its generation), so
+    that a syncer takes it over by compare-and-swap. ObjectTooLarge past the lease's size cap
+    (read no further)."""
+    got = store.read_versioned(key, max_bytes=LEASE.max_bytes)
+    if got is None:
+        return None, None
+    data, generation = got
+    try:
+        return parse_lease(data), generation
+    except BadLease as exc:
+        log.warning("%s: %s: counted as a free lease", key, exc)
+        return None, generation
 
 
 def lease_action(current: Lease | None, owner: str, now: float) -> Literal["take", "renew", "wait"]:
@@ -127,30 +114,34 @@ class ShardLease:
         clock: Callable[[], float] = time.time,
     ):
         self.store = estore.store
-        self.key = f"{estore.experiment}/{LEASE_DIR}/shard-{shard}.json"
+        self.key = f"{estore.experiment}/{lease_key(shard)}"
         self.owner = owner
         self.lease_s = float(lease_s)
         self.clock = clock
-        self.holder = f"{socket.gethostname()}/{os.getpid()}"
+        self.holder = f"{socket.gethostname()}/{os.getpid()}"[:MAX_HOLDER]
+        lease_record(Lease(owner, 0.0, self.holder))  # ValueError now for an owner no one reads
         self.held_until: float | None = None
 
     def read(self) -> tuple[Lease | None, Any]:
-        """(the lease or None, its generation or None when absent)."""
-        got = self.store.read_versioned(self.key)
-        if got is None:
-            return None, None
-        data, generation = got
-        return Lease.parse(data), generation
+        """(the lease or None, its generation or None when absent): `read_lease`."""
+        return read_lease(self.store, self.key)
 
     def acquire(self) -> bool:
-        """Take or renew the lease; False while another owner's is live (or on a lost race)."""
-        current, generation = self.read()
+        """Take or renew the lease; False while another owner's is live (or on a lost race).
+        An object too large to be a lease is deleted first, then the lease is created (no
+        generation to swap from without reading it whole)."""
+        try:
+            current, generation = self.read()
+        except ObjectTooLarge as exc:
+            log.warning("%s: %s: deleted, counted as a free lease", self.key, exc)
+            self.store.delete(self.key)
+            current, generation = None, None
         now = self.clock()
         if lease_action(current, self.owner, now) == "wait":
             self.held_until = None
             return False
         new = Lease(self.owner, now + self.lease_s, self.holder)
-        if self.store.compare_and_swap(self.key, new.to_json(), generation):
+        if self.store.compare_and_swap(self.key, lease_record(new), generation):
             self.held_until = new.expires_at
             return True
         self.held_until = None
@@ -164,30 +155,30 @@ class ShardLease:
 
     def release(self) -> None:
         """End our lease now (expires_at 0) so that a standby syncer takes over at once."""
-        current, generation = self.read()
+        try:
+            current, generation = self.read()
+        except ObjectTooLarge:  # not a lease, so not ours
+            current, generation = None, None
         if current is not None and current.owner == self.owner:
             gone = Lease(self.owner, 0.0, self.holder)
-            self.store.compare_and_swap(self.key, gone.to_json(), generation)
+            self.store.compare_and_swap(self.key, lease_record(gone), generation)
         self.held_until = None
 
 
 # -- the end of a run ------------------------------------------------------------------------
-def run_key(run_id: str) -> str:
-    """A store-safe name for a DAG run id (Airflow's contain ':' and '+')."""
-    slug = re.sub(r"[^A-Za-z0-9_-]", "_", run_id)[:80].strip("_") or "run"
-    return f"{slug}-{hashlib.sha1(run_id.encode()).hexdigest()[:8]}"
-
-
-def mark_run_ended(estore: ExperimentStore, run_id: str, info: dict[str, Any]) -> None:
-    """Record that the island tasks of DAG run `run_id` are over (its syncer shards may end)."""
-    record = {"run_id": run_id, "ended_at": time.time(), **info}
-    estore.store.write(f"{estore.experiment}/{RUNS_DIR}/{run_key(run_id)}.json", _dump(record))
+def mark_run_ended(estore: ExperimentStore, run_id: str, islands: Iterable[str]) -> None:
+    """Record that the island tasks of DAG run `run_id` are over (its syncer shards may end):
+    `run_marker_record` at `run_marker_key(run_id)` (overwritten by a repeat)."""
+    data = run_marker_record(run_id, time.time(), islands)
+    estore.store.write(f"{estore.experiment}/{run_marker_key(run_id)}", data)
 
 
 def run_ended(estore: ExperimentStore, run_id: str | None) -> bool:
+    """Whether DAG run `run_id`'s islands ended: its marker exists (its content is for people
+    and tools: `syncer_records.parse_run_marker`)."""
     if not run_id:
         return False
-    return estore.store.exists(f"{estore.experiment}/{RUNS_DIR}/{run_key(run_id)}.json")
+    return estore.store.exists(f"{estore.experiment}/{run_marker_key(run_id)}")
 
 
 def is_finished(islands: Iterable[str], done: Iterable[str], left: Iterable[str], ended: bool):
@@ -222,15 +213,20 @@ class ShardView:
             run_ended(self.estore, self.run_id),
         )
 
-    def pending(self, cfg: ExperimentConfig, pending_ids: Callable[[], list[str]]) -> list[str]:
-        """This shard's committed, unapplied, unquarantined pseudo-gradients."""
-        return owned(pending_ids(), self.fragments(cfg))
+    def pending(self, cfg: ExperimentConfig) -> list[str]:
+        """Ids of this shard's committed, unapplied, unquarantined pseudo-gradients, from its
+        fragments' cursors (`ExperimentStore.pending`: listings that start after them and the
+        small HEAD and manifest objects, never the history; no jax)."""
+        return [r.id for refs in self.estore.pending(self.fragments(cfg)).values() for r in refs]
 
     def lease(self) -> Lease | None:
-        data = self.estore.store.read_versioned(
-            f"{self.estore.experiment}/{LEASE_DIR}/shard-{self.shard}.json"
-        )
-        return None if data is None else Lease.parse(data[0])
+        """The shard's lease; None when it is free (absent, or an object that is not a lease)."""
+        key = f"{self.estore.experiment}/{lease_key(self.shard)}"
+        try:
+            return read_lease(self.estore.store, key)[0]
+        except ObjectTooLarge as exc:
+            log.warning("%s: %s: counted as a free lease", key, exc)
+            return None
 
 
 def merge_line(shard: int, result: Any, now: float) -> str:
@@ -277,8 +273,9 @@ class DrainOutcome:
 class ShardSyncer:
     """One shard's syncer: `drain()` merges while work arrives (see the module docstring).
 
-    `pending_ids()` returns the experiment's pending pseudo-gradient ids (all shards; filtered
-    here). `merger_for(cfg, fragments)` builds the merger (default: `training.merge.merger.Merger`).
+    It looks for pending work in the store (`ShardView.pending`). `merger_for(cfg, fragments)`
+    builds the merger (default: `training.merge.merger.Merger`, over `estore`, whose fault plan
+    it hits).
     """
 
     def __init__(
@@ -286,7 +283,6 @@ class ShardSyncer:
         estore: ExperimentStore,
         shard: int,
         owner: str,
-        pending_ids: Callable[[], list[str]],
         *,
         run_id: str | None = None,
         clock: Callable[[], float] = time.time,
@@ -302,7 +298,6 @@ class ShardSyncer:
         self.housekept_at: float | None = None
         self.view = ShardView(estore, shard, run_id)
         self.shard = shard
-        self.pending_ids = pending_ids
         self.clock = clock
         self.sleep = sleep
         self.merger_for = merger_for or self._default_merger
@@ -379,7 +374,7 @@ class ShardSyncer:
                     return self.outcome
                 now = self.clock()
                 if wake_at is None and now - last_progress >= idle_s:
-                    self.outcome.pending = self.view.pending(self.cfg, self.pending_ids)
+                    self.outcome.pending = self.view.pending(self.cfg)
                     self.outcome.reason = "idle"
                     return self.outcome
                 nap = poll_s if wake_at is None else min(poll_s, max(0.0, wake_at - now))
@@ -388,7 +383,7 @@ class ShardSyncer:
                 if wake_at is not None and self.clock() >= wake_at:
                     merge_now, wake_at = True, None
                 else:
-                    merge_now = bool(self.view.pending(self.cfg, self.pending_ids))
+                    merge_now = bool(self.view.pending(self.cfg))
                 errors = 0
             except (TransientStoreError, StoreUnreachable) as exc:
                 errors += 1
@@ -483,7 +478,3 @@ class Evaluator:
             if now - changed_at >= s.idle_s:
                 return EvalOutcome("idle", self.evaluated, self.last_eval_at, records)
             self.sleep(max(s.poll_s, min(s.eval_every_s / 4, 5.0)))
-
-
-def _dump(obj: Any) -> bytes:
-    return json.dumps(obj, sort_keys=True).encode()

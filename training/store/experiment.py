@@ -4,7 +4,9 @@ The contract (what "committed" means, what a retry may repeat, how exactly-once 
 docs/STORE.md. In short: payloads go to unique names first, a small marker written last commits
 them, readers ignore anything without its marker, each fragment's HEAD advances only by compare-
 and-swap, and the ledger of applied pseudo-gradients is create-only. The named fault points
-(training/faults/points.py) sit between those steps so chaos tests can kill a process there.
+(training/faults/points.py) sit between those steps so chaos tests can kill a process there: a
+store built with `faults=` (the process's `FaultPlan`, from its entry point) calls its `hit`
+at each; a store without one runs no fault code.
 
 This module holds the I/O helpers, config, pseudo-gradients, ledger and quarantine; heartbeats,
 checkpoints, metrics and control are in training/store/island_objects.py, the per-fragment
@@ -24,13 +26,12 @@ import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
 from training.config.experiment import without_retired_fields
 from training.config.names import validate_name
-from training.faults.points import fault_point
 from training.store import island_records, merge_records, safejson
 from training.store.gc import GarbageCollection, GCPlan
 from training.store.island_objects import IslandObjects
@@ -84,6 +85,13 @@ class LayoutMismatch(StoreError):
     """config.json records another store layout than the one this code reads."""
 
 
+class FaultPoints(Protocol):
+    """What a store calls at its named fault points: `training.faults.points.FaultPlan` (the
+    store does not import it: faults sit above the store)."""
+
+    def hit(self, point: str) -> None: ...
+
+
 class ExperimentStore(FragmentVersions, GarbageCollection, IslandObjects):
     """The objects of one experiment under `<store root>/<experiment>/` (layout: docs/STORE.md).
 
@@ -94,10 +102,17 @@ class ExperimentStore(FragmentVersions, GarbageCollection, IslandObjects):
     CONFIG = "config.json"
     STOP = "control/STOP"
 
-    def __init__(self, store: ObjectStore, experiment: str, max_workers: int = 16):
+    def __init__(
+        self,
+        store: ObjectStore,
+        experiment: str,
+        max_workers: int = 16,
+        faults: FaultPoints | None = None,
+    ):
         self.store = store
         self.experiment = validate_name("experiment", experiment)
         self.max_workers = max_workers
+        self.faults = faults  # the process's fault points (training/faults/points.py), or None
         self._pool: ThreadPoolExecutor | None = None
         self._pool_pid = 0
         self._pool_lock = threading.Lock()
@@ -109,6 +124,16 @@ class ExperimentStore(FragmentVersions, GarbageCollection, IslandObjects):
 
     def __repr__(self) -> str:
         return f"ExperimentStore({self.url!r})"
+
+    def with_faults(self, faults: FaultPoints | None) -> ExperimentStore:
+        """The same experiment on the same object store, with the fault points `faults`."""
+        return ExperimentStore(self.store, self.experiment, self.max_workers, faults)
+
+    def hit_fault(self, point: str) -> None:
+        """A named fault point (training/faults/points.py): this store's plan, if any, may
+        SIGKILL the process here. The merger's `merge.after-read` goes through it too."""
+        if self.faults is not None:
+            self.faults.hit(point)
 
     # low-level helpers (public: the mixins and a few tests use them) ------------------------
     def object_key(self, relative: str) -> str:
@@ -353,7 +378,7 @@ class ExperimentStore(FragmentVersions, GarbageCollection, IslandObjects):
         parts = tensor_parts(tensors)
         payload = f"{stem}-{new_uuid8()}.safetensors"
         self.store.write_parts(self.object_key(payload), parts)
-        fault_point("pseudograd.payload-written")
+        self.hit_fault("pseudograd.payload-written")
         full = {
             **caller,
             "experiment": self.experiment,
@@ -527,7 +552,7 @@ class ExperimentStore(FragmentVersions, GarbageCollection, IslandObjects):
 
         outcomes = [record(ids[0])] if ids else []
         if len(ids) > 1:
-            fault_point("ledger.partial")
+            self.hit_fault("ledger.partial")
             outcomes += self.parallel(record, ids[1:])
         conflicts = [c for c in outcomes if c is not None]
         if conflicts:

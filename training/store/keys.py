@@ -4,11 +4,14 @@
 the same pieces, so listing and ids can never disagree (a name that lists is an id that
 parses). Widths are exact, digits are ASCII (`re.ASCII`: no Arabic-Indic or full-width digits),
 hex is lowercase, island names follow `training.config.names.NAME_PATTERN`. Anything else raises
-`BadName`, a `CorruptObject` and a `ValueError`.
+`BadName`, a `CorruptObject` and a `ValueError`. The builders of the names the code writes
+(`pseudograd_id`, `fragment_dir`, `checkpoint_dir`, and the syncer's `lease_key` and
+`run_marker_key`) make only names `parse_key` accepts.
 """
 
 from __future__ import annotations
 
+import hashlib
 import re
 from dataclasses import dataclass
 from typing import Any, NoReturn
@@ -43,6 +46,11 @@ METRIC_FILE = re.compile(r"([0-9]{20})-([0-9a-f]{8})\.json", _A)
 SNAPSHOT = re.compile(r"snapshots/([0-9]{20})-([0-9a-f]{8})\.json", _A)
 BEST = "snapshots/BEST.json"
 ROUNDS = "control/rounds.json"
+LEASE_DIR = "control/syncer"  # a syncer shard's lease (training/merge/syncer.py)
+RUNS_DIR = "control/runs"  # a DAG run's "its islands ended" marker (same)
+LEASE = re.compile(r"control/syncer/shard-(0|[1-9][0-9]{0,2})\.json", _A)
+RUN_SLUG = 80  # at most this many characters of a run id's slug
+RUN_MARKER = re.compile(r"control/runs/([A-Za-z0-9_-]{1,80})-([0-9a-f]{8})\.json", _A)
 
 
 @dataclass(frozen=True)
@@ -50,7 +58,7 @@ class ObjectName:
     """A parsed object name. `kind`: one of KINDS; the other fields are set where they apply:
     `id` for pseudo-gradient markers, payloads, ledger and quarantine entries; `fragment` for
     fragment HEADs and files; `dir` and `file` for fragment-version and checkpoint files;
-    `metric` for metric records."""
+    `metric` for metric records; `shard` for syncer leases."""
 
     kind: str
     island: str | None = None
@@ -62,6 +70,7 @@ class ObjectName:
     dir: str | None = None
     file: str | None = None
     metric: str | None = None
+    shard: int | None = None
 
 
 KINDS = (
@@ -82,6 +91,8 @@ KINDS = (
     "stop",
     "island-stop",
     "rounds",
+    "syncer-lease",
+    "run-marker",
 )
 
 
@@ -156,6 +167,31 @@ def checkpoint_dir(island: str, step: int, uuid8: str) -> str:
     return f"checkpoints/{island}/{name}"
 
 
+def lease_key(shard: int) -> str:
+    """ "control/syncer/shard-{shard}.json": the lease of syncer shard `shard` (a shard owns at
+    least one fragment, so shard <= MAX_FRAGMENT); BadName if out of range."""
+    return f"{LEASE_DIR}/shard-{_count('shard', shard, MAX_FRAGMENT)}.json"
+
+
+def run_slug(run_id: str) -> str:
+    """A store-safe name for a DAG run id (Airflow's contain ':' and '+'): its letters, digits,
+    '_' and '-' (others become '_'; at most RUN_SLUG, '_' stripped at both ends; "run" when
+    nothing is left), '-', then the first 8 hex digits of the id's sha1 (ids that share a slug
+    get different names)."""
+    try:
+        digest = hashlib.sha1(run_id.encode()).hexdigest()[:8]
+    except (AttributeError, UnicodeError):  # not a string; a lone surrogate
+        raise BadName(f"invalid run id {show(run_id)}: not a UTF-8 string") from None
+    slug = re.sub(r"[^A-Za-z0-9_-]", "_", run_id)[:RUN_SLUG].strip("_") or "run"
+    return f"{slug}-{digest}"
+
+
+def run_marker_key(run_id: str) -> str:
+    """ "control/runs/{run_slug(run_id)}.json": the marker that DAG run `run_id`'s islands
+    ended; BadName if `run_id` is not a UTF-8 string."""
+    return f"{RUNS_DIR}/{run_slug(run_id)}.json"
+
+
 def _refuse(key: Any, why: str) -> NoReturn:
     raise BadName(one_line(f"object name {show(key, 120)} {why}"))
 
@@ -175,6 +211,15 @@ def parse_key(key: Any) -> ObjectName:
         return ObjectName("rounds")
     if top == "control" and n == 3 and parts[1] == "stop" and is_name(parts[2]):
         return ObjectName("island-stop", island=parts[2])
+    if top == "control" and n == 3 and parts[1] == "syncer":
+        match = LEASE.fullmatch(key)
+        if match is None:
+            _refuse(key, "is not control/syncer/shard-<shard>.json")
+        return ObjectName("syncer-lease", shard=int(match[1]))
+    if top == "control" and n == 3 and parts[1] == "runs":
+        if RUN_MARKER.fullmatch(key) is None:
+            _refuse(key, "is not control/runs/<run slug>-<hex8>.json")
+        return ObjectName("run-marker")
     if top == "fragments":
         root = FRAGMENT_ROOT.fullmatch("/".join(parts[:2])) if n >= 2 else None
         if root and n == 3 and parts[2] == "HEAD.json":

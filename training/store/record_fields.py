@@ -3,7 +3,8 @@
 Every record an experiment's store holds (docs/STORE.md) has one parser: the merge side's in
 training/store/merge_records.py (pseudo-gradient manifests, HEAD, fragment manifests, ledger,
 quarantine), the islands' side in training/store/island_records.py (config, checkpoints,
-heartbeats, metrics, done markers, round clock). Each parser takes the object's bytes (read
+heartbeats, metrics, done markers, round clock), the syncer's in
+training/store/syncer_records.py (shard leases, run markers). Each parser takes the object's bytes (read
 through `safejson.load_json` with the kind's caps, `load_object`) or an already loaded dict, and
 returns the validated record or raises its own error type, a `BadRecord` (a `CorruptObject`) with
 a one-line reason. Nothing else escapes, whatever the input: the property tests in

@@ -56,6 +56,8 @@ CONFIG = JSONLimits(2**20, 16)
 CHECKPOINT_META = JSONLimits(4 * 2**20, 16)
 FRAGMENT_MANIFEST = JSONLimits(16 * 2**20, 16)  # merger-written; one merge's `applied` list
 SNAPSHOT = JSONLimits(256 * 2**10, 8)  # a snapshot record, BEST
+LEASE = JSONLimits(4 * 2**10, 1)  # a syncer shard's lease: one flat object
+RUN_MARKER = JSONLimits(256 * 2**10, 2)  # a DAG run's islands-ended marker: names its islands
 
 # A string literal. Once a '"' starts one it always matches (to its closing quote or the end),
 # possessively, so stripping the strings is linear even on hostile input.

@@ -19,7 +19,6 @@ from typing import Any
 
 import numpy as np
 
-from training.faults.points import fault_point
 from training.store import merge_records as records
 from training.store import safejson
 from training.store.keys import BEST, BadName, parse_fragment_dir
@@ -135,7 +134,7 @@ class FragmentVersions:
             sums[name], sizes[name] = checksum(parts), sum(len(p) for p in parts)
             self.store.write_parts(self.object_key(f"{directory}/{name}.safetensors"), parts)
             del parts
-        fault_point("global.payload-written")
+        self.hit_fault("global.payload-written")
         created = now()
         manifest = {
             **extra,
@@ -152,7 +151,7 @@ class FragmentVersions:
         }
         if not self.create_json(f"{directory}/manifest.json", manifest):
             raise StoreError(f"{self.url}/{directory}/manifest.json exists: uuid collision")
-        fault_point("global.before-cas")
+        self.hit_fault("global.before-cas")
         pointer = dump_json({"version": version, "dir": directory})
         generation = self.store.compare_and_swap_generation(
             self.object_key(f"{root}/HEAD.json"),
@@ -162,7 +161,7 @@ class FragmentVersions:
         if generation is None:
             log.info("%s: lost the race for fragment %d version %d", self.url, fragment, version)
             return None
-        fault_point("global.after-cas")
+        self.hit_fault("global.after-cas")
         self.record_applied(ids, version)
         return HeadPointer(fragment, version, directory, generation)
 

@@ -94,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-steps", type=int, default=None)
     p.add_argument("--step-pad-s", type=float, default=0.0, help="idle seconds after every step")
     args = p.parse_args(argv)
-    estore = ExperimentStore(open_store(args.store), args.experiment)
+    faults = FaultPlan.from_env()  # one plan: the island's step and its store's points
+    estore = ExperimentStore(open_store(args.store), args.experiment, faults=faults)
     cfg = parse_config(estore.read_config())
     if args.checkpoints:
         estore = RegionalCheckpoints(
@@ -107,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         step_log=Path(args.step_log),
         step_pad_s=args.step_pad_s,
         background=True,
-        faults=FaultPlan.from_env(),
+        faults=faults,
         chaos=IslandChaos.for_island(cfg, args.island, estore),
     )
     print(json.dumps(island.run(max_steps=args.max_steps)), flush=True)
