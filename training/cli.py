@@ -10,7 +10,8 @@
     diloco list    --store URL [--json]
     diloco history --store URL --experiment NAME [--json]
     diloco report  --store URL --experiment NAME --out DIR
-    diloco bench   quality | goodput-sim | chaos | merge | wan | science | island | scavenge  [...]
+    diloco bench   quality | goodput-sim | chaos | merge | wan | science | island | scavenge
+                   | device  [...]
 
 Every error a user can cause (a bad config, name or URL, an unreachable store, a corrupt object)
 ends with one line on stderr and exit status 2.
@@ -251,6 +252,10 @@ def cmd_bench(args, rest: list[str]) -> int:
         from training.bench import science
 
         return science.main(rest)
+    if args.bench == "device":
+        from training.bench import device
+
+        return device.main(rest)
     raise ConfigError(f"unknown benchmark {args.bench!r}")
 
 
@@ -376,7 +381,8 @@ def build_parser() -> argparse.ArgumentParser:
     # no help of its own: `diloco bench NAME --help` reaches the benchmark's parser
     sp = sub.add_parser(
         "bench",
-        help="benchmarks: quality, goodput-sim, chaos, merge, wan, science, island, scavenge",
+        help="benchmarks: quality, goodput-sim, chaos, merge, wan, science, island, scavenge, "
+        "device",
         add_help=False,
     )
     sp.add_argument("bench", nargs="?", choices=BENCHES)
@@ -384,7 +390,17 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-BENCHES = ["quality", "goodput-sim", "chaos", "merge", "wan", "science", "island", "scavenge"]
+BENCHES = [
+    "quality",
+    "goodput-sim",
+    "chaos",
+    "merge",
+    "wan",
+    "science",
+    "island",
+    "scavenge",
+    "device",
+]
 
 
 def main(argv: list[str] | None = None) -> int:

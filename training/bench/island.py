@@ -15,7 +15,12 @@ Checkpoint policy: every P publish rounds (once per H steps), or as `--every-rou
 Rows for 1b and 12b are computed at 1 s per step and 200 MB/s to the store: bytes per
 checkpoint and per publish against the interval they must hide behind.
 
+Model and batch (defaults: the preset's compute dtype rule, 16 x 64 tokens a step) are flags, so
+that the same rows can be measured at an accelerator's sizes (devtools/device_check.sh): each row
+names its resolved compute dtype, sequence length, batch size and device.
+
     diloco bench island --json runs/bench_island.json [--presets tiny small] [--fragments 1 4 24]
+        [--compute-dtype bfloat16] [--seq-len 1024] [--batch-size 16] [--gc-keep 1]
 """
 
 from __future__ import annotations
@@ -33,14 +38,22 @@ COMPUTED = ("1b", "12b")
 STEP_S, STORE_BPS = 1.0, 200e6
 
 
-def _cfg(preset: str, P: int, H: int, every_rounds: int | None):
+def _cfg(
+    preset: str,
+    P: int,
+    H: int,
+    every_rounds: int | None,
+    compute_dtype: str = "auto",
+    seq_len: int = 64,
+    batch_size: int = 16,
+):
     from training.config.experiment import parse_config
 
     return parse_config(
         {
             "name": "bench-island",
-            "model": {"preset": preset},
-            "data": {"seq_len": 64, "batch_size": 16},
+            "model": {"preset": preset, "compute_dtype": compute_dtype},
+            "data": {"seq_len": seq_len, "batch_size": batch_size},
             "inner": {"H": H, "tau": 1},
             "fragments": {"count": P, "strategy": "tensors"},
             "codec": "int8",
@@ -71,16 +84,30 @@ class _Timer:
         setattr(obj, method, timed)
 
 
-def measure(preset: str, P: int, H: int, repeats: int, every_rounds: int | None) -> dict:
+def measure(
+    preset: str,
+    P: int,
+    H: int,
+    repeats: int,
+    every_rounds: int | None,
+    compute_dtype: str = "auto",
+    seq_len: int = 64,
+    batch_size: int = 16,
+    gc_keep: int | None = None,
+) -> dict:
+    """One row; `gc_keep` N: after each (untimed) merge, the store's garbage collection keeps
+    the newest N versions per fragment (and version 0), so that a large model's versions and
+    checkpoints do not fill the disk; None: nothing is collected."""
     import jax
 
     from training.data.corpus import BatchLoader
     from training.island.process import Island
     from training.merge.merger import Merger, initial_version
+    from training.model.definition import compute_dtype as resolved_dtype
     from training.store.experiment import ExperimentStore
     from training.store.registry import open_store
 
-    cfg = _cfg(preset, P, H, every_rounds)
+    cfg = _cfg(preset, P, H, every_rounds, compute_dtype, seq_len, batch_size)
     with tempfile.TemporaryDirectory(prefix="bench-island-") as tmp:
         store = ExperimentStore(open_store(f"file://{tmp}/store"), cfg.name)
         store.write_config(json.loads(cfg.to_json()))
@@ -117,11 +144,16 @@ def measure(preset: str, P: int, H: int, repeats: int, every_rounds: int | None)
             jax.block_until_ready(params)
             return time.perf_counter() - t
 
+        def merge() -> None:  # untimed
+            merger.merge_all()
+            if gc_keep is not None:
+                store.collect_garbage(store.plan_gc(keep_last=gc_keep))
+
         for _ in range(3):  # warm-up: compiles, two publishes and an adopt per fragment
             island_block()
             bare_block()
             island.drain_background()
-            merger.merge_all()
+            merge()
         timer.seconds.clear()
         times: dict[str, list[float]] = {"bare": [], "island": []}
         cpu: dict[str, float] = {"bare": 0.0, "island": 0.0}
@@ -136,7 +168,7 @@ def measure(preset: str, P: int, H: int, repeats: int, every_rounds: int | None)
             # untimed: the I/O thread finishes its uploads, the merger merges them, and the
             # island adopts in its next block
             island.drain_background()
-            merger.merge_all()
+            merge()
         island.close_background()
         state_bytes = sum(
             int(x.size) * x.dtype.itemsize
@@ -149,6 +181,10 @@ def measure(preset: str, P: int, H: int, repeats: int, every_rounds: int | None)
         preset=preset,
         fragments=P,
         H=H,
+        compute_dtype=str(resolved_dtype(cfg.model)),
+        seq_len=cfg.data.seq_len,
+        batch_size=cfg.data.batch_size,
+        device=f"{jax.default_backend()}: {jax.devices()[0].device_kind}",
         every_rounds=cfg.checkpoint.every_rounds,
         repeats=repeats,
         bare_step_s=bare,
@@ -202,7 +238,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--H", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--every-rounds", type=int, default=None, help="default: P")
+    ap.add_argument(
+        "--compute-dtype",
+        choices=["auto", "float32", "bfloat16"],
+        default="auto",
+        help="model.compute_dtype (auto: bfloat16 on an accelerator, float32 on the CPU)",
+    )
+    ap.add_argument("--seq-len", type=int, default=64, help="data.seq_len")
+    ap.add_argument("--batch-size", type=int, default=16, help="data.batch_size")
+    ap.add_argument(
+        "--gc-keep",
+        type=int,
+        default=None,
+        metavar="N",
+        help="after each untimed merge, garbage-collect all but the newest N versions per "
+        "fragment (large models on a small disk); default: keep everything",
+    )
     args = ap.parse_args(argv)
+    if args.gc_keep is not None and args.gc_keep < 1:
+        ap.error(f"--gc-keep must be >= 1, got {args.gc_keep}")
     from training.config.experiment import ModelConfig
     from training.model import definition as model
 
@@ -223,7 +277,17 @@ def main(argv: list[str] | None = None) -> int:
         tensors = len(model.abstract_params(ModelConfig(preset=preset)))
         for P in args.fragments:
             P_used = min(P, tensors)
-            row = measure(preset, P_used, args.H, args.repeats, args.every_rounds)
+            row = measure(
+                preset,
+                P_used,
+                args.H,
+                args.repeats,
+                args.every_rounds,
+                args.compute_dtype,
+                args.seq_len,
+                args.batch_size,
+                args.gc_keep,
+            )
             row["fragments_asked"] = P
             rows.append(row)
             print(

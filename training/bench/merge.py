@@ -11,10 +11,12 @@ outer state in and out) in the parent process. Peak RSS is sampled every millise
 from the largest measured row's throughput and peak ratio. Codec rows time each codec's encode
 and decode of one 16M-element tensor (best of 5: into new arrays, as `codecs.decode`, and chunk by
 chunk into one reused array, as the streaming merge) against a memcpy of its fp32 bytes between
-two preallocated buffers (best of 5).
+two preallocated buffers (best of 5). `--json` is written after every measured row (a run cut
+short keeps them) and whole at the end.
 
     diloco bench merge --json runs/bench_merge.json [--presets tiny small 125m] [--fragments 1 4 24]
     diloco bench merge --presets          # the codec rows only
+    diloco bench merge ... --codec-elems 65536   # smaller codec rows (a quick check)
 """
 
 from __future__ import annotations
@@ -333,8 +335,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--contributions", type=int, default=4)
     ap.add_argument("--codec", default="int8")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument(
+        "--codec-elems",
+        type=int,
+        default=16 * 2**20,
+        help="elements of the tensor the codec rows encode and decode (default 16M)",
+    )
     ap.add_argument("--child", nargs="+", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.codec_elems < 1:
+        ap.error(f"--codec-elems must be >= 1, got {args.codec_elems}")
     if args.child:
         kind, url, preset, P, M, codec, *rest = args.child
         if kind == "setup":
@@ -360,10 +370,13 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
             rows.append(row)
+            if args.json:  # after every row: a run cut short keeps the rows it measured
+                args.json.parent.mkdir(parents=True, exist_ok=True)
+                args.json.write_text(json.dumps({"rows": rows, "codecs": []}, indent=1))
     rows += computed_rows(
         [r for r in rows if r["measured"]], args.fragments, args.contributions, args.codec
     )
-    codec_table = codec_rows()
+    codec_table = codec_rows(args.codec_elems)
     print(format_table(rows))
     for c in codec_table:
         print(
