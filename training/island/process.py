@@ -40,6 +40,9 @@ Multi-host islands (several processes, one per host; training/island/multihost.p
 runs this loop on one mesh over all their devices; process 0 alone writes to the store, and
 what depends on the store or a clock is process 0's decision, handed to the others
 (`ProcessGroup.agree`). A single process (`group=None`) takes none of those paths.
+
+Length: just past 500 lines: the loop and its stop and checkpoint decisions in one place; the
+state, adopt and publish paths are in their own modules.
 """
 
 from __future__ import annotations

@@ -20,8 +20,8 @@ So a contribution is applied at most once (only a version that won the CAS count
 cursors and `applied` list are what the next attempt reads) and at least once (it stays pending
 until a version of its fragment names it). Fragments are independent: two shards never contend.
 
-Length: just past 500 lines; the decisions are in merge_rules.py and merge_stream.py, what is
-left is the I/O of one merge round in order.
+Length: about 570 lines, on purpose: the decisions are in rules.py and stream.py, what is left
+is the I/O of one merge round in the order above, which reads best unbroken.
 """
 
 from __future__ import annotations

@@ -18,6 +18,9 @@ The merger (training/merge/merger.py) is the I/O shell around these:
 
 Sign convention: deltas are pseudo-gradients (global minus local, training/protocol/pseudograd.py); the
 outer step moves the parameters against them.
+
+Length: just past 500 lines: every pure rule of the merge in one place, beside the tests that
+derive them by hand (tests/test_merge_rules.py).
 """
 
 from __future__ import annotations
