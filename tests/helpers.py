@@ -100,3 +100,29 @@ class FakeClock:
         for item in [h for h in self.at if h[0] <= self.t]:
             self.at.remove(item)
             item[1]()
+
+
+def small_dag_params(name: str, store_url: str, islands, overrides=None, **changes) -> dict:
+    """The trigger form of a small experiment (tiny model, seq 32, batch 2, 4 shards) with local
+    islands `islands`; `overrides` adds to the form's overrides, `changes` to its fields."""
+    return {
+        "experiment_name": name,
+        "store_url": store_url,
+        "model_preset": "tiny",
+        "islands": [{"name": n, "backend": "local", "hardware": {}} for n in islands],
+        "H": 4,
+        "codec": "fp32",
+        "token_budget": 10**6,
+        "overrides": {
+            "model.d_model": 32,
+            "model.n_heads": 2,
+            "model.d_ff": 64,
+            "model.max_seq_len": 32,
+            "data.seq_len": 32,
+            "data.batch_size": 2,
+            "data.eval_batches": 1,
+            "data.num_shards": 4,
+            **(overrides or {}),
+        },
+        **changes,
+    }

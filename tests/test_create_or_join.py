@@ -7,6 +7,7 @@ import pytest
 from diloco_airflow import experiment_setup
 from diloco_airflow.params import config_from_params
 
+from tests.helpers import small_dag_params
 from training import cli
 from training.config.experiment import ConfigError
 from training.merge.create import create_or_join
@@ -25,26 +26,7 @@ def airflow_init(monkeypatch):
 
 def _params(store_url: str, islands, **changes) -> dict:
     """The trigger form of a small experiment (the model and batch of tests/test_join.py)."""
-    return {
-        "experiment_name": NAME,
-        "store_url": store_url,
-        "model_preset": "tiny",
-        "islands": [{"name": n, "backend": "local", "hardware": {}} for n in islands],
-        "H": 4,
-        "codec": "fp32",
-        "token_budget": 10**6,
-        "overrides": {
-            "model.d_model": 32,
-            "model.n_heads": 2,
-            "model.d_ff": 64,
-            "model.max_seq_len": 32,
-            "data.seq_len": 32,
-            "data.batch_size": 2,
-            "data.eval_batches": 1,
-            "data.num_shards": 4,
-        },
-        **changes,
-    }
+    return small_dag_params(NAME, store_url, islands, **changes)
 
 
 def _cli_init(capsys, tmp_path, params: dict) -> tuple[int, str, str]:

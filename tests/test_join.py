@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from tests.gcs_fixture import BACKENDS, gcs_bucket, open_backend  # noqa: F401
-from tests.helpers import new_store, publish_delta, random_delta, small_config
+from tests.helpers import new_store, publish_delta, random_delta, small_config, small_dag_params
 from training.config.experiment import ConfigError, join_islands, parse_config
 from training.merge.create import add_islands
 from training.merge.merger import Merger
@@ -196,26 +196,7 @@ def init(monkeypatch):
 
 
 def _params(store_url, islands, **overrides):
-    return {
-        "experiment_name": "dagjoin",
-        "store_url": store_url,
-        "model_preset": "tiny",
-        "islands": [{"name": n, "backend": "local", "hardware": {}} for n in islands],
-        "H": 4,
-        "codec": "fp32",
-        "token_budget": 10**6,
-        "overrides": {
-            "model.d_model": 32,
-            "model.n_heads": 2,
-            "model.d_ff": 64,
-            "model.max_seq_len": 32,
-            "data.seq_len": 32,
-            "data.batch_size": 2,
-            "data.eval_batches": 1,
-            "data.num_shards": 4,
-            **overrides,
-        },
-    }
+    return small_dag_params("dagjoin", store_url, islands, overrides)
 
 
 def test_init_task_creates_then_joins(tmp_path, init):
