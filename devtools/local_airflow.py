@@ -10,7 +10,7 @@ lock whose owner is dead is taken over), then refuses a port in use, each with o
 everything they started on SIGINT and SIGTERM alike (`stop_on_signals`).
 
 Runs scheduler, triggerer, dag-processor and api-server (LocalExecutor on SQLite) in a
-project-local AIRFLOW_HOME with the project's dags/ and plugins/. Every component leads its own
+project-local AIRFLOW_HOME with the project's dags/ (the package installed, as a user's). Every component leads its own
 process group (setsid), so `stop()` ends it and everything it forked (LocalExecutor workers, task
 processes); island processes of the local backend lead their own groups and are stopped by
 `stop_islands()`.
@@ -42,6 +42,7 @@ from diloco_airflow import knobs  # noqa: E402
 from diloco_airflow.backends.local import group_members  # noqa: E402
 from diloco_airflow.backends.registry import BACKENDS  # noqa: E402
 from diloco_airflow.pools import CONTROL_POOL, pool_for  # noqa: E402
+from diloco_airflow.ui import installed_entry_point  # noqa: E402
 
 COMPONENTS = ("scheduler", "triggerer", "dag-processor", "api-server")
 USER, PASSWORD = "admin", "admin"
@@ -54,7 +55,10 @@ def default_port() -> int:
 
 
 def port_in_use(port: int) -> bool:
+    """True when a live socket holds `port` on loopback. SO_REUSEADDR as the api-server binds:
+    the TIME-WAIT sockets that a stopped server leaves for a minute do not count."""
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
         except OSError:
@@ -188,17 +192,14 @@ class LocalAirflow:
         if not secret_file.exists():
             secret_file.write_text(secrets.token_urlsafe(32))
         plugins = str(self.root / "plugins")
-        from diloco_airflow.ui import install_shim
-
-        install_shim(self.home / "plugins")  # the DiLoCo page (Browse -> DiLoCo)
         pythonpath = [str(self.root), plugins, *os.environ.get("PYTHONPATH", "").split(os.pathsep)]
         env = {
             **os.environ,
             "AIRFLOW_HOME": str(self.home),
             "AIRFLOW__CORE__DAGS_FOLDER": str(self.root / "dags"),
-            # the project's plugins/ goes on PYTHONPATH (importable by every component, the
-            # triggerer included); Airflow's plugin folder stays empty so that it does not exec
-            # each module of the package as a top-level module of its own
+            # the package is installed (editable): Airflow loads the page through its entry
+            # point. The checkout also goes first on PYTHONPATH so that a worktree's code runs
+            # in every component; Airflow's plugins folder stays empty, as in a user's install
             "AIRFLOW__CORE__PLUGINS_FOLDER": str(self.home / "plugins"),
             "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
             "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
@@ -231,7 +232,13 @@ class LocalAirflow:
         """Take the home's lock, check the port, migrate the DB, start the components.
 
         Refuses (AirflowError, one line, nothing in the home touched) when another live
-        instance holds the home or the port is in use."""
+        instance holds the home or the port is in use, and when the package is not installed
+        (Airflow finds the DiLoCo page only through its entry point)."""
+        if installed_entry_point() is None:
+            raise AirflowError(
+                "the decoupled-diloco package is not installed in this Python (no 'airflow.plugins'"
+                " entry point): run `make venv` or `pip install -e .`"
+            )
         self.lock.acquire()
         if port_in_use(self.port):
             self.lock.release()

@@ -76,6 +76,10 @@ def test_scavenge_offers_the_backends_the_experiment_offers(monkeypatch, tmp_pat
     from airflow.dag_processing.dagbag import DagBag
 
     monkeypatch.setenv("DILOCO_BACKENDS", "local")
+    # the package's DAG modules read the deployment's knobs when imported, once per parsing
+    # process in Airflow (the dag-processor forks one per file): parse afresh here too
+    for name in [m for m in sys.modules if m.startswith("diloco_airflow.dags.")]:
+        monkeypatch.delitem(sys.modules, name)
     bag = DagBag(dag_folder=str(DAGS))
 
     def groups(dag_id: str, prefix: str) -> set[str]:

@@ -22,6 +22,7 @@ from devtools.local_airflow import (
     LocalAirflow,
     group_alive,
     groups_still_alive,
+    port_in_use,
 )
 from tests.airflow_fixture import free_port
 
@@ -94,6 +95,51 @@ def test_a_refused_start_touches_none_of_the_other_instances_files(tmp_path):
     af.stop()
     assert sorted(p.name for p in home.iterdir()) == ["local-airflow.lock", "pids.json"]
     assert (home / "pids.json").read_text() == '{"scheduler": 1}'
+
+
+def test_a_start_without_the_installed_package_is_refused_with_one_line(tmp_path, monkeypatch):
+    """Airflow finds the page only through the package's entry point: without it `start` says
+    so before it touches anything."""
+    import devtools.local_airflow as la
+
+    monkeypatch.setattr(la, "installed_entry_point", lambda: None)
+    af = LocalAirflow(home=tmp_path / "home", port=free_port())
+    with pytest.raises(AirflowError, match="not installed") as err:
+        af.start()
+    assert "\n" not in str(err.value)
+    assert not (tmp_path / "home").exists()
+
+
+def test_a_port_left_in_time_wait_by_a_stopped_server_is_free(tmp_path):
+    """Ctrl-C, then `make airflow` again: the old server's accepted connections sit in TIME-WAIT
+    on its port for a minute; the check binds as the server does (SO_REUSEADDR) and passes."""
+    import socket
+
+    port = free_port()
+    server = socket.socket()
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    server.bind(("127.0.0.1", port))
+    server.listen()
+    client = socket.create_connection(("127.0.0.1", port))
+    conn, _ = server.accept()
+    conn.close()  # the server closes first: its end (on `port`) goes to TIME-WAIT
+    client.recv(1)
+    client.close()
+    server.close()
+    plain = socket.socket()
+    with pytest.raises(OSError):  # the state the old check refused: a bind without the option
+        plain.bind(("127.0.0.1", port))
+    plain.close()
+    assert port_in_use(port) is False
+
+
+def test_a_listening_port_is_in_use():
+    import socket
+
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        assert port_in_use(server.getsockname()[1]) is True
 
 
 def _serve(home: Path, port: int) -> subprocess.Popen:

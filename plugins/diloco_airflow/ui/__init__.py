@@ -1,23 +1,19 @@
-"""The DiLoCo page in the Airflow UI: plugin.py (the AirflowPlugin), api.py (its FastAPI app),
-auth.py (Airflow's auth on every API route), sources.py (stores and runs), page.html."""
+"""The DiLoCo page in the Airflow UI: plugin.py (the AirflowPlugin, found by Airflow through the
+package's `airflow.plugins` entry point), api.py (its FastAPI app), auth.py (Airflow's auth on
+every API route), sources.py (stores and runs), page.html."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
-SHIM_NAME = "diloco_page.py"
-SHIM = (
-    '"""Loads the DiLoCo page plugin (plugins/diloco_airflow/ui/plugin.py)."""\n\n'
-    "from diloco_airflow.ui.plugin import DilocoPagePlugin  # noqa: F401\n"
-)
+ENTRY_POINT_GROUP = "airflow.plugins"
+ENTRY_POINT_VALUE = "diloco_airflow.ui.plugin:DilocoPagePlugin"
 
 
-def install_shim(plugins_folder: str | Path) -> Path:
-    """Write the one-line module that makes Airflow load the page plugin into Airflow's plugins
-    folder (the project's plugins/ itself is on PYTHONPATH, not Airflow's plugins folder)."""
-    folder = Path(plugins_folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / SHIM_NAME
-    if not path.exists() or path.read_text() != SHIM:
-        path.write_text(SHIM)
-    return path
+def installed_entry_point():
+    """The installed entry point that makes Airflow load this plugin, or None when the package
+    is not installed (a checkout on PYTHONPATH only: Airflow would show no DiLoCo page)."""
+    from importlib.metadata import entry_points
+
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        if ep.value == ENTRY_POINT_VALUE:
+            return ep
+    return None

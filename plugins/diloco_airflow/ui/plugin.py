@@ -8,10 +8,9 @@
   bucket" on the merge shards and the other tasks (links.py).
 - A listener (run_notes.py): every run's note names its experiment.
 
-Airflow loads it from `$AIRFLOW_HOME/plugins/diloco_page.py` (`local_airflow` writes that
-one-line shim, `diloco_airflow.ui.install_shim`: the project's plugins/ is on PYTHONPATH, not
-Airflow's plugins folder). On Composer, where `plugins/` is copied into the environment's plugins
-folder, Airflow finds this file itself.
+Airflow loads it through the `airflow.plugins` entry point of the installed package
+(pyproject.toml), on every deployment alike: `pip install` is all it takes, no file in Airflow's
+plugins folder and nothing on PYTHONPATH (`diloco_airflow.ui.installed_entry_point`).
 """
 
 from __future__ import annotations
