@@ -125,6 +125,7 @@ def test_default_params_make_a_valid_config():
 
 
 def test_syncer_params_are_derived_from_the_config():
+    from diloco_airflow import params as form
     from diloco_airflow.params import config_from_params, experiment_params
 
     from training.config.experiment import SyncerConfig
@@ -132,7 +133,8 @@ def test_syncer_params_are_derived_from_the_config():
     params = experiment_params()
     for name, info in SyncerConfig.model_fields.items():
         p = params[f"syncer_{name}"]
-        assert p.value == info.default and p.description == info.description, name
+        default = form.FORM_DEFAULTS.get(f"syncer_{name}", info.default)
+        assert p.value == default and p.description == info.description, name
     values = {k: p.value for k, p in params.items()}
     cfg = config_from_params({**values, "fragments": 2, "syncer_shards": 2})
     assert cfg.syncer.shards == 2

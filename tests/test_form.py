@@ -14,7 +14,7 @@ from diloco_airflow import params as form
 from diloco_airflow.backends.base import HARDWARE_KEYS
 from diloco_airflow.backends.registry import BACKENDS, enabled_backends
 
-from training.config.experiment import ChaosConfig, ExperimentConfig, IslandConfig
+from training.config.experiment import ChaosConfig
 from training.config.hardware import gke_tpu_slice
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,21 +30,35 @@ def test_every_field_has_a_title_and_a_description(params):
     assert missing == []
 
 
-def test_the_forms_defaults_are_the_librarys(params):
-    """The form's defaults make exactly the config the library makes by default (H 32, ...),
-    but for the name, the store and the islands' backend (the form's own, FORM_DEFAULTS)."""
+def test_the_forms_defaults_are_the_librarys_but_for_its_own(params):
+    """The form's defaults make the config the library makes by default but for the form's own
+    (FORM_DEFAULTS: the name, the store, three islands and the demo's measured settings)."""
     values = {k: p.value for k, p in params.items()}
     cfg = form.config_from_params(values)
-    library = ExperimentConfig(
-        name=cfg.name,
-        store_url=cfg.store_url,
-        islands=[IslandConfig(name=i.name, backend=i.backend) for i in cfg.islands],
+    own = {k: v for k, v in form.FORM_DEFAULTS.items() if v is not None and k in form.FIELD_MAP}
+    library = form.config_from_params(
+        {"experiment_name": cfg.name, "store_url": cfg.store_url, "islands": values["islands"]}
+        | own
     )
     assert cfg == library
 
 
-def test_the_h_default_is_the_librarys(params):
-    assert params["H"].value == ExperimentConfig.model_fields["inner"].default.H == 32
+def test_the_form_defaults_to_the_demos_measured_setup(params):
+    """H 20, P 2, S 2, three islands: docs/BENCHMARKS.md "The demo"."""
+    cfg = form.config_from_params({k: p.value for k, p in params.items()})
+    assert (cfg.inner.H, cfg.fragments.count, cfg.syncer.shards, len(cfg.islands)) == (20, 2, 2, 3)
+
+
+def test_the_demo_triggers_the_forms_defaults():
+    """One source of truth: the demo's conf is the form's but for name, store, budget and the
+    islands' backend (local)."""
+    from devtools.demo import demo_conf
+
+    conf = demo_conf("d", "file:///tmp/d", budget=123)
+    values = form.form_values()
+    changed = {k for k in values if conf[k] != values[k]}
+    assert changed <= {"experiment_name", "store_url", "token_budget", "islands"}
+    assert [i["name"] for i in conf["islands"]] == [i["name"] for i in values["islands"]]
 
 
 def test_chaos_lists_every_chaos_key(params):

@@ -43,8 +43,7 @@ STORE_PATTERN = r"^(file:///.+|gs://[a-z0-9][a-z0-9._-]{1,220}[a-z0-9](/.*)?)$"
 """The store URLs a run can use: a local directory (this machine only) or a GCS bucket."""
 
 DEFAULT_ISLANDS = [
-    {"name": "island-0", "speed": 1.0, "backend": BACKENDS[0], "hardware": {}},
-    {"name": "island-1", "speed": 1.0, "backend": BACKENDS[0], "hardware": {}},
+    {"name": f"island-{i}", "speed": 1.0, "backend": BACKENDS[0], "hardware": {}} for i in range(3)
 ]
 
 ISLAND_SCHEMA = {
@@ -75,15 +74,38 @@ FIELD_MAP: dict[str, str] = {
     "outer_method": "outer.method",
     "outer_lr": "outer.lr",
     "outer_momentum": "outer.momentum",
+    "inner_lr": "inner.lr",
     "quorum": "outer.quorum",
     "token_budget": "token_budget",
     "heartbeat_s": "heartbeat_s",
     "chaos": "chaos",
 }
-FORM_DEFAULTS = {"experiment_name": "diloco-demo", "store_url": None, "islands": None}
-"""Params whose default is the form's own, not the config's: the config has no default name;
+FORM_DEFAULTS: dict[str, Any] = {
+    "experiment_name": "diloco-demo",
+    "store_url": None,
+    "islands": None,
+    # the configuration docs/BENCHMARKS.md measures ("The demo": +2 to +4.6% over a single
+    # process at 2M tokens; the library's H 32, P 1, S 1 on two islands: +7 to +12%)
+    "H": 20,
+    "fragments": 2,
+    "syncer_shards": 2,
+    "inner_lr": 0.002,
+    "outer_lr": 0.5,
+    "outer_momentum": 0.8,
+    "heartbeat_s": 2.0,
+    "syncer_poll_s": 0.2,
+    "syncer_eval_every_s": 10.0,
+}
+"""Params whose default is the form's own, not the config's. The config has no default name;
 its store default is a relative path (`DILOCO_DEFAULT_STORE` instead) and its islands default
-has no backend choice (the form's: two islands on the first backend offered)."""
+has no backend choice (the form's: three islands, `DEFAULT_ISLANDS`, on the first backend
+offered). The training settings are those of the measured demo (`make demo` uses this form's
+defaults: `form_values`); the config's own defaults stay the library's (`diloco init`)."""
+
+
+def form_values() -> dict[str, Any]:
+    """The form's default values, as a trigger with an untouched form sends them."""
+    return {name: copy.deepcopy(p.value) for name, p in experiment_params().items()}
 
 
 def config_default(dotted: str) -> Any:
@@ -109,7 +131,7 @@ def _syncer_params() -> dict[str, Param]:
         gt = next((m.gt for m in info.metadata if isinstance(m, Gt)), None)
         bounds = {} if gt is None else {"exclusiveMinimum": gt}
         out[f"syncer_{name}"] = Param(
-            info.default,
+            FORM_DEFAULTS.get(f"syncer_{name}", info.default),
             type=kind,
             title=f"Syncer: {name}",
             description=info.description,
@@ -160,8 +182,10 @@ def experiment_params() -> dict[str, Param]:
 
 
 def _field(name: str, **schema: Any) -> Param:
-    """The Param `name` with its config field's default (`config_default`)."""
-    return Param(config_default(FIELD_MAP[name]), **schema)
+    """The Param `name` with the form's default (`FORM_DEFAULTS`), else its config field's
+    (`config_default`)."""
+    default = FORM_DEFAULTS[name] if name in FORM_DEFAULTS else config_default(FIELD_MAP[name])
+    return Param(default, **schema)
 
 
 def _form() -> dict[str, Param]:
@@ -199,6 +223,9 @@ def _form() -> dict[str, Param]:
         "codec": _field("codec", type="string", enum=CODECS, title="Pseudo-gradient codec"),
         "outer_method": _field(
             "outer_method", type="string", enum=OUTER_METHODS, title="Outer method"
+        ),
+        "inner_lr": _field(
+            "inner_lr", type="number", exclusiveMinimum=0, title="Inner learning rate"
         ),
         "outer_lr": _field(
             "outer_lr", type="number", exclusiveMinimum=0, title="Outer learning rate"
