@@ -128,3 +128,20 @@ def test_enabled_backends_reads_the_setting_in_the_configs_order():
     assert enabled_backends("gke, local") == ("local", "gke")
     with pytest.raises(ValueError, match="DILOCO_BACKENDS"):
         enabled_backends("local,slurm")
+
+
+def test_no_number_field_has_a_bound_the_form_would_clamp(params):
+    """Airflow's form turns `minimum` / `maximum` into the input's min / max, which rewrite
+    what was typed (H 0 became 1 on blur): the form's number fields use exclusive bounds."""
+    clamping = [
+        n
+        for n, p in params.items()
+        if p.schema.get("type") in ("integer", "number") and {"minimum", "maximum"} & set(p.schema)
+    ]
+    assert clamping == []
+
+
+@pytest.mark.parametrize("field", ["H", "fragments", "quorum", "token_budget"])
+def test_the_api_refuses_zero_where_the_config_needs_one(params, field):
+    with pytest.raises(ParamValidationError, match="minimum of 0"):
+        params[field].resolve(0)

@@ -60,6 +60,14 @@ def check_backends(cfg, offered: tuple[str, ...]) -> None:
             )
 
 
+def budget_warning(cfg) -> str | None:
+    """The warning of a budget that would take longer than `knobs.BUDGET_HORIZON_H` hours on
+    the config's islands (`training.config.estimate`), or None."""
+    from training.config.estimate import budget_warning as estimate
+
+    return estimate(cfg, knobs.BUDGET_HORIZON_H.get())
+
+
 def init_experiment(params: dict[str, Any]) -> dict[str, list]:
     """Validate the form, create the experiment or join it, return the islands by backend
     (``{"local": [...], "tpu_vm": [...], "gke": [...]}``, `IslandEntry.to_dict` each) and the
@@ -76,6 +84,9 @@ def init_experiment(params: dict[str, Any]) -> dict[str, list]:
     from training.merge.create import create_or_join
 
     cfg = config_from_params(params)
+    warning = budget_warning(cfg)
+    if warning:
+        log.warning("init: %s", warning)
     offered = enabled_backends()
     estore = store.DilocoStoreHook(store_url=cfg.store_url).experiment(cfg.name)
     result = create_or_join(cfg, estore, checks=[lambda c: check_backends(c, offered)])

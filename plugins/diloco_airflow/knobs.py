@@ -66,6 +66,13 @@ HEARTBEAT_TIMEOUT_S = Knob(
 EXPERIMENT_SCHEDULE = Knob(
     "DILOCO_EXPERIMENT_SCHEDULE", None, str, "cron or preset of diloco_experiment (default: none)"
 )
+BUDGET_HORIZON_H = Knob(
+    "DILOCO_BUDGET_HORIZON_H",
+    24.0,
+    float,
+    "init (and the run's note) warn when the token budget would take longer than this many "
+    "hours on the run's islands (training/config/estimate.py)",
+)
 BACKENDS = Knob(
     "DILOCO_BACKENDS",
     None,
@@ -145,6 +152,7 @@ KNOBS: tuple[Knob, ...] = (
     ISLAND_RETRIES,
     HEARTBEAT_TIMEOUT_S,
     EXPERIMENT_SCHEDULE,
+    BUDGET_HORIZON_H,
     BACKENDS,
     DEFAULT_STORE,
     SCAVENGE_SCHEDULE,

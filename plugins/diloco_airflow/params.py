@@ -5,6 +5,11 @@ field in dotted form (``{"data.batch_size": 8}``). The JSON-schema checks here r
 input in the UI / REST API (400 with the reason); `config_from_params` then validates the whole
 config with pydantic (`ConfigError`, one line) in the first task.
 
+No number field has a ``minimum`` or ``maximum``: Airflow's form makes them the input's
+``min``/``max``, which rewrite what the user typed on blur (H 0 became 1). Lower bounds are
+``exclusiveMinimum`` (the API refuses with the reason, the input keeps the value), or left to
+the config's validation in ``init`` (one line).
+
 No jax import here (this module is imported at DAG parse time); `training.config.experiment` is pydantic only.
 The syncer's fields (`syncer_*`) are derived from `training.config.experiment.SyncerConfig`: its defaults,
 bounds, titles and descriptions.
@@ -218,8 +223,8 @@ def _form() -> dict[str, Param]:
             title="Islands",
             description=hardware_description(),
         ),
-        "H": _field("H", type="integer", minimum=1, title="H: inner steps per publish"),
-        "fragments": _field("fragments", type="integer", minimum=1, title="Fragments (P)"),
+        "H": _field("H", type="integer", exclusiveMinimum=0, title="H: inner steps per publish"),
+        "fragments": _field("fragments", type="integer", exclusiveMinimum=0, title="Fragments (P)"),
         "codec": _field("codec", type="string", enum=CODECS, title="Pseudo-gradient codec"),
         "outer_method": _field(
             "outer_method", type="string", enum=OUTER_METHODS, title="Outer method"
@@ -231,13 +236,13 @@ def _form() -> dict[str, Param]:
             "outer_lr", type="number", exclusiveMinimum=0, title="Outer learning rate"
         ),
         "outer_momentum": _field(
-            "outer_momentum", type="number", minimum=0, exclusiveMaximum=1, title="Outer momentum"
+            "outer_momentum", type="number", exclusiveMaximum=1, title="Outer momentum"
         ),
-        "quorum": _field("quorum", type="integer", minimum=1, title="Quorum K"),
+        "quorum": _field("quorum", type="integer", exclusiveMinimum=0, title="Quorum K"),
         "token_budget": _field(
             "token_budget",
             type="integer",
-            minimum=1,
+            exclusiveMinimum=0,
             title="Token budget (total)",
             description="Tokens merged into the global model, all islands together; the run "
             "ends there. At least one batch per island (data.batch_size x data.seq_len each).",
