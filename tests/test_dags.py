@@ -119,7 +119,7 @@ def test_params_match_config_presets():
 def test_default_params_make_a_valid_config():
     from diloco_airflow.params import config_from_params, experiment_params
 
-    values = {k: p.value for k, p in experiment_params().items()}
+    values = {k: p.value for k, p in experiment_params().items()} | {"experiment_name": "t"}
     cfg = config_from_params(values)
     assert values["H"] == cfg.inner.H and cfg.fragments.count == values["fragments"]
 
@@ -135,7 +135,7 @@ def test_syncer_params_are_derived_from_the_config():
         p = params[f"syncer_{name}"]
         default = form.FORM_DEFAULTS.get(f"syncer_{name}", info.default)
         assert p.value == default and p.description == info.description, name
-    values = {k: p.value for k, p in params.items()}
+    values = {k: p.value for k, p in params.items()} | {"experiment_name": "t"}
     cfg = config_from_params({**values, "fragments": 2, "syncer_shards": 2})
     assert cfg.syncer.shards == 2
 
@@ -145,7 +145,7 @@ def test_bad_params_fail_with_one_line():
 
     from training.config.experiment import ConfigError
 
-    values = {k: p.value for k, p in experiment_params().items()}
+    values = {k: p.value for k, p in experiment_params().items()} | {"experiment_name": "t"}
     values["overrides"] = {"data.seq_len": 10_000}
     with pytest.raises(ConfigError) as err:
         config_from_params(values)

@@ -33,7 +33,7 @@ def test_every_field_has_a_title_and_a_description(params):
 def test_the_forms_defaults_are_the_librarys_but_for_its_own(params):
     """The form's defaults make the config the library makes by default but for the form's own
     (FORM_DEFAULTS: the name, the store, three islands and the demo's measured settings)."""
-    values = {k: p.value for k, p in params.items()}
+    values = {k: p.value for k, p in params.items()} | {"experiment_name": "t"}
     cfg = form.config_from_params(values)
     own = {k: v for k, v in form.FORM_DEFAULTS.items() if v is not None and k in form.FIELD_MAP}
     library = form.config_from_params(
@@ -45,7 +45,7 @@ def test_the_forms_defaults_are_the_librarys_but_for_its_own(params):
 
 def test_the_form_defaults_to_the_demos_measured_setup(params):
     """H 20, P 2, S 2, three islands: docs/BENCHMARKS.md "The demo"."""
-    cfg = form.config_from_params({k: p.value for k, p in params.items()})
+    cfg = form.config_from_params(form.run_params(form.form_values(), "r"))
     assert (cfg.inner.H, cfg.fragments.count, cfg.syncer.shards, len(cfg.islands)) == (20, 2, 2, 3)
 
 
@@ -145,3 +145,26 @@ def test_no_number_field_has_a_bound_the_form_would_clamp(params):
 def test_the_api_refuses_zero_where_the_config_needs_one(params, field):
     with pytest.raises(ParamValidationError, match="minimum of 0"):
         params[field].resolve(0)
+
+
+@pytest.mark.parametrize(
+    "run_id, name",
+    [
+        ("scheduled__2026-12-03T20:03:00+00:00", "diloco-scheduled-20261203t200300"),
+        ("manual__2026-12-03T20:03:00.5+00:00_AbCd1234", "diloco-manual-20261203t2003005-abcd1234"),
+        ("My run!", "diloco-my-run-f55e95fc"),  # sha1("My run!")[:8]
+    ],
+)
+def test_a_run_without_a_name_trains_a_new_experiment_named_after_it(run_id, name):
+    assert form.experiment_of({"experiment_name": None}, run_id) == name
+
+
+def test_a_named_run_trains_that_experiment():
+    assert form.experiment_of({"experiment_name": "exp1"}, "scheduled__x") == "exp1"
+
+
+def test_the_form_leaves_the_name_empty_so_each_run_gets_its_own(params):
+    assert params["experiment_name"].value is None
+    assert params["experiment_name"].resolve(None) is None
+    with pytest.raises(ParamValidationError):
+        params["experiment_name"].resolve("Bad Name")

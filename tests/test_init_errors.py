@@ -19,7 +19,7 @@ from training.store.registry import open_store
 
 
 def _values(store_url: str, **changes) -> dict:
-    values = {k: p.value for k, p in experiment_params().items()}
+    values = {k: p.value for k, p in experiment_params().items()} | {"experiment_name": "t"}
     return {**values, "store_url": store_url, **changes}
 
 

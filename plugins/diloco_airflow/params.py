@@ -18,6 +18,8 @@ bounds, titles and descriptions.
 from __future__ import annotations
 
 import copy
+import hashlib
+import re
 from typing import Any, get_args
 
 from airflow.sdk import Param
@@ -86,7 +88,7 @@ FIELD_MAP: dict[str, str] = {
     "chaos": "chaos",
 }
 FORM_DEFAULTS: dict[str, Any] = {
-    "experiment_name": "diloco-demo",
+    "experiment_name": None,  # a new experiment per run: `experiment_of`
     "store_url": None,
     "islands": None,
     # the configuration docs/BENCHMARKS.md measures ("The demo": +2 to +4.6% over a single
@@ -106,6 +108,43 @@ its store default is a relative path (`DILOCO_DEFAULT_STORE` instead) and its is
 has no backend choice (the form's: three islands, `DEFAULT_ISLANDS`, on the first backend
 offered). The training settings are those of the measured demo (`make demo` uses this form's
 defaults: `form_values`); the config's own defaults stay the library's (`diloco init`)."""
+
+
+RUN_PREFIX = "diloco"
+"""The experiment of a run without a name is ``diloco-<the run, compacted>`` (`experiment_of`)."""
+
+_RUN_ID = re.compile(
+    r"(?P<kind>[a-z_]+)__(?P<date>\d{4}-\d\d-\d\d)T(?P<time>\d\d:\d\d:\d\d)"
+    r"(?:\.(?P<frac>\d{1,6}))?(?:\+00:00|Z)?(?:_(?P<rand>[A-Za-z0-9]{1,16}))?"
+)
+
+
+def run_part(run_id: str) -> str:
+    """A DAG run id as a name part, one to one for Airflow's own ids:
+    ``scheduled__2026-12-03T20:03:00+00:00`` -> ``scheduled-20261203t200300`` (a manual run's
+    random tail too: ``manual__...T20:03:00.5+00:00_Ab12`` -> ``manual-...t2003005-ab12``); any other id: its
+    letters and digits (at most 40) and 8 hex digits of its SHA-1."""
+    m = _RUN_ID.fullmatch(run_id)
+    if m and len(m["kind"]) <= 20:
+        stamp = (m["date"] + "t" + m["time"]).replace("-", "").replace(":", "")
+        rand = f"-{m['rand'].lower()}" if m["rand"] else ""
+        return f"{m['kind'].replace('_', '-')}-{stamp}{m['frac'] or ''}{rand}"
+    slug = re.sub(r"[^a-z0-9]+", "-", run_id.lower()).strip("-")[:40].strip("-")
+    digest = hashlib.sha1(run_id.encode()).hexdigest()[:8]
+    return f"{slug}-{digest}" if slug else digest
+
+
+def experiment_of(params: dict[str, Any], run_id: str) -> str:
+    """The experiment DAG run `run_id` trains: the form's name when given (created, or joined
+    when it exists), else a new one for this run, ``diloco-<run>`` (`run_part`): a schedule, or a
+    trigger with the name left empty, starts a new experiment every run."""
+    name = params.get("experiment_name")
+    return name if name else f"{RUN_PREFIX}-{run_part(run_id)}"
+
+
+def run_params(params: dict[str, Any], run_id: str) -> dict[str, Any]:
+    """`params` with the run's experiment name filled in (`experiment_of`)."""
+    return {**params, "experiment_name": experiment_of(params, run_id)}
 
 
 def form_values() -> dict[str, Any]:
@@ -198,11 +237,13 @@ def _form() -> dict[str, Param]:
     return {
         "experiment_name": Param(
             FORM_DEFAULTS["experiment_name"],
-            type="string",
+            type=["null", "string"],
             pattern=NAME_PATTERN,
             title="Experiment name",
-            description="Lowercase letters, digits, '-' (the store's prefix and the run's "
-            "note). The same name again = join that experiment with the islands listed here.",
+            description="Empty: a new experiment for this run, named diloco-<run> (every "
+            "scheduled run starts its own). A name (lowercase letters, digits, '-'): that "
+            "experiment, created when new; an existing one is continued with the islands "
+            "listed here. The run's note says which.",
         ),
         "store_url": Param(
             knobs.DEFAULT_STORE.get(),

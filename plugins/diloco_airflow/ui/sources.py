@@ -86,6 +86,8 @@ class AirflowSource(StaticSource):
         return runs
 
     def _run_rows(self) -> list[dict[str, Any]]:
+        from diloco_airflow.params import experiment_of
+
         default = _default_store()
         rows = []
         for r in self._recent_runs():
@@ -96,7 +98,7 @@ class AirflowSource(StaticSource):
                     state=_state(r.state),
                     start_date=r.start_date.isoformat() if r.start_date else None,
                     end_date=r.end_date.isoformat() if r.end_date else None,
-                    experiment=conf.get("experiment_name", "diloco-demo"),
+                    experiment=experiment_of(conf, r.run_id),
                     store=conf.get("store_url", default),
                     link=run_link(r.run_id),
                 )
