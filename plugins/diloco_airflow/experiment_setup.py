@@ -34,8 +34,13 @@ def permanent_reason(exc: BaseException) -> str | None:
     return None
 
 
+INIT_ERROR_KEY = "init_error"
+"""The XCom key of a failed init's one-line reason (the DiLoCo tab of its run shows it)."""
+
+
 def run_init(params: dict[str, Any]) -> dict[str, list]:
-    """`init_experiment`, with permanent errors raised as `AirflowFailException` (no retry)."""
+    """`init_experiment`, with permanent errors raised as `AirflowFailException` (no retry),
+    their reason also pushed as the XCom `INIT_ERROR_KEY` (in a task)."""
     try:
         return init_experiment(params)
     except Exception as exc:
@@ -45,7 +50,18 @@ def run_init(params: dict[str, Any]) -> dict[str, list]:
         from airflow.sdk.exceptions import AirflowFailException
 
         log.error("init: %s", reason)
+        _push_reason(reason)
         raise AirflowFailException(reason) from None
+
+
+def _push_reason(reason: str) -> None:
+    from airflow.sdk import get_current_context
+
+    try:
+        ti = get_current_context()["ti"]
+    except Exception:  # not in a task (tests, `dag.test` without a context)
+        return
+    ti.xcom_push(key=INIT_ERROR_KEY, value=reason)
 
 
 def check_backends(cfg, offered: tuple[str, ...]) -> None:
