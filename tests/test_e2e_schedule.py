@@ -1,9 +1,10 @@
 """A schedule makes a new experiment per run, finalized once, on a real Airflow (issue 24 item 3).
 
-`diloco_experiment` gets a schedule (`DILOCO_EXPERIMENT_SCHEDULE=@daily`, read at parse time)
-and three of its intervals are run (a backfill over three past days: the scheduler's runs for
-three schedule intervals, each with a conf that names no experiment and only makes the model
-small, as a deployment's form defaults would). Each run trains its own experiment
+`diloco_experiment` gets a schedule (`DILOCO_EXPERIMENT_SCHEDULE`, read at parse time: monthly,
+so that unpausing it starts no run of its own during the test) and three of its intervals are
+run (a backfill over three past months: the scheduler's runs for three schedule intervals, each
+with a conf that names no experiment and only makes the model small, as a deployment's form
+defaults would). Each run trains its own experiment
 (`diloco-backfill-<date>`, from its run id), each experiment is finalized by its own run alone
 (`control/finalized.json` names it), and every run has a note naming its experiment.
 
@@ -38,14 +39,15 @@ def _conf(store_url: str) -> dict:
 
 def test_three_scheduled_runs_make_three_experiments_finalized_once_each(tmp_path, gcs_bucket):  # noqa: F811
     store = tmp_path / "store"
-    with running_airflow(tmp_path, DILOCO_EXPERIMENT_SCHEDULE="@daily") as af:
+    with running_airflow(tmp_path, DILOCO_EXPERIMENT_SCHEDULE="0 0 1 * *") as af:
         af.wait_healthy()
         af.ensure_pools()
         af.wait_dag(DAG)
+        af.unpause(DAG)  # the scheduler starts no run of a paused DAG, backfills included
         body = {
             "dag_id": DAG,
             "from_date": "2026-01-01T00:00:00Z",
-            "to_date": "2026-01-03T00:00:00Z",
+            "to_date": "2026-03-01T00:00:00Z",
             "dag_run_conf": _conf(f"file://{store}"),
             "max_active_runs": RUNS,
         }

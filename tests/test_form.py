@@ -168,3 +168,37 @@ def test_the_form_leaves_the_name_empty_so_each_run_gets_its_own(params):
     assert params["experiment_name"].resolve(None) is None
     with pytest.raises(ParamValidationError):
         params["experiment_name"].resolve("Bad Name")
+
+
+def test_descriptions_name_no_environment_variable_or_code_path(params):
+    code = re.compile(r"DILOCO_|\.py\b|diloco_airflow\.|training\.|control/|[A-Z]+_PRESETS")
+    assert {
+        n: code.findall(p.description) for n, p in params.items() if code.search(p.description)
+    } == {}
+
+
+def test_no_description_says_a_sentence_twice(params):
+    """The form's own text replaces the field's (token_budget said "total tokens merged, all
+    islands" twice)."""
+    twice = {}
+    for n, p in params.items():
+        parts = [s.strip().lower() for s in re.split(r"[.;]", p.description) if len(s.strip()) > 15]
+        if len(parts) != len(set(parts)):
+            twice[n] = p.description
+    assert twice == {}
+    assert params["token_budget"].description.count("all islands") == 1
+
+
+def test_only_optional_fields_lack_the_required_mark(params):
+    """Airflow's form marks a field required unless its type allows null."""
+    optional = {n for n, p in params.items() if "null" in (p.schema.get("type") or [])}
+    assert optional == {"experiment_name", "chaos", "overrides"}
+
+
+def test_the_retired_eval_every_versions_is_not_in_the_form(params):
+    assert not [n for n in params if "versions" in n]
+
+
+def test_the_preset_points_at_where_its_dimensions_change(params):
+    text = params["model_preset"].description
+    assert "fields below" not in text and "Other config fields" in text

@@ -161,9 +161,13 @@ def test_the_page_shows_the_store_and_stops_islands(tmp_path, gcs_bucket):  # no
             page.goto(f"{af.base}/diloco/")
             page.locator("[data-testid=stop-experiment]").click()
             _until(lambda: estore.stop_requested(None), 15, "control/STOP")
+            state = af.wait_run(DAG, run_id, 240)
+            # the island is done: its button no longer says "stopping"
+            page.goto(f"{af.base}/diloco/?run_id={quote(run_id, safe='')}")
+            done = page.locator("tr[data-island=island-a] button[data-act=stop]")
+            sync_api.expect(done).to_have_text("stopped", timeout=15_000)
             browser.close()
 
-        state = af.wait_run(DAG, run_id, 240)
         assert state == "success", f"run ended {state} after the stops"
 
 

@@ -177,7 +177,7 @@ def _syncer_params() -> dict[str, Param]:
         out[f"syncer_{name}"] = Param(
             FORM_DEFAULTS.get(f"syncer_{name}", info.default),
             type=kind,
-            title=f"Syncer: {name}",
+            title="Syncer: " + re.sub(r"_s$", " (s)", name).replace("_", " "),
             description=info.description,
             **bounds,
         )
@@ -214,13 +214,12 @@ def experiment_params() -> dict[str, Param]:
     """The trigger form. Defaults form a valid config, so the DAG also runs on a schedule.
 
     Every Param mapped onto a config field has that field's default (`_field`; except
-    `FORM_DEFAULTS`) and its description, after the form's own text where it has one."""
+    `FORM_DEFAULTS`) and its description, unless the form has its own text for it."""
     docs = field_docs()
     params = _form()
     for name, param in params.items():
-        doc = docs.get(FIELD_MAP.get(name, ""), "")
-        own = param.description or ""
-        description = f"{own} ({doc})" if own and doc and doc not in own else (own or doc)
+        # the form's own text replaces the field's (never both: no sentence twice)
+        description = param.description or docs.get(FIELD_MAP.get(name, ""), "")
         params[name] = Param(param.value, description=description, **param.schema)
     return params
 
@@ -252,10 +251,19 @@ def _form() -> dict[str, Param]:
             title="Store URL",
             description="Where the experiment lives: file:///abs/path (this machine only) or "
             "gs://bucket/prefix. On Cloud Composer, or with islands on TPU VMs or GKE, use a "
-            "gs:// bucket that the workers and islands can write to (the deployment's default "
-            f"is {knobs.DEFAULT_STORE.name}).",
+            "gs:// bucket that the workers and islands can write to (the default is the "
+            "deployment's).",
         ),
-        "model_preset": _field("model_preset", type="string", enum=PRESETS, title="Model preset"),
+        "model_preset": _field(
+            "model_preset",
+            type="string",
+            enum=PRESETS,
+            title="Model preset",
+            description="The model's size: tiny .. 12b (GPT: learned positions, GELU MLP) or "
+            "gemma-tiny .. gemma-12b (rotary positions, GeGLU, grouped-query attention, "
+            'QK-norm). To change one dimension, add it to "Other config fields", e.g. '
+            '{"model.n_layers": 4}.',
+        ),
         "islands": Param(
             copy.deepcopy(DEFAULT_ISLANDS),
             type="array",
@@ -294,7 +302,7 @@ def _form() -> dict[str, Param]:
         **_syncer_params(),
         "chaos": _field(
             "chaos",
-            type="object",
+            type=["null", "object"],
             title="Chaos (fault injection)",
             description=chaos_description(),
             properties=_chaos_properties(),
@@ -302,7 +310,7 @@ def _form() -> dict[str, Param]:
         ),
         "overrides": Param(
             {},
-            type="object",
+            type=["null", "object"],
             title="Other config fields",
             description='Dotted overrides of any other config field, e.g. {"data.batch_size": '
             '8, "inner.lr": 0.003}; `diloco init --help` lists them all.',
