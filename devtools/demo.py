@@ -326,6 +326,9 @@ def _demo(af: LocalAirflow, runs: Path, started: float) -> int:
     if tokens:
         print(f"[demo] single-process run of the same {tokens:,} tokens...", flush=True)
         s["single_process_eval_loss"] = single_process_loss(estore, tokens)
+        # recorded in the store: `diloco report` shows it against the best eval
+        record = {"loss": s["single_process_eval_loss"], "tokens": tokens, "at": time.time()}
+        estore.append_metric("baseline", {**record, "method": "single process"})
     final, single = s["final_eval_loss"], s["single_process_eval_loss"]
     if final is not None and single:
         s["final_vs_single_process"] = round(final / single - 1, 4)

@@ -18,6 +18,12 @@ from diloco_airflow.island_entry import island_entry
 
 log = logging.getLogger(__name__)
 
+# jax probes for a TPU on first use and logs "Unable to initialize backend 'tpu': ... libtpu.so"
+# at INFO, the first line of every init log on a worker without one: only its warnings show.
+# Every task of diloco_experiment imports this module (the DAG file does).
+JAX_PROBE_LOGGER = "jax._src.xla_bridge"
+logging.getLogger(JAX_PROBE_LOGGER).setLevel(logging.WARNING)
+
 
 def permanent_reason(exc: BaseException) -> str | None:
     """The one-line reason when `exc` is an error no retry can fix, else None (retry it):
