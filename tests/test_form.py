@@ -202,3 +202,17 @@ def test_the_retired_eval_every_versions_is_not_in_the_form(params):
 def test_the_preset_points_at_where_its_dimensions_change(params):
     text = params["model_preset"].description
     assert "fields below" not in text and "Other config fields" in text
+
+
+def test_a_deployment_sets_the_forms_defaults(monkeypatch):
+    """DILOCO_FORM_DEFAULTS: what an untouched form, and so a scheduled run, trains."""
+    monkeypatch.setenv("DILOCO_FORM_DEFAULTS", '{"token_budget": 1024, "H": 4}')
+    values = form.form_values()
+    assert (values["token_budget"], values["H"], values["fragments"]) == (1024, 4, 2)
+
+
+@pytest.mark.parametrize("setting", ['{"tokens": 5}', '{"H": 0}', "[1]"])
+def test_a_bad_deployment_default_fails_the_dag_with_the_reason(monkeypatch, setting):
+    monkeypatch.setenv("DILOCO_FORM_DEFAULTS", setting)
+    with pytest.raises((ValueError, ParamValidationError)):
+        form.experiment_params()

@@ -214,13 +214,22 @@ def experiment_params() -> dict[str, Param]:
     """The trigger form. Defaults form a valid config, so the DAG also runs on a schedule.
 
     Every Param mapped onto a config field has that field's default (`_field`; except
-    `FORM_DEFAULTS`) and its description, unless the form has its own text for it."""
+    `FORM_DEFAULTS`) and its description, unless the form has its own text for it. A
+    deployment's `DILOCO_FORM_DEFAULTS` (`knobs.FORM_DEFAULTS`) replaces defaults last: what
+    an untouched form and every scheduled run train."""
     docs = field_docs()
     params = _form()
+    deployment = knobs.FORM_DEFAULTS.get()
+    unknown = sorted(set(deployment) - set(params))
+    if unknown:
+        raise ValueError(f"{knobs.FORM_DEFAULTS.name}: unknown form fields {unknown}")
     for name, param in params.items():
         # the form's own text replaces the field's (never both: no sentence twice)
         description = param.description or docs.get(FIELD_MAP.get(name, ""), "")
-        params[name] = Param(param.value, description=description, **param.schema)
+        value = copy.deepcopy(deployment[name]) if name in deployment else param.value
+        params[name] = Param(value, description=description, **param.schema)
+        if name in deployment:
+            params[name].resolve()  # the schema checks a deployment's default too
     return params
 
 
