@@ -3,8 +3,8 @@
 Starts Airflow (scheduler, triggerer, dag-processor, api-server; LocalExecutor on SQLite) in
 ./airflow_home on port `DILOCO_AIRFLOW_PORT` (8080), triggers `diloco_experiment` through REST
 API v2 exactly as the form does (nothing else unpaused: the syncer's two shards and the evaluator
-are tasks of that run) with the `tiny` preset and three local islands on a local-directory store
-under ./runs/, kills one island once mid-run so that its retry shows, prints every eval as it
+are tasks of that run) with the form's defaults (the `tiny` preset, three local islands, H 20,
+P 2, S 2) on a local-directory store under ./runs/, kills one island once mid-run so that its retry shows, prints every eval as it
 appears, then a summary (also written to runs/<experiment>-summary.json: eval losses against a
 single-process run of the same tokens, merges, publish-to-applied latency, tokens against the
 budget, bytes, anything applied twice), and stops every process it started.
@@ -23,6 +23,7 @@ for p in (ROOT, ROOT / "plugins"):
         sys.path.insert(0, str(p))
 
 from diloco_airflow import knobs, store  # noqa: E402
+from diloco_airflow.params import DEFAULT_ISLANDS, form_values  # noqa: E402
 
 from devtools.local_airflow import (  # noqa: E402
     AirflowError,
@@ -32,8 +33,8 @@ from devtools.local_airflow import (  # noqa: E402
     stop_on_signals,
 )
 
-ISLANDS = ["island-a", "island-b", "island-c"]
-KILL = "island-b"
+ISLANDS = [i["name"] for i in DEFAULT_ISLANDS]  # the form's: island-0, island-1, island-2
+KILL = ISLANDS[1]
 TOKEN_BUDGET = knobs.DEMO_TOKENS.get()
 TIMEOUT_S = knobs.DEMO_TIMEOUT_S.get()
 
@@ -49,7 +50,6 @@ PROFILES: dict[str, dict] = {
         "codec": "int4",
         "quorum": 1,
         "overrides": {
-            "inner.lr": 0.002,
             "inner.tau": 2,
             "inner.keep_overlap": False,
             "fragments.strategy": "tensors",
@@ -68,27 +68,16 @@ def demo_conf(
 
 
 def _base_conf(name: str, store_url: str, budget: int) -> dict:
+    """The trigger form's defaults (`diloco_airflow.params.form_values`: one source of truth),
+    with the demo's name, store, budget and local islands."""
+    conf = form_values()
+    islands = [{**i, "backend": "local"} for i in conf["islands"]]
     return {
+        **conf,
         "experiment_name": name,
         "store_url": store_url,
-        "model_preset": "tiny",
-        "islands": [{"name": n, "speed": 1.0, "backend": "local", "hardware": {}} for n in ISLANDS],
-        "H": 20,
-        "fragments": 2,
-        "codec": "int8",
-        "outer_method": "decoupled",
-        "outer_lr": 0.5,
-        "outer_momentum": 0.8,
-        "quorum": 1,
+        "islands": islands,
         "token_budget": budget,
-        "heartbeat_s": 2.0,
-        "syncer_shards": 2,
-        "syncer_idle_s": 300.0,
-        "syncer_poll_s": 0.2,
-        "syncer_eval_every_s": 10.0,
-        "syncer_lease_s": 60.0,
-        "chaos": {},
-        "overrides": {"inner.lr": 0.002},
     }
 
 
@@ -337,6 +326,9 @@ def _demo(af: LocalAirflow, runs: Path, started: float) -> int:
     if tokens:
         print(f"[demo] single-process run of the same {tokens:,} tokens...", flush=True)
         s["single_process_eval_loss"] = single_process_loss(estore, tokens)
+        # recorded in the store: `diloco report` shows it against the best eval
+        record = {"loss": s["single_process_eval_loss"], "tokens": tokens, "at": time.time()}
+        estore.append_metric("baseline", {**record, "method": "single process"})
     final, single = s["final_eval_loss"], s["single_process_eval_loss"]
     if final is not None and single:
         s["final_vs_single_process"] = round(final / single - 1, 4)

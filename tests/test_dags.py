@@ -123,12 +123,13 @@ def test_params_match_config_presets():
 def test_default_params_make_a_valid_config():
     from diloco_airflow.params import config_from_params, experiment_params
 
-    values = {k: p.value for k, p in experiment_params().items()}
+    values = {k: p.value for k, p in experiment_params().items()} | {"experiment_name": "t"}
     cfg = config_from_params(values)
     assert values["H"] == cfg.inner.H and cfg.fragments.count == values["fragments"]
 
 
 def test_syncer_params_are_derived_from_the_config():
+    from diloco_airflow import params as form
     from diloco_airflow.params import config_from_params, experiment_params
 
     from training.config.experiment import SyncerConfig
@@ -136,8 +137,9 @@ def test_syncer_params_are_derived_from_the_config():
     params = experiment_params()
     for name, info in SyncerConfig.model_fields.items():
         p = params[f"syncer_{name}"]
-        assert p.value == info.default and p.description == info.description, name
-    values = {k: p.value for k, p in params.items()}
+        default = form.FORM_DEFAULTS.get(f"syncer_{name}", info.default)
+        assert p.value == default and p.description == info.description, name
+    values = {k: p.value for k, p in params.items()} | {"experiment_name": "t"}
     cfg = config_from_params({**values, "fragments": 2, "syncer_shards": 2})
     assert cfg.syncer.shards == 2
 
@@ -147,7 +149,7 @@ def test_bad_params_fail_with_one_line():
 
     from training.config.experiment import ConfigError
 
-    values = {k: p.value for k, p in experiment_params().items()}
+    values = {k: p.value for k, p in experiment_params().items()} | {"experiment_name": "t"}
     values["overrides"] = {"data.seq_len": 10_000}
     with pytest.raises(ConfigError) as err:
         config_from_params(values)

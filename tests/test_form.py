@@ -14,7 +14,7 @@ from diloco_airflow import params as form
 from diloco_airflow.backends.base import HARDWARE_KEYS
 from diloco_airflow.backends.registry import BACKENDS, enabled_backends
 
-from training.config.experiment import ChaosConfig, ExperimentConfig, IslandConfig
+from training.config.experiment import ChaosConfig
 from training.config.hardware import gke_tpu_slice
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,21 +30,35 @@ def test_every_field_has_a_title_and_a_description(params):
     assert missing == []
 
 
-def test_the_forms_defaults_are_the_librarys(params):
-    """The form's defaults make exactly the config the library makes by default (H 32, ...),
-    but for the name, the store and the islands' backend (the form's own, FORM_DEFAULTS)."""
-    values = {k: p.value for k, p in params.items()}
+def test_the_forms_defaults_are_the_librarys_but_for_its_own(params):
+    """The form's defaults make the config the library makes by default but for the form's own
+    (FORM_DEFAULTS: the name, the store, three islands and the demo's measured settings)."""
+    values = {k: p.value for k, p in params.items()} | {"experiment_name": "t"}
     cfg = form.config_from_params(values)
-    library = ExperimentConfig(
-        name=cfg.name,
-        store_url=cfg.store_url,
-        islands=[IslandConfig(name=i.name, backend=i.backend) for i in cfg.islands],
+    own = {k: v for k, v in form.FORM_DEFAULTS.items() if v is not None and k in form.FIELD_MAP}
+    library = form.config_from_params(
+        {"experiment_name": cfg.name, "store_url": cfg.store_url, "islands": values["islands"]}
+        | own
     )
     assert cfg == library
 
 
-def test_the_h_default_is_the_librarys(params):
-    assert params["H"].value == ExperimentConfig.model_fields["inner"].default.H == 32
+def test_the_form_defaults_to_the_demos_measured_setup(params):
+    """H 20, P 2, S 2, three islands: docs/BENCHMARKS.md "The demo"."""
+    cfg = form.config_from_params(form.run_params(form.form_values(), "r"))
+    assert (cfg.inner.H, cfg.fragments.count, cfg.syncer.shards, len(cfg.islands)) == (20, 2, 2, 3)
+
+
+def test_the_demo_triggers_the_forms_defaults():
+    """One source of truth: the demo's conf is the form's but for name, store, budget and the
+    islands' backend (local)."""
+    from devtools.demo import demo_conf
+
+    conf = demo_conf("d", "file:///tmp/d", budget=123)
+    values = form.form_values()
+    changed = {k for k in values if conf[k] != values[k]}
+    assert changed <= {"experiment_name", "store_url", "token_budget", "islands"}
+    assert [i["name"] for i in conf["islands"]] == [i["name"] for i in values["islands"]]
 
 
 def test_chaos_lists_every_chaos_key(params):
@@ -114,3 +128,91 @@ def test_enabled_backends_reads_the_setting_in_the_configs_order():
     assert enabled_backends("gke, local") == ("local", "gke")
     with pytest.raises(ValueError, match="DILOCO_BACKENDS"):
         enabled_backends("local,slurm")
+
+
+def test_no_number_field_has_a_bound_the_form_would_clamp(params):
+    """Airflow's form turns `minimum` / `maximum` into the input's min / max, which rewrite
+    what was typed (H 0 became 1 on blur): the form's number fields use exclusive bounds."""
+    clamping = [
+        n
+        for n, p in params.items()
+        if p.schema.get("type") in ("integer", "number") and {"minimum", "maximum"} & set(p.schema)
+    ]
+    assert clamping == []
+
+
+@pytest.mark.parametrize("field", ["H", "fragments", "quorum", "token_budget"])
+def test_the_api_refuses_zero_where_the_config_needs_one(params, field):
+    with pytest.raises(ParamValidationError, match="minimum of 0"):
+        params[field].resolve(0)
+
+
+@pytest.mark.parametrize(
+    "run_id, name",
+    [
+        ("scheduled__2026-12-03T20:03:00+00:00", "diloco-scheduled-20261203t200300"),
+        ("manual__2026-12-03T20:03:00.5+00:00_AbCd1234", "diloco-manual-20261203t2003005-abcd1234"),
+        ("My run!", "diloco-my-run-f55e95fc"),  # sha1("My run!")[:8]
+    ],
+)
+def test_a_run_without_a_name_trains_a_new_experiment_named_after_it(run_id, name):
+    assert form.experiment_of({"experiment_name": None}, run_id) == name
+
+
+def test_a_named_run_trains_that_experiment():
+    assert form.experiment_of({"experiment_name": "exp1"}, "scheduled__x") == "exp1"
+
+
+def test_the_form_leaves_the_name_empty_so_each_run_gets_its_own(params):
+    assert params["experiment_name"].value is None
+    assert params["experiment_name"].resolve(None) is None
+    with pytest.raises(ParamValidationError):
+        params["experiment_name"].resolve("Bad Name")
+
+
+def test_descriptions_name_no_environment_variable_or_code_path(params):
+    code = re.compile(r"DILOCO_|\.py\b|diloco_airflow\.|training\.|control/|[A-Z]+_PRESETS")
+    assert {
+        n: code.findall(p.description) for n, p in params.items() if code.search(p.description)
+    } == {}
+
+
+def test_no_description_says_a_sentence_twice(params):
+    """The form's own text replaces the field's (token_budget said "total tokens merged, all
+    islands" twice)."""
+    twice = {}
+    for n, p in params.items():
+        parts = [s.strip().lower() for s in re.split(r"[.;]", p.description) if len(s.strip()) > 15]
+        if len(parts) != len(set(parts)):
+            twice[n] = p.description
+    assert twice == {}
+    assert params["token_budget"].description.count("all islands") == 1
+
+
+def test_only_optional_fields_lack_the_required_mark(params):
+    """Airflow's form marks a field required unless its type allows null."""
+    optional = {n for n, p in params.items() if "null" in (p.schema.get("type") or [])}
+    assert optional == {"experiment_name", "chaos", "overrides"}
+
+
+def test_the_retired_eval_every_versions_is_not_in_the_form(params):
+    assert not [n for n in params if "versions" in n]
+
+
+def test_the_preset_points_at_where_its_dimensions_change(params):
+    text = params["model_preset"].description
+    assert "fields below" not in text and "Other config fields" in text
+
+
+def test_a_deployment_sets_the_forms_defaults(monkeypatch):
+    """DILOCO_FORM_DEFAULTS: what an untouched form, and so a scheduled run, trains."""
+    monkeypatch.setenv("DILOCO_FORM_DEFAULTS", '{"token_budget": 1024, "H": 4}')
+    values = form.form_values()
+    assert (values["token_budget"], values["H"], values["fragments"]) == (1024, 4, 2)
+
+
+@pytest.mark.parametrize("setting", ['{"tokens": 5}', '{"H": 0}', "[1]"])
+def test_a_bad_deployment_default_fails_the_dag_with_the_reason(monkeypatch, setting):
+    monkeypatch.setenv("DILOCO_FORM_DEFAULTS", setting)
+    with pytest.raises((ValueError, ParamValidationError)):
+        form.experiment_params()

@@ -19,7 +19,7 @@ from training.store.registry import open_store
 
 
 def _values(store_url: str, **changes) -> dict:
-    values = {k: p.value for k, p in experiment_params().items()}
+    values = {k: p.value for k, p in experiment_params().items()} | {"experiment_name": "t"}
     return {**values, "store_url": store_url, **changes}
 
 
@@ -72,3 +72,12 @@ def test_check_budget_counts_one_batch_per_island():
     check_budget(cfg)  # two default islands, batch 16 x 64: exactly enough
     with pytest.raises(ConfigError, match="2 x 16 x 64"):
         check_budget(cfg.model_copy(update={"token_budget": 2 * 16 * 64 - 1}))
+
+
+def test_init_logs_no_tpu_probe():
+    """jax's "Unable to initialize backend 'tpu'" (INFO) is not the first line of init's log."""
+    import logging
+
+    from diloco_airflow.experiment_setup import JAX_PROBE_LOGGER
+
+    assert logging.getLogger(JAX_PROBE_LOGGER).getEffectiveLevel() == logging.WARNING

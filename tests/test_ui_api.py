@@ -243,16 +243,31 @@ def test_the_page_link_opens_the_run_and_only_on_diloco_runs():
 def test_a_runs_note_names_its_experiment_unless_it_has_one():
     from types import SimpleNamespace
 
-    from diloco_airflow.ui.run_notes import note_for, on_dag_run_running
+    from diloco_airflow.ui.run_notes import on_dag_run_running
 
     conf = {"experiment_name": "e1", "store_url": "gs://b/p"}
-    run = SimpleNamespace(dag_id="diloco_experiment", note=None, conf=conf)
+    run = SimpleNamespace(dag_id="diloco_experiment", note=None, conf=conf, run_id="r")
     on_dag_run_running(dag_run=run, msg="started")
     assert run.note == "experiment e1 in gs://b/p"
-    kept = SimpleNamespace(dag_id="diloco_experiment", note="mine", conf=conf)
+    kept = SimpleNamespace(dag_id="diloco_experiment", note="mine", conf=conf, run_id="r")
     on_dag_run_running(dag_run=kept, msg="started")
     assert kept.note == "mine"
-    assert note_for({}) is None and note_for(None) is None
+
+
+def test_a_scheduled_run_gets_a_note_naming_its_own_experiment(monkeypatch):
+    """A schedule's run has no conf: its experiment is a new one, named after the run."""
+    from diloco_airflow.ui.run_notes import note_for
+
+    monkeypatch.setenv("DILOCO_DEFAULT_STORE", "gs://b/p")
+    note = note_for({}, "scheduled__2026-12-03T20:03:00+00:00")
+    assert note == "experiment diloco-scheduled-20261203t200300 in gs://b/p"
+
+
+def test_a_runs_note_carries_the_budget_warning():
+    from diloco_airflow.ui.run_notes import note_for
+
+    note = note_for({"experiment_name": "e1", "store_url": "gs://b/p", "token_budget": 10**15}, "r")
+    assert note.startswith("experiment e1 in gs://b/p. Warning: token_budget 1,000,000,000,000,000")
 
 
 def test_bucket_links_open_the_cloud_console_for_gs_stores_only():

@@ -62,6 +62,9 @@ def test_the_page_shows_the_store_and_stops_islands(tmp_path, gcs_bucket):  # no
         af.ensure_pools()
         af.wait_dag(DAG)
         run_id = af.trigger(DAG, conf)
+        # a run whose init fails (a budget under one batch per island): its tab shows why
+        bad = {**conf, "experiment_name": f"{name}-bad", "token_budget": 100}
+        bad_run = af.trigger(DAG, bad)
         estore = _until(lambda: _opened(store_url, name, open_experiment), 180, "the experiment")
 
         def progressed():
@@ -147,12 +150,24 @@ def test_the_page_shows_the_store_and_stops_islands(tmp_path, gcs_bucket):  # no
             SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
             page.screenshot(path=str(SCREENSHOT))
 
+            # the failed init's run: its one-line reason, not "404: no experiment ..."
+            assert af.wait_run(DAG, bad_run, 60) == "failed"
+            page.goto(f"{af.base}/diloco/?run_id={quote(bad_run, safe='')}")
+            sync_api.expect(page.locator("#msg")).to_contain_text(
+                "init failed: invalid config: token_budget 100 is less than one batch",
+                timeout=15_000,
+            )
+
             page.goto(f"{af.base}/diloco/")
             page.locator("[data-testid=stop-experiment]").click()
             _until(lambda: estore.stop_requested(None), 15, "control/STOP")
+            state = af.wait_run(DAG, run_id, 240)
+            # the island is done: its button no longer says "stopping"
+            page.goto(f"{af.base}/diloco/?run_id={quote(run_id, safe='')}")
+            done = page.locator("tr[data-island=island-a] button[data-act=stop]")
+            sync_api.expect(done).to_have_text("stopped", timeout=15_000)
             browser.close()
 
-        state = af.wait_run(DAG, run_id, 240)
         assert state == "success", f"run ended {state} after the stops"
 
 

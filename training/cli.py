@@ -213,8 +213,9 @@ def cmd_report(args) -> int:
         bar.step("reading the store")
         cfg, estore = _load(args)
         view = experiment_view(cfg, estore)
+        baselines = estore.read_metrics("baseline")
         bar.step("drawing the charts")
-        written = write_report(view, args.out)
+        written = write_report(view, args.out, baselines[-1] if baselines else None)
     print(f"wrote {', '.join(written['charts'])} and {written['html']}")
     return 0
 

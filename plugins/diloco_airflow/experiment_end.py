@@ -60,20 +60,33 @@ def islands_ended(store_url: str, experiment: str, run_id: str, islands: list[st
     return {"run_id": run_id, "islands": names}
 
 
-def finalize_experiment(store_url: str, experiment: str) -> dict[str, Any]:
+def finalize_experiment(store_url: str, experiment: str, run_id: str | None = None) -> dict:
     """After the islands and the syncer: a last merge of anything a failed shard left (a no-op
     normally), a final eval of the current model, a garbage collection, and drop the
-    experiment from the registry once every island of its config is done."""
+    experiment from the registry once every island of its config is done.
+
+    The run that finds every island done and nothing pending ends the experiment once:
+    it claims `control/finalized.json` (create-only, `claim_finalize`) before its final eval
+    and restore; a finalize of another run (two runs of one experiment ending together, or a
+    later run) then evaluates and restores nothing."""
     from training.config.experiment import parse_config
+    from training.merge.syncer import claim_finalize
     from training.model.evaluate import end_of_run_report, evaluate_current, finish_at_best
 
     merged = merge_experiments([{"store_url": store_url, "experiment": experiment}])
     estore = store.open_experiment(store_url, experiment)
     cfg = parse_config(estore.read_config())
+    over = {i.name for i in cfg.islands} <= set(estore.done()) and not any(
+        estore.pending().values()
+    )
+    holder = claim_finalize(estore, run_id) if over and run_id else None
+    if holder is not None:
+        log.info("%s: already finalized by run %s: no second eval or restore", experiment, holder)
+        return {"merged": merged, "finalized_by": holder, "done": sorted(estore.done())}
     record = evaluate_current(cfg, estore)
     log.info("%s: final eval %s", experiment, record)
     restored = False
-    if {i.name for i in cfg.islands} <= set(estore.done()) and not any(estore.pending().values()):
+    if over:
         # nobody trains or merges any more: the run ends on its best evaluated snapshot
         finish = finish_at_best(cfg, estore, record)
         restored = finish["restored"]

@@ -18,6 +18,12 @@ from diloco_airflow.island_entry import island_entry
 
 log = logging.getLogger(__name__)
 
+# jax probes for a TPU on first use and logs "Unable to initialize backend 'tpu': ... libtpu.so"
+# at INFO, the first line of every init log on a worker without one: only its warnings show.
+# Every task of diloco_experiment imports this module (the DAG file does).
+JAX_PROBE_LOGGER = "jax._src.xla_bridge"
+logging.getLogger(JAX_PROBE_LOGGER).setLevel(logging.WARNING)
+
 
 def permanent_reason(exc: BaseException) -> str | None:
     """The one-line reason when `exc` is an error no retry can fix, else None (retry it):
@@ -34,8 +40,13 @@ def permanent_reason(exc: BaseException) -> str | None:
     return None
 
 
+INIT_ERROR_KEY = "init_error"
+"""The XCom key of a failed init's one-line reason (the DiLoCo tab of its run shows it)."""
+
+
 def run_init(params: dict[str, Any]) -> dict[str, list]:
-    """`init_experiment`, with permanent errors raised as `AirflowFailException` (no retry)."""
+    """`init_experiment`, with permanent errors raised as `AirflowFailException` (no retry),
+    their reason also pushed as the XCom `INIT_ERROR_KEY` (in a task)."""
     try:
         return init_experiment(params)
     except Exception as exc:
@@ -45,7 +56,18 @@ def run_init(params: dict[str, Any]) -> dict[str, list]:
         from airflow.sdk.exceptions import AirflowFailException
 
         log.error("init: %s", reason)
+        _push_reason(reason)
         raise AirflowFailException(reason) from None
+
+
+def _push_reason(reason: str) -> None:
+    from airflow.sdk import get_current_context
+
+    try:
+        ti = get_current_context()["ti"]
+    except Exception:  # not in a task (tests, `dag.test` without a context)
+        return
+    ti.xcom_push(key=INIT_ERROR_KEY, value=reason)
 
 
 def check_backends(cfg, offered: tuple[str, ...]) -> None:
@@ -58,6 +80,14 @@ def check_backends(cfg, offered: tuple[str, ...]) -> None:
                 f"island {isl.name!r}: backend {isl.backend!r} is not offered here "
                 f"({knobs.BACKENDS.name}={','.join(offered)})"
             )
+
+
+def budget_warning(cfg) -> str | None:
+    """The warning of a budget that would take longer than `knobs.BUDGET_HORIZON_H` hours on
+    the config's islands (`training.config.estimate`), or None."""
+    from training.config.estimate import budget_warning as estimate
+
+    return estimate(cfg, knobs.BUDGET_HORIZON_H.get())
 
 
 def init_experiment(params: dict[str, Any]) -> dict[str, list]:
@@ -76,6 +106,9 @@ def init_experiment(params: dict[str, Any]) -> dict[str, list]:
     from training.merge.create import create_or_join
 
     cfg = config_from_params(params)
+    warning = budget_warning(cfg)
+    if warning:
+        log.warning("init: %s", warning)
     offered = enabled_backends()
     estore = store.DilocoStoreHook(store_url=cfg.store_url).experiment(cfg.name)
     result = create_or_join(cfg, estore, checks=[lambda c: check_backends(c, offered)])

@@ -66,6 +66,30 @@ HEARTBEAT_TIMEOUT_S = Knob(
 EXPERIMENT_SCHEDULE = Knob(
     "DILOCO_EXPERIMENT_SCHEDULE", None, str, "cron or preset of diloco_experiment (default: none)"
 )
+def _json_object(text: str) -> dict:
+    import json
+
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise ValueError(f"expected a JSON object of form values, got {text[:80]!r}")
+    return value
+
+
+FORM_DEFAULTS = Knob(
+    "DILOCO_FORM_DEFAULTS",
+    {},
+    _json_object,
+    "a JSON object of diloco_experiment form values (e.g. {\"token_budget\": 10000000, "
+    "\"model_preset\": \"125m\"}): the defaults of the trigger form, so what a scheduled "
+    "run trains (read at parse time; the form's schema checks them)",
+)
+BUDGET_HORIZON_H = Knob(
+    "DILOCO_BUDGET_HORIZON_H",
+    24.0,
+    float,
+    "init (and the run's note) warn when the token budget would take longer than this many "
+    "hours on the run's islands (training/config/estimate.py)",
+)
 BACKENDS = Knob(
     "DILOCO_BACKENDS",
     None,
@@ -145,6 +169,8 @@ KNOBS: tuple[Knob, ...] = (
     ISLAND_RETRIES,
     HEARTBEAT_TIMEOUT_S,
     EXPERIMENT_SCHEDULE,
+    FORM_DEFAULTS,
+    BUDGET_HORIZON_H,
     BACKENDS,
     DEFAULT_STORE,
     SCAVENGE_SCHEDULE,

@@ -5,6 +5,11 @@ field in dotted form (``{"data.batch_size": 8}``). The JSON-schema checks here r
 input in the UI / REST API (400 with the reason); `config_from_params` then validates the whole
 config with pydantic (`ConfigError`, one line) in the first task.
 
+No number field has a ``minimum`` or ``maximum``: Airflow's form makes them the input's
+``min``/``max``, which rewrite what the user typed on blur (H 0 became 1). Lower bounds are
+``exclusiveMinimum`` (the API refuses with the reason, the input keeps the value), or left to
+the config's validation in ``init`` (one line).
+
 No jax import here (this module is imported at DAG parse time); `training.config.experiment` is pydantic only.
 The syncer's fields (`syncer_*`) are derived from `training.config.experiment.SyncerConfig`: its defaults,
 bounds, titles and descriptions.
@@ -13,6 +18,8 @@ bounds, titles and descriptions.
 from __future__ import annotations
 
 import copy
+import hashlib
+import re
 from typing import Any, get_args
 
 from airflow.sdk import Param
@@ -43,8 +50,7 @@ STORE_PATTERN = r"^(file:///.+|gs://[a-z0-9][a-z0-9._-]{1,220}[a-z0-9](/.*)?)$"
 """The store URLs a run can use: a local directory (this machine only) or a GCS bucket."""
 
 DEFAULT_ISLANDS = [
-    {"name": "island-0", "speed": 1.0, "backend": BACKENDS[0], "hardware": {}},
-    {"name": "island-1", "speed": 1.0, "backend": BACKENDS[0], "hardware": {}},
+    {"name": f"island-{i}", "speed": 1.0, "backend": BACKENDS[0], "hardware": {}} for i in range(3)
 ]
 
 ISLAND_SCHEMA = {
@@ -75,15 +81,75 @@ FIELD_MAP: dict[str, str] = {
     "outer_method": "outer.method",
     "outer_lr": "outer.lr",
     "outer_momentum": "outer.momentum",
+    "inner_lr": "inner.lr",
     "quorum": "outer.quorum",
     "token_budget": "token_budget",
     "heartbeat_s": "heartbeat_s",
     "chaos": "chaos",
 }
-FORM_DEFAULTS = {"experiment_name": "diloco-demo", "store_url": None, "islands": None}
-"""Params whose default is the form's own, not the config's: the config has no default name;
+FORM_DEFAULTS: dict[str, Any] = {
+    "experiment_name": None,  # a new experiment per run: `experiment_of`
+    "store_url": None,
+    "islands": None,
+    # the configuration docs/BENCHMARKS.md measures ("The demo": +2 to +4.6% over a single
+    # process at 2M tokens; the library's H 32, P 1, S 1 on two islands: +7 to +12%)
+    "H": 20,
+    "fragments": 2,
+    "syncer_shards": 2,
+    "inner_lr": 0.002,
+    "outer_lr": 0.5,
+    "outer_momentum": 0.8,
+    "heartbeat_s": 2.0,
+    "syncer_poll_s": 0.2,
+    "syncer_eval_every_s": 10.0,
+}
+"""Params whose default is the form's own, not the config's. The config has no default name;
 its store default is a relative path (`DILOCO_DEFAULT_STORE` instead) and its islands default
-has no backend choice (the form's: two islands on the first backend offered)."""
+has no backend choice (the form's: three islands, `DEFAULT_ISLANDS`, on the first backend
+offered). The training settings are those of the measured demo (`make demo` uses this form's
+defaults: `form_values`); the config's own defaults stay the library's (`diloco init`)."""
+
+
+RUN_PREFIX = "diloco"
+"""The experiment of a run without a name is ``diloco-<the run, compacted>`` (`experiment_of`)."""
+
+_RUN_ID = re.compile(
+    r"(?P<kind>[a-z_]+)__(?P<date>\d{4}-\d\d-\d\d)T(?P<time>\d\d:\d\d:\d\d)"
+    r"(?:\.(?P<frac>\d{1,6}))?(?:\+00:00|Z)?(?:_(?P<rand>[A-Za-z0-9]{1,16}))?"
+)
+
+
+def run_part(run_id: str) -> str:
+    """A DAG run id as a name part, one to one for Airflow's own ids:
+    ``scheduled__2026-12-03T20:03:00+00:00`` -> ``scheduled-20261203t200300`` (a manual run's
+    random tail too: ``manual__...T20:03:00.5+00:00_Ab12`` -> ``manual-...t2003005-ab12``); any other id: its
+    letters and digits (at most 40) and 8 hex digits of its SHA-1."""
+    m = _RUN_ID.fullmatch(run_id)
+    if m and len(m["kind"]) <= 20:
+        stamp = (m["date"] + "t" + m["time"]).replace("-", "").replace(":", "")
+        rand = f"-{m['rand'].lower()}" if m["rand"] else ""
+        return f"{m['kind'].replace('_', '-')}-{stamp}{m['frac'] or ''}{rand}"
+    slug = re.sub(r"[^a-z0-9]+", "-", run_id.lower()).strip("-")[:40].strip("-")
+    digest = hashlib.sha1(run_id.encode()).hexdigest()[:8]
+    return f"{slug}-{digest}" if slug else digest
+
+
+def experiment_of(params: dict[str, Any], run_id: str) -> str:
+    """The experiment DAG run `run_id` trains: the form's name when given (created, or joined
+    when it exists), else a new one for this run, ``diloco-<run>`` (`run_part`): a schedule, or a
+    trigger with the name left empty, starts a new experiment every run."""
+    name = params.get("experiment_name")
+    return name if name else f"{RUN_PREFIX}-{run_part(run_id)}"
+
+
+def run_params(params: dict[str, Any], run_id: str) -> dict[str, Any]:
+    """`params` with the run's experiment name filled in (`experiment_of`)."""
+    return {**params, "experiment_name": experiment_of(params, run_id)}
+
+
+def form_values() -> dict[str, Any]:
+    """The form's default values, as a trigger with an untouched form sends them."""
+    return {name: copy.deepcopy(p.value) for name, p in experiment_params().items()}
 
 
 def config_default(dotted: str) -> Any:
@@ -109,9 +175,9 @@ def _syncer_params() -> dict[str, Param]:
         gt = next((m.gt for m in info.metadata if isinstance(m, Gt)), None)
         bounds = {} if gt is None else {"exclusiveMinimum": gt}
         out[f"syncer_{name}"] = Param(
-            info.default,
+            FORM_DEFAULTS.get(f"syncer_{name}", info.default),
             type=kind,
-            title=f"Syncer: {name}",
+            title="Syncer: " + re.sub(r"_s$", " (s)", name).replace("_", " "),
             description=info.description,
             **bounds,
         )
@@ -148,20 +214,30 @@ def experiment_params() -> dict[str, Param]:
     """The trigger form. Defaults form a valid config, so the DAG also runs on a schedule.
 
     Every Param mapped onto a config field has that field's default (`_field`; except
-    `FORM_DEFAULTS`) and its description, after the form's own text where it has one."""
+    `FORM_DEFAULTS`) and its description, unless the form has its own text for it. A
+    deployment's `DILOCO_FORM_DEFAULTS` (`knobs.FORM_DEFAULTS`) replaces defaults last: what
+    an untouched form and every scheduled run train."""
     docs = field_docs()
     params = _form()
+    deployment = knobs.FORM_DEFAULTS.get()
+    unknown = sorted(set(deployment) - set(params))
+    if unknown:
+        raise ValueError(f"{knobs.FORM_DEFAULTS.name}: unknown form fields {unknown}")
     for name, param in params.items():
-        doc = docs.get(FIELD_MAP.get(name, ""), "")
-        own = param.description or ""
-        description = f"{own} ({doc})" if own and doc and doc not in own else (own or doc)
-        params[name] = Param(param.value, description=description, **param.schema)
+        # the form's own text replaces the field's (never both: no sentence twice)
+        description = param.description or docs.get(FIELD_MAP.get(name, ""), "")
+        value = copy.deepcopy(deployment[name]) if name in deployment else param.value
+        params[name] = Param(value, description=description, **param.schema)
+        if name in deployment:
+            params[name].resolve()  # the schema checks a deployment's default too
     return params
 
 
 def _field(name: str, **schema: Any) -> Param:
-    """The Param `name` with its config field's default (`config_default`)."""
-    return Param(config_default(FIELD_MAP[name]), **schema)
+    """The Param `name` with the form's default (`FORM_DEFAULTS`), else its config field's
+    (`config_default`)."""
+    default = FORM_DEFAULTS[name] if name in FORM_DEFAULTS else config_default(FIELD_MAP[name])
+    return Param(default, **schema)
 
 
 def _form() -> dict[str, Param]:
@@ -169,11 +245,13 @@ def _form() -> dict[str, Param]:
     return {
         "experiment_name": Param(
             FORM_DEFAULTS["experiment_name"],
-            type="string",
+            type=["null", "string"],
             pattern=NAME_PATTERN,
             title="Experiment name",
-            description="Lowercase letters, digits, '-' (the store's prefix and the run's "
-            "note). The same name again = join that experiment with the islands listed here.",
+            description="Empty: a new experiment for this run, named diloco-<run> (every "
+            "scheduled run starts its own). A name (lowercase letters, digits, '-'): that "
+            "experiment, created when new; an existing one is continued with the islands "
+            "listed here. The run's note says which.",
         ),
         "store_url": Param(
             knobs.DEFAULT_STORE.get(),
@@ -182,10 +260,19 @@ def _form() -> dict[str, Param]:
             title="Store URL",
             description="Where the experiment lives: file:///abs/path (this machine only) or "
             "gs://bucket/prefix. On Cloud Composer, or with islands on TPU VMs or GKE, use a "
-            "gs:// bucket that the workers and islands can write to (the deployment's default "
-            f"is {knobs.DEFAULT_STORE.name}).",
+            "gs:// bucket that the workers and islands can write to (the default is the "
+            "deployment's).",
         ),
-        "model_preset": _field("model_preset", type="string", enum=PRESETS, title="Model preset"),
+        "model_preset": _field(
+            "model_preset",
+            type="string",
+            enum=PRESETS,
+            title="Model preset",
+            description="The model's size: tiny .. 12b (GPT: learned positions, GELU MLP) or "
+            "gemma-tiny .. gemma-12b (rotary positions, GeGLU, grouped-query attention, "
+            'QK-norm). To change one dimension, add it to "Other config fields", e.g. '
+            '{"model.n_layers": 4}.',
+        ),
         "islands": Param(
             copy.deepcopy(DEFAULT_ISLANDS),
             type="array",
@@ -194,23 +281,26 @@ def _form() -> dict[str, Param]:
             title="Islands",
             description=hardware_description(),
         ),
-        "H": _field("H", type="integer", minimum=1, title="H: inner steps per publish"),
-        "fragments": _field("fragments", type="integer", minimum=1, title="Fragments (P)"),
+        "H": _field("H", type="integer", exclusiveMinimum=0, title="H: inner steps per publish"),
+        "fragments": _field("fragments", type="integer", exclusiveMinimum=0, title="Fragments (P)"),
         "codec": _field("codec", type="string", enum=CODECS, title="Pseudo-gradient codec"),
         "outer_method": _field(
             "outer_method", type="string", enum=OUTER_METHODS, title="Outer method"
+        ),
+        "inner_lr": _field(
+            "inner_lr", type="number", exclusiveMinimum=0, title="Inner learning rate"
         ),
         "outer_lr": _field(
             "outer_lr", type="number", exclusiveMinimum=0, title="Outer learning rate"
         ),
         "outer_momentum": _field(
-            "outer_momentum", type="number", minimum=0, exclusiveMaximum=1, title="Outer momentum"
+            "outer_momentum", type="number", exclusiveMaximum=1, title="Outer momentum"
         ),
-        "quorum": _field("quorum", type="integer", minimum=1, title="Quorum K"),
+        "quorum": _field("quorum", type="integer", exclusiveMinimum=0, title="Quorum K"),
         "token_budget": _field(
             "token_budget",
             type="integer",
-            minimum=1,
+            exclusiveMinimum=0,
             title="Token budget (total)",
             description="Tokens merged into the global model, all islands together; the run "
             "ends there. At least one batch per island (data.batch_size x data.seq_len each).",
@@ -221,7 +311,7 @@ def _form() -> dict[str, Param]:
         **_syncer_params(),
         "chaos": _field(
             "chaos",
-            type="object",
+            type=["null", "object"],
             title="Chaos (fault injection)",
             description=chaos_description(),
             properties=_chaos_properties(),
@@ -229,7 +319,7 @@ def _form() -> dict[str, Param]:
         ),
         "overrides": Param(
             {},
-            type="object",
+            type=["null", "object"],
             title="Other config fields",
             description='Dotted overrides of any other config field, e.g. {"data.batch_size": '
             '8, "inner.lr": 0.003}; `diloco init --help` lists them all.',

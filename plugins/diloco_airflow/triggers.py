@@ -77,6 +77,22 @@ class PollingTrigger(BaseTrigger):
             await asyncio.sleep(self.poll_s)
 
 
+def average_rate(before: dict[str, Any] | None, beat: dict[str, Any]) -> float | None:
+    """Tokens/s between two heartbeats of one island (the progress lines' rate, about
+    `PROGRESS_EVERY_S` apart: a heartbeat's own rate covers one heartbeat interval and swings
+    with every publish, adopt and checkpoint); the heartbeat's own rate when there is no
+    earlier one, or when the island restarted (fewer tokens) or the clock did not move."""
+    if before:
+        try:
+            dt = float(beat["time"]) - float(before["time"])
+            dtokens = int(beat["tokens"]) - int(before["tokens"])
+        except (KeyError, TypeError, ValueError):
+            return beat.get("tokens_per_s")
+        if dt > 0 and dtokens >= 0:
+            return dtokens / dt
+    return beat.get("tokens_per_s")
+
+
 class IslandTrigger(PollingTrigger):
     """Watches one island: its done marker, its backend state and its heartbeat.
 
@@ -107,6 +123,7 @@ class IslandTrigger(PollingTrigger):
         self.startup_timeout_s = float(startup_timeout_s)
         self.poll_s = float(poll_s)
         self._progress_at = 0.0  # when the last progress line was logged (not serialized)
+        self._progress_beat: dict[str, Any] | None = None  # the heartbeat it showed (same)
         self._opened = None  # (store, backend, spec) from the first poll on (not serialized)
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
@@ -146,7 +163,9 @@ class IslandTrigger(PollingTrigger):
             from training.views.dashboard import progress_line
 
             self._progress_at = now
-            self.log.info("%s", progress_line(island, beat))
+            shown = {**beat, "tokens_per_s": average_rate(self._progress_beat, beat)}
+            self._progress_beat = beat
+            self.log.info("%s", progress_line(island, shown))
         beat_time = float(beat.get("time") or 0.0)
         if beat_time >= self.launched_at - 1.0:
             if stall.beat_too_old(beat_time, now, self.heartbeat_timeout_s):

@@ -358,7 +358,7 @@ class SyncerConfig(_Frozen):
         1,
         gt=0,
         description="merge shards S: fragment p is merged by shard p % S, each shard a mapped "
-        "Airflow task of the experiment's run (at most fragments.count)",
+        "Airflow task of the experiment's run (at most P, the fragments)",
     )
     idle_s: float = Field(
         300.0,
@@ -382,8 +382,7 @@ class SyncerConfig(_Frozen):
     lease_s: float = Field(
         60.0,
         gt=0,
-        description="a shard's lease in the store (control/syncer/shard-S.json) lasts this long "
-        "past its last renewal: a second run joining the experiment starts no second syncer "
+        description="a shard's lease in the store lasts this long past its last renewal: a second run joining the experiment starts no second syncer "
         "for the shard while the lease lives",
     )
 
@@ -422,12 +421,12 @@ class IslandConfig(_Frozen):
         gt=0,
         description="relative throughput, tokens per unit of time (1: one data.batch_size batch "
         "per unit); its inner steps per unit are speed x data.batch_size / its batch size "
-        "(DyLU; virtual clock in benches)",
+        "(DyLU)",
     )
     backend: Backend = Field("local", description="where it runs: local, tpu_vm or gke")
     hardware: dict[str, Any] = Field(
         default_factory=dict,
-        description="backend-specific settings (diloco_airflow.backends.IslandSpec.hardware)",
+        description="settings of its backend (each backend's keys: docs/AIRFLOW.md, the form)",
     )
     shard: int | None = Field(
         None, ge=0, description="its data shard; default: its position in the island list"

@@ -173,6 +173,20 @@ def mark_run_ended(estore: ExperimentStore, run_id: str, islands: Iterable[str])
     estore.store.write(f"{estore.experiment}/{run_marker_key(run_id)}", data)
 
 
+def claim_finalize(estore: ExperimentStore, run_id: str) -> str | None:
+    """Claim the experiment's one finalize for DAG run `run_id`: a create-only write of
+    `control/finalized.json`. None when the claim is this run's (new, or a retry of the same
+    run); else the run id that holds it (its finalize ran: do not evaluate or restore again)."""
+    from training.store.keys import FINALIZED
+    from training.store.syncer_records import finalized_record, parse_finalized
+
+    key = f"{estore.experiment}/{FINALIZED}"
+    if estore.store.create(key, finalized_record(run_id, time.time())):
+        return None
+    holder = parse_finalized(estore.store.read(key)).run_id
+    return None if holder == run_id else holder
+
+
 def run_ended(estore: ExperimentStore, run_id: str | None) -> bool:
     """Whether DAG run `run_id`'s islands ended: its marker exists (its content is for people
     and tools: `syncer_records.parse_run_marker`)."""

@@ -213,9 +213,13 @@ class GarbageCollection:
         return plan
 
     def delete_prefix(self, relative_prefix: str) -> int:
-        """Delete every object under `relative_prefix` (in parallel); the number listed."""
+        """Delete every object under `relative_prefix` (in parallel); the number listed. A
+        directory prefix (ending in '/': a checkpoint's, a version's, names never used again)
+        is then removed from stores that have directories (`remove_empty_dir`)."""
         keys = self.list_keys(relative_prefix)
         self.parallel(lambda k: self.store.delete(self.object_key(k)), keys)
+        if relative_prefix.endswith("/"):
+            self.store.remove_empty_dir(self.object_key(relative_prefix))
         return len(keys)
 
     def _collect_version(self, directory: str) -> bool:

@@ -48,6 +48,7 @@ BEST = "snapshots/BEST.json"
 ROUNDS = "control/rounds.json"
 LEASE_DIR = "control/syncer"  # a syncer shard's lease (training/merge/syncer.py)
 RUNS_DIR = "control/runs"  # a DAG run's "its islands ended" marker (same)
+FINALIZED = "control/finalized.json"  # the one finalize of the experiment (same)
 LEASE = re.compile(r"control/syncer/shard-(0|[1-9][0-9]{0,2})\.json", _A)
 RUN_SLUG = 80  # at most this many characters of a run id's slug
 RUN_MARKER = re.compile(r"control/runs/([A-Za-z0-9_-]{1,80})-([0-9a-f]{8})\.json", _A)
@@ -93,6 +94,7 @@ KINDS = (
     "rounds",
     "syncer-lease",
     "run-marker",
+    "finalized",
 )
 
 
@@ -209,6 +211,8 @@ def parse_key(key: Any) -> ObjectName:
         return ObjectName("stop")
     if key == ROUNDS:
         return ObjectName("rounds")
+    if key == FINALIZED:
+        return ObjectName("finalized")
     if top == "control" and n == 3 and parts[1] == "stop" and is_name(parts[2]):
         return ObjectName("island-stop", island=parts[2])
     if top == "control" and n == 3 and parts[1] == "syncer":

@@ -346,6 +346,24 @@ class LocalStore(ObjectStore):
 
         self._run("delete", key, attempt)
 
+    def remove_empty_dir(self, prefix: str) -> bool:
+        """Remove directory `prefix` when it holds no object any more: the generation sidecars
+        its deleted objects left, then the directory. Only for a name never used again (the
+        caller's promise, `ObjectStore.remove_empty_dir`): a sidecar is what keeps the
+        generation of an object created again at the same key new. False when anything else
+        is in it (an object, a writer's temp file) or it is gone."""
+        directory = self.root.joinpath(*validate_prefix(prefix).strip("/").split("/"))
+        try:
+            entries = list(directory.iterdir())
+            if any(not (e.name.startswith(".") and e.name.endswith(".gen")) for e in entries):
+                return False
+            for e in entries:
+                e.unlink(missing_ok=True)
+            directory.rmdir()
+        except OSError:  # gone, or a writer came in: leave it
+            return False
+        return True
+
     def check(self) -> None:
         existing = self.root
         while not existing.exists() and existing != existing.parent:

@@ -271,5 +271,11 @@ class ObjectStore(ABC):
     def check(self) -> None:
         """Fast reachability / credentials check; raises StoreUnreachable with the reason."""
 
+    def remove_empty_dir(self, prefix: str) -> bool:
+        """Drop what directory `prefix` (ending in '/') leaves once its objects are deleted,
+        for a directory whose name is never used again (a checkpoint's, a version's: random
+        suffixes). Stores without directories have nothing to drop: False."""
+        return False
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.url!r})"

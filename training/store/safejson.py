@@ -58,6 +58,7 @@ FRAGMENT_MANIFEST = JSONLimits(16 * 2**20, 16)  # merger-written; one merge's `a
 SNAPSHOT = JSONLimits(256 * 2**10, 8)  # a snapshot record, BEST
 LEASE = JSONLimits(4 * 2**10, 1)  # a syncer shard's lease: one flat object
 RUN_MARKER = JSONLimits(256 * 2**10, 2)  # a DAG run's islands-ended marker: names its islands
+FINALIZED = JSONLimits(4 * 2**10, 1)  # the claim of the one finalize: a run id and a time
 
 # A string literal. Once a '"' starts one it always matches (to its closing quote or the end),
 # possessively, so stripping the strings is linear even on hostile input.

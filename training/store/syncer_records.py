@@ -1,6 +1,7 @@
 """Strict records of the syncer's control objects (docs/STORE.md, "The syncer's objects"): a merge
-shard's lease, `control/syncer/shard-{s}.json`, and the marker that a DAG run's islands ended,
-`control/runs/{slug}-{hex8}.json` (names: `training.store.keys.lease_key`, `run_marker_key`).
+shard's lease, `control/syncer/shard-{s}.json`, the marker that a DAG run's islands ended,
+`control/runs/{slug}-{hex8}.json` (names: `training.store.keys.lease_key`, `run_marker_key`),
+and the claim of the experiment's one finalize, `control/finalized.json` (`keys.FINALIZED`).
 
 Each record has one writer (`lease_record`, `run_marker_record`: the bytes the syncer has always
 written, checked by the parser before they are written) and one reader (`parse_lease`,
@@ -115,4 +116,39 @@ def run_marker_record(run_id: str, ended_at: float, islands: Iterable[str]) -> b
         parse_run_marker(data, run_id)
     except BadRunMarker as exc:
         raise ValueError(f"not a valid run marker: {exc}") from None
+    return data
+
+
+class BadFinalized(BadRecord):
+    """The claim of an experiment's finalize is invalid."""
+
+
+FINALIZED_FIELDS = ("at", "run_id")
+
+
+@dataclass(frozen=True)
+class Finalized:
+    """DAG run `run_id` claimed the experiment's finalize at `at` (unix seconds)."""
+
+    run_id: str
+    at: float
+
+
+def parse_finalized(data: Any) -> Finalized:
+    """control/finalized.json: exactly run_id (a string of at most MAX_RUN_ID characters) and
+    at (a finite number >= 0). BadFinalized."""
+    m = load_object(data, safejson.FINALIZED, BadFinalized, "finalize claim")
+    f = Fields(m, BadFinalized, "finalize claim")
+    if set(m) != set(FINALIZED_FIELDS):
+        f.fail(f"fields {show(sorted(m))} are not {sorted(FINALIZED_FIELDS)}")
+    return Finalized(f.str("run_id", max_len=MAX_RUN_ID), float(f.real("at", lo=0.0)))
+
+
+def finalized_record(run_id: str, at: float) -> bytes:
+    """The bytes of run `run_id`'s finalize claim. ValueError for one `parse_finalized` refuses."""
+    data = json.dumps({"at": at, "run_id": run_id}, sort_keys=True).encode()
+    try:
+        parse_finalized(data)
+    except BadFinalized as exc:
+        raise ValueError(f"not a valid finalize claim: {exc}") from None
     return data

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import base64
 import html
-import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -228,29 +227,95 @@ def _svg_chart(view: Mapping[str, Any], x: str, title: str) -> str:
     return "".join(parts)
 
 
+COLUMN_TITLES = {
+    "tokens_per_s": "tokens/s",
+    "bytes_up": "bytes up",
+    "bytes_down": "bytes down",
+    "at_iso": "at (UTC)",
+    "versions": "fragment versions",
+    "tokens_merged": "tokens merged",
+    "latency_s": "latency",
+}
+"""A column's heading (else its name)."""
+
+
 def _table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str]) -> str:
-    head = "".join(f"<th>{html.escape(c)}</th>" for c in columns)
+    head = "".join(f"<th>{html.escape(COLUMN_TITLES.get(c, c))}</th>" for c in columns)
     body = "".join(
-        "<tr>" + "".join(f"<td>{html.escape(_cell(r.get(c)))}</td>" for c in columns) + "</tr>"
+        "<tr>" + "".join(f"<td>{html.escape(_cell(r.get(c), c))}</td>" for c in columns) + "</tr>"
         for r in rows
     )
     return f"<table><tr>{head}</tr>{body}</table>"
 
 
-def _cell(value: Any) -> str:
+def _pairs(pairs: Sequence[tuple[str, str]]) -> str:
+    """A two-column table of (what, value) rows, headings on the left."""
+    rows = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>" for k, v in pairs)
+    return f'<table class="pairs">{rows}</table>'
+
+
+def _bytes(v: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(v) < 1024 or unit == "GB":
+            return f"{v:,.0f} {unit}" if unit == "B" else f"{v:,.1f} {unit}"
+        v /= 1024
+    return f"{v:,.1f} GB"  # pragma: no cover (the loop returns)
+
+
+def _cell(value: Any, column: str = "") -> str:
+    """A value as people read it: losses to 4 decimals, shares as percentages, rates and
+    tokens as whole numbers, bytes in KB/MB, fragment versions as ``f0 v8, f1 v9``."""
     if value is None:
         return "-"
-    if isinstance(value, float):
-        return f"{value:,.4g}"
-    if isinstance(value, int) and not isinstance(value, bool):
-        return f"{value:,}"
-    if isinstance(value, dict | list):
-        return json.dumps(value, separators=(",", ":"))
-    return str(value)
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, dict):
+        if column == "versions":
+            return ", ".join(f"f{k} v{v}" for k, v in sorted(value.items(), key=_fragment_order))
+        return ", ".join(f"{k}: {_cell(v)}" for k, v in value.items())
+    if isinstance(value, list | tuple):
+        return ", ".join(_cell(v) for v in value)
+    if not isinstance(value, int | float):
+        return str(value)
+    if column == "goodput":
+        return f"{value:.1%}"
+    if column.startswith("bytes"):
+        return _bytes(float(value))
+    if column == "latency_s":
+        return f"{value:.2f} s"
+    if column == "loss":
+        return f"{value:.4f}"
+    if isinstance(value, int) or column in ("tokens_per_s", "tokens", "tokens_merged"):
+        return f"{value:,.0f}"
+    return f"{value:,.4g}"
 
 
-def write_report(view: Mapping[str, Any], out: str | Path) -> dict[str, Any]:
-    """Write the charts and report.html into `out`; returns {"charts": [...], "html": path}."""
+def _fragment_order(item: tuple[Any, Any]) -> tuple[int, str]:
+    key = str(item[0])
+    return (int(key), key) if key.isdigit() else (1 << 30, key)
+
+
+def _baseline_rows(best: Mapping[str, Any], baseline: Mapping[str, Any] | None) -> list:
+    """The single-process baseline's row, and the best eval against it, when one is recorded."""
+    if not baseline or not isinstance(baseline.get("loss"), int | float):
+        return []
+    rows = [
+        (
+            f"single process, {baseline.get('tokens', 0):,} tokens",
+            _cell(float(baseline["loss"]), "loss"),
+        )
+    ]
+    if isinstance(best.get("loss"), int | float) and baseline["loss"] > 0:
+        rows.append(("best against single process", f"{best['loss'] / baseline['loss'] - 1:+.2%}"))
+    return rows
+
+
+def write_report(
+    view: Mapping[str, Any], out: str | Path, baseline: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """Write the charts and report.html into `out`; returns {"charts": [...], "html": path}.
+    `baseline`: the newest ``baseline`` metric record of the experiment (a single process
+    trained on the same tokens: {"loss", "tokens"}), shown against the best eval when given."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     try:
@@ -268,12 +333,16 @@ def write_report(view: Mapping[str, Any], out: str | Path) -> dict[str, Any]:
     best = view.get("best_eval") or {}
     summary = [
         ("store", view["store"]),
-        ("snapshot", view["snapshot"]["versions"] if view.get("snapshot") else None),
+        (
+            "snapshot (fragment versions)",
+            _cell(view["snapshot"]["versions"] if view.get("snapshot") else None),
+        ),
         ("tokens merged / budget", f"{tokens['merged']:,} / {tokens['budget']:,}"),
-        ("best eval loss", best.get("loss")),
-        ("merges", view["merge_count"]),
-        ("quarantined", view["quarantine_count"]),
-        ("goodput", (view.get("goodput") or {}).get("goodput")),
+        ("best eval loss", _cell(best.get("loss"), "loss")),
+        *_baseline_rows(best, baseline),
+        ("merges", _cell(view["merge_count"])),
+        ("quarantined", _cell(view["quarantine_count"])),
+        ("goodput", _cell((view.get("goodput") or {}).get("goodput"), "goodput")),
         ("written", view["now_iso"]),
     ]
     imgs = "".join(
@@ -296,9 +365,9 @@ def write_report(view: Mapping[str, Any], out: str | Path) -> dict[str, Any]:
     merge_cols = ["at_iso", "versions", "applied", "quarantined", "tokens_merged", "latency_s"]
     doc = f"""<!doctype html><html><head><meta charset="utf-8"><title>DiLoCo report: {html.escape(view["experiment"])}</title>
 <style>body{{font:14px system-ui,sans-serif;margin:20px}}table{{border-collapse:collapse;margin:8px 0 20px}}
-td,th{{border-bottom:1px solid #ddd;padding:3px 8px;text-align:left}}img{{max-width:100%;margin:8px 0}}</style></head><body>
+td,th{{border-bottom:1px solid #ddd;padding:3px 8px;text-align:left}}.pairs th{{font-weight:normal;color:#555}}img{{max-width:100%;margin:8px 0}}</style></head><body>
 <h1>DiLoCo report: {html.escape(view["experiment"])}</h1>
-{_table([dict(k=k, v=v) for k, v in summary], ["k", "v"])}
+{_pairs(summary)}
 {imgs}
 <h2>Islands</h2>{_table(view["islands"], island_cols)}
 <h2>Merges (newest first)</h2>{_table(view["merges"], merge_cols)}

@@ -107,7 +107,7 @@ HARDWARE_KEYS: dict[str, dict[str, str]] = {
         "termination_grace_s": "seconds between SIGTERM and SIGKILL (default 30)",
         "ttl_after_finished_s": "a JobSet is deleted this long after it ends (default 3600)",
         "coordinator_flags": "true: also pass --coordinator/--num-processes/--process-id "
-        "(the DILOCO_* environment of every pod already sets them)",
+        "(every pod's environment already sets them)",
     },
 }
 """The ``hardware`` keys each backend reads (what the trigger form's island field lists)."""

@@ -37,7 +37,7 @@ from diloco_airflow.chaos_monkey import run_chaos_monkey
 from diloco_airflow.experiment_end import finalize_experiment, islands_ended
 from diloco_airflow.experiment_setup import run_init
 from diloco_airflow.island_group import island_group
-from diloco_airflow.params import experiment_params
+from diloco_airflow.params import experiment_of, experiment_params, run_params
 from diloco_airflow.pools import CONTROL_POOL
 from diloco_airflow.syncer import EvaluatorOperator, SyncerShardOperator
 
@@ -67,12 +67,13 @@ default_args = {
     default_args=default_args,
     tags=["diloco"],
     render_template_as_native_obj=True,
+    user_defined_macros={"experiment_of": experiment_of},
     doc_md=__doc__,
 )
 def diloco_experiment():
     @task
-    def init(params=None) -> dict:
-        return run_init(dict(params))
+    def init(params=None, run_id=None) -> dict:
+        return run_init(run_params(dict(params), run_id))
 
     islands = init()
 
@@ -92,13 +93,13 @@ def diloco_experiment():
     ]
 
     @task(execution_timeout=ISLAND_TIMEOUT, retries=ISLAND_RETRIES)
-    def chaos_monkey(islands: dict, params=None) -> dict:
+    def chaos_monkey(islands: dict, params=None, run_id=None) -> dict:
         """Chaos mode (chaos.kill_mtbi_s): SIGKILL running islands until all are done."""
-        return run_chaos_monkey(islands, params["store_url"], params["experiment_name"])
+        return run_chaos_monkey(islands, params["store_url"], experiment_of(params, run_id))
 
     monkey = chaos_monkey(islands)
 
-    store_url, experiment = "{{ params.store_url }}", "{{ params.experiment_name }}"
+    store_url, experiment = "{{ params.store_url }}", "{{ experiment_of(params, run_id) }}"
     syncer = SyncerShardOperator.partial(
         task_id="syncer",
         store_url=store_url,
@@ -125,13 +126,13 @@ def diloco_experiment():
 
             raise AirflowFailException("init did not finish: this run created no experiment")
         names = [i["name"] for i in params["islands"]]
-        return islands_ended(params["store_url"], params["experiment_name"], run_id, names)
+        return islands_ended(params["store_url"], experiment_of(params, run_id), run_id, names)
 
     # all done, at least one of islands_ended / syncer / evaluate successful: never after a
     # failed init (then islands_ended fails and the others are upstream_failed)
     @task(trigger_rule="all_done_min_one_success")
-    def finalize(params=None) -> dict:
-        return finalize_experiment(params["store_url"], params["experiment_name"])
+    def finalize(params=None, run_id=None) -> dict:
+        return finalize_experiment(params["store_url"], experiment_of(params, run_id), run_id)
 
     ended = end_islands()
     islands >> ended

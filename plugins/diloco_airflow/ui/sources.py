@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from types import SimpleNamespace
 from typing import Any
 
 from diloco_airflow import knobs
@@ -42,7 +43,8 @@ class StaticSource:
         return {}
 
     def resolve_run(self, run_id: str) -> dict[str, str] | None:
-        """{"store", "experiment"} of a `diloco_experiment` run (None: unknown)."""
+        """{"store", "experiment", "init_error"} of a `diloco_experiment` run (None: unknown);
+        `init_error`: the one-line reason its init failed, else None."""
         return None
 
 
@@ -86,6 +88,8 @@ class AirflowSource(StaticSource):
         return runs
 
     def _run_rows(self) -> list[dict[str, Any]]:
+        from diloco_airflow.params import experiment_of
+
         default = _default_store()
         rows = []
         for r in self._recent_runs():
@@ -96,7 +100,7 @@ class AirflowSource(StaticSource):
                     state=_state(r.state),
                     start_date=r.start_date.isoformat() if r.start_date else None,
                     end_date=r.end_date.isoformat() if r.end_date else None,
-                    experiment=conf.get("experiment_name", "diloco-demo"),
+                    experiment=experiment_of(conf, r.run_id),
                     store=conf.get("store_url", default),
                     link=run_link(r.run_id),
                 )
@@ -139,7 +143,36 @@ class AirflowSource(StaticSource):
             log.warning("DiLoCo page: cannot read the DAG runs: %s", exc)
             return None
         row = next((r for r in rows if r["run_id"] == run_id), None)
-        return None if row is None else dict(store=row["store"], experiment=row["experiment"])
+        if row is None:
+            return None
+        return dict(
+            store=row["store"], experiment=row["experiment"], init_error=self.init_error(run_id)
+        )
+
+    def init_error(self, run_id: str) -> str | None:
+        """The reason run `run_id`'s init failed (its XCom `INIT_ERROR_KEY`), else None."""
+        from airflow.models.xcom import XComModel
+        from airflow.utils.session import create_session
+        from sqlalchemy import select
+
+        from diloco_airflow.experiment_setup import INIT_ERROR_KEY
+
+        try:
+            with create_session() as session:
+                query = select(XComModel.value).where(
+                    XComModel.dag_id == DAG_ID,
+                    XComModel.run_id == run_id,
+                    XComModel.task_id == "init",
+                    XComModel.key == INIT_ERROR_KEY,
+                )
+                value = session.scalars(query).first()
+        except Exception as exc:
+            log.warning("DiLoCo page: cannot read init's reason of %s: %s", run_id, exc)
+            return None
+        if value is None:
+            return None
+        value = XComModel.deserialize_value(SimpleNamespace(value=value))
+        return str(value)[:500] if value else None
 
     def tasks(self, run_id: str | None, islands: list[tuple[str, str]]) -> dict[str, dict]:
         """island -> {"state", "try_number"} of its wait task in run `run_id`. `islands`:
