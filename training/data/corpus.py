@@ -209,7 +209,7 @@ def _visible(path: str, root: str) -> bool:
     return not any(part.startswith(".") for part in relative_id(path, root).split("/"))
 
 
-def _expand(source: str) -> tuple[fsspec.AbstractFileSystem, list[str], str]:
+def expand_source(source: str) -> tuple[fsspec.AbstractFileSystem, list[str], str]:
     """The filesystem, the files of `source` (sorted) and the root their ids are relative to."""
     fs, _, paths = fsspec.core.get_fs_token_paths(source, mode="rb")
     stripped = fs._strip_protocol(source)
@@ -346,7 +346,7 @@ def load_corpus(
     elif source.startswith("builtin:"):
         raise ValueError(f"unknown built-in corpus {source!r}; known: {BUILTIN_SOURCE!r}")
     else:
-        fs, files, root = _expand(source)
+        fs, files, root = expand_source(source)
         kinds = {_is_array_path(p) for p in files}
         if kinds == {True, False}:
             raise ValueError(f"data source {source!r} mixes text files and token arrays")
