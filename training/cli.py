@@ -10,6 +10,7 @@
     diloco list    --store URL [--json]
     diloco history --store URL --experiment NAME [--json]
     diloco report  --store URL --experiment NAME --out DIR
+    diloco prepare --data SRC --tokenizer T --out URL [--workers N] [--text-field F]
     diloco bench   quality | goodput-sim | chaos | merge | wan | science | island | scavenge
                    | device  [...]
 
@@ -220,6 +221,35 @@ def cmd_report(args) -> int:
     return 0
 
 
+def cmd_prepare(args) -> int:
+    from tqdm import tqdm
+
+    from training.data.prepare import prepare
+    from training.faults.points import FaultPlan
+
+    with tqdm(desc="prepare", unit=" shard", disable=None) as bar:
+
+        def progress(record: dict, summary) -> None:
+            bar.total = summary.units - summary.skipped
+            bar.set_postfix(tokens=f"{summary.new_tokens:,}", refresh=False)
+            bar.update(1)
+
+        summary = prepare(
+            args.data,
+            args.tokenizer,
+            args.out,
+            workers=args.workers,
+            text_field=args.text_field,
+            chunk_bytes=args.chunk_mb << 20,
+            progress=progress,
+            faults=FaultPlan.from_env(),
+        )
+    print(f"prepared {args.out}: {summary.line()}")
+    for example in summary.examples[:10]:
+        print(f"  bad input: {example}")
+    return 0
+
+
 def cmd_bench(args, rest: list[str]) -> int:
     if args.bench == "quality":
         from training.bench import quality
@@ -378,6 +408,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sp.add_argument("--out", required=True, help="directory to write into (created)")
     sp.set_defaults(fn=cmd_report)
+
+    sp = sub.add_parser(
+        "prepare", help="tokenize text, JSON lines or Parquet into token shards (docs/DATA.md)"
+    )
+    sp.add_argument("--data", required=True, help="files, a glob or a directory (fsspec URL)")
+    sp.add_argument("--tokenizer", required=True, help="byte, a tokenizer.json or a .model")
+    sp.add_argument("--out", required=True, help="where the shards go (fsspec URL)")
+    sp.add_argument("--workers", type=_count, default=1, help="tokenizing processes")
+    sp.add_argument("--text-field", default="text", help="the text's JSON field or column")
+    sp.add_argument(
+        "--chunk-mb", type=_count, default=64, help="input per shard (MiB; text files whole)"
+    )
+    sp.set_defaults(fn=cmd_prepare)
 
     # no help of its own: `diloco bench NAME --help` reaches the benchmark's parser
     sp = sub.add_parser(

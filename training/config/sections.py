@@ -187,6 +187,16 @@ class DataConfig(_Frozen):
         description="training text: builtin:pydoc, text files or uint16/uint32 token shards "
         "on any fsspec URL",
     )
+    tokenizer: str = Field(
+        "byte",
+        description="byte (UTF-8), or a path / fsspec URL of a Hugging Face tokenizer.json or a "
+        "SentencePiece .model (never a hub); a file tokenizer sets an unset model.vocab_size",
+    )
+    tokenizer_sha256: str | None = Field(
+        None,
+        pattern=r"^[0-9a-f]{64}$",
+        description="sha256 of the tokenizer file: init records it, every process checks it",
+    )
     seq_len: int = Field(64, gt=0, description="tokens per training sequence")
     batch_size: int = Field(16, gt=0, description="sequences per inner step on one island")
     eval_fraction: float = Field(

@@ -5,15 +5,17 @@ Sources (`load_corpus(source)`):
   (`pydoc_data.topics`) plus the docstrings of the stdlib's pure-Python modules (parsed with `ast`,
   never imported). Each topic and each module is one document.
 - any fsspec URL, glob or directory of text files (`file:///x/*.txt`, `gs://b/*.txt`, `/data/corpus`,
-  `memory://...`): each file is one document, tokenized as UTF-8 bytes. A directory means every
-  file below it, recursively, except hidden ones (a path component starting with ".").
+  `memory://...`): each file is one document, tokenized with the experiment's tokenizer
+  (training/data/tokenizer.py; UTF-8 bytes by default). A directory means every file below it,
+  recursively, except hidden ones (a path component starting with ".").
 - pre-tokenized shards: `*.npy` or raw little-endian `*.u16.bin` / `*.u32.bin` (uint16 / uint32).
 
-Documents are joined with `DOC_SEPARATOR`. Text sources split train / eval per document by a stable
-hash of the document id; array sources hold out the last `eval_fraction` of each file's tokens.
-A file's document id is its path relative to the source root (the directory given, a glob's
-directories before its first wildcard, a single file's folder), so the split does not depend on
-where the corpus lives: the same files under two directories give the same split.
+Documents are joined with the tokenizer's separator (`DOC_SEPARATOR` as bytes for `byte`). Text
+sources split train / eval per document by a stable hash of the document id; array sources hold out
+the last `eval_fraction` of each file's tokens. A file's document id is its path relative to the
+source root (the directory given, a glob's directories before its first wildcard, a single file's
+folder), so the split does not depend on where the corpus lives: the same files under two
+directories give the same split.
 """
 
 from __future__ import annotations
@@ -31,9 +33,10 @@ from typing import Any
 import fsspec
 import numpy as np
 
-VOCAB_SIZE = 256
+from training.data.tokenizer import BYTE_VOCAB_SIZE, DOC_SEPARATOR, ByteTokenizer, Tokenizer
+
+VOCAB_SIZE = BYTE_VOCAB_SIZE
 BUILTIN_SOURCE = "builtin:pydoc"
-DOC_SEPARATOR = "\n\n"
 CURSOR_VERSION = 1
 
 _SKIP_DIRS = frozenset(
@@ -162,10 +165,10 @@ def fingerprint(tokens: np.ndarray) -> str:
     return h.hexdigest()[:16]
 
 
-def _join(docs: list[np.ndarray], dtype: type) -> np.ndarray:
+def _join(docs: list[np.ndarray], dtype: type, separator: tuple[int, ...]) -> np.ndarray:
     if not docs:
         return np.zeros(0, dtype=dtype)
-    sep = encode(DOC_SEPARATOR).astype(dtype)
+    sep = np.asarray(separator, dtype=dtype)
     pieces: list[np.ndarray] = []
     for doc in docs:
         pieces.extend((doc.astype(dtype, copy=False), sep))
@@ -173,7 +176,7 @@ def _join(docs: list[np.ndarray], dtype: type) -> np.ndarray:
 
 
 def _split_documents(
-    docs: list[tuple[str, np.ndarray]], eval_fraction: float
+    docs: list[tuple[str, np.ndarray]], eval_fraction: float, tok: Tokenizer
 ) -> tuple[np.ndarray, np.ndarray, int, int]:
     """Hash split by document id; if either side ends up empty, hold out each document's tail."""
     train = [toks for doc_id, toks in docs if _stable_unit(doc_id) >= eval_fraction]
@@ -182,7 +185,8 @@ def _split_documents(
         cuts = [len(toks) - int(round(len(toks) * eval_fraction)) for _, toks in docs]
         train = [toks[:cut] for (_, toks), cut in zip(docs, cuts, strict=True)]
         held = [toks[cut:] for (_, toks), cut in zip(docs, cuts, strict=True)]
-    return _join(train, np.uint16), _join(held, np.uint16), len(train), len(held)
+    dtype, sep = tok.dtype, tok.separator
+    return _join(train, dtype, sep), _join(held, dtype, sep), len(train), len(held)
 
 
 def source_root(path: str, is_dir: bool) -> str:
@@ -205,7 +209,7 @@ def _visible(path: str, root: str) -> bool:
     return not any(part.startswith(".") for part in relative_id(path, root).split("/"))
 
 
-def _expand(source: str) -> tuple[fsspec.AbstractFileSystem, list[str], str]:
+def expand_source(source: str) -> tuple[fsspec.AbstractFileSystem, list[str], str]:
     """The filesystem, the files of `source` (sorted) and the root their ids are relative to."""
     fs, _, paths = fsspec.core.get_fs_token_paths(source, mode="rb")
     stripped = fs._strip_protocol(source)
@@ -290,15 +294,27 @@ def _load_arrays(
     )
 
 
+def _tokenize(texts: list[tuple[str, str]], tok: Tokenizer) -> list[tuple[str, np.ndarray]]:
+    """(document id, tokens) of each (document id, text)."""
+    arrays = tok.encode_arrays([text for _, text in texts])
+    return [(doc_id, toks) for (doc_id, _), toks in zip(texts, arrays, strict=True)]
+
+
 def _read_text_files(
-    fs: fsspec.AbstractFileSystem, files: list[str], root: str
+    fs: fsspec.AbstractFileSystem, files: list[str], root: str, tok: Tokenizer
 ) -> list[tuple[str, np.ndarray]]:
-    """(document id relative to `root`, UTF-8 bytes as tokens) per file."""
+    """(document id relative to `root`, tokens) per file: UTF-8 bytes as they are for the byte
+    tokenizer (invalid UTF-8 included), the file decoded as UTF-8 (invalid bytes become
+    U+FFFD) and encoded by any other."""
     docs = []
     for path in files:
         with fs.open(path, "rb") as f:
             raw = f.read()
-        docs.append((relative_id(path, root), np.frombuffer(raw, dtype=np.uint8).astype(np.uint16)))
+        if tok.kind == "byte":
+            docs.append((relative_id(path, root), np.frombuffer(raw, np.uint8).astype(np.uint16)))
+        else:
+            text = raw.decode("utf-8", errors="replace")
+            docs.extend(_tokenize([(relative_id(path, root), text)], tok))
     return docs
 
 
@@ -311,36 +327,41 @@ def load_corpus(
     eval_fraction: float = 0.05,
     vocab_size: int | None = None,
     dtype: str | None = None,
+    tokenizer: Tokenizer | None = None,
 ) -> Corpus:
     """Load `source` and split it into train and held-out eval tokens.
 
     `vocab_size` is the model's vocabulary: every token must be below it. Without it, text sources
-    report 256 and array sources `max token + 1`. `dtype` ("uint16" / "uint32") overrides the
-    suffix of raw `.bin` shards.
+    report the tokenizer's vocabulary and array sources `max token + 1`. `dtype` ("uint16" /
+    "uint32") overrides the suffix of raw `.bin` shards. `tokenizer` encodes text sources
+    (default: UTF-8 bytes); token arrays are used as they are.
     """
+    tok = tokenizer or ByteTokenizer()
     if not 0.0 <= eval_fraction < 1.0:
         raise ValueError(f"eval_fraction must be in [0, 1), got {eval_fraction}")
     if vocab_size is not None and vocab_size < 1:
         raise ValueError(f"vocab_size must be positive, got {vocab_size}")
     if source == BUILTIN_SOURCE:
-        docs = [(doc_id, encode(text)) for doc_id, text in builtin_documents()]
+        docs = _tokenize(list(builtin_documents()), tok)
     elif source.startswith("builtin:"):
         raise ValueError(f"unknown built-in corpus {source!r}; known: {BUILTIN_SOURCE!r}")
     else:
-        fs, files, root = _expand(source)
+        fs, files, root = expand_source(source)
         kinds = {_is_array_path(p) for p in files}
         if kinds == {True, False}:
             raise ValueError(f"data source {source!r} mixes text files and token arrays")
         if kinds == {True}:
             return _load_arrays(source, fs, files, eval_fraction, vocab_size, dtype)
-        docs = _read_text_files(fs, files, root)
-    if vocab_size is not None and vocab_size < VOCAB_SIZE:
-        raise ValueError(f"text source {source!r} needs vocab_size >= {VOCAB_SIZE}")
-    train, held, n_train, n_eval = _split_documents(docs, eval_fraction)
+        docs = _read_text_files(fs, files, root, tok)
+    if vocab_size is not None and vocab_size < tok.vocab_size:
+        raise ValueError(
+            f"text source {source!r} with tokenizer {tok.name} needs vocab_size >= {tok.vocab_size}"
+        )
+    train, held, n_train, n_eval = _split_documents(docs, eval_fraction, tok)
     return Corpus(
         train=train,
         eval=held,
-        vocab_size=VOCAB_SIZE,
+        vocab_size=tok.vocab_size,
         source=source,
         fingerprint=fingerprint(train),
         train_documents=n_train,

@@ -25,6 +25,7 @@ from training.config.experiment import (
     join_islands,
     parse_config,
 )
+from training.data.tokenizer import bind_tokenizer
 from training.merge.merger import initial_version
 from training.model.definition import definition
 from training.model.evaluate import evaluate_current
@@ -90,13 +91,16 @@ def create_or_join(
     """Create experiment `cfg` in `estore`, or join `cfg.islands` to it if it exists; then make
     sure version 0 exists, and evaluate it if this call created it.
 
-    `validate` runs first (nothing is read or written when it fails), then the store's
+    `cfg` is first tied to its tokenizer (`bind_tokenizer`: the model's vocab_size follows a
+    file tokenizer, whose sha256 config.json records), then `validate` runs (nothing is read or
+    written when either fails), then the store's
     reachability check (`ObjectStore.check`). Joining: every setting but the island list must
     equal the stored config (`check_same_settings`), and the islands are added by `add_islands`.
     A concurrent creator in between (config.json appeared after our read) is joined the same
     way. ConfigError (one line) for a config or a join that is refused; StoreError as the store
     raises it.
     """
+    cfg = bind_tokenizer(cfg)  # vocab_size and the tokenizer's sha256, before any check
     validate(cfg, checks)
     estore.store.check()  # unreachable bucket / missing credentials: fail now, with its message
     wanted = json.loads(cfg.to_json())

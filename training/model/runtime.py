@@ -12,6 +12,7 @@ import jax
 
 from training.config.experiment import ExperimentConfig
 from training.data.corpus import Corpus, load_corpus
+from training.data.tokenizer import tokenizer_for
 from training.model import definition as model
 from training.model import inner
 from training.protocol.fragments import assign_fragments, split_by_fragment
@@ -27,9 +28,15 @@ def shared(key: tuple, build: Callable[[], object]):
 
 
 def corpus_for(cfg: ExperimentConfig) -> Corpus:
+    """The experiment's corpus, tokenized with its tokenizer (`tokenizer_for`: checked against
+    the sha256 config.json records)."""
     vocab = cfg.model.dims()["vocab_size"]
-    key = ("corpus", cfg.data.source, cfg.data.eval_fraction, vocab)
-    return shared(key, lambda: load_corpus(cfg.data.source, cfg.data.eval_fraction, vocab))
+    tok = tokenizer_for(cfg)
+    key = ("corpus", cfg.data.source, cfg.data.eval_fraction, vocab, tok.sha256)
+    return shared(
+        key,
+        lambda: load_corpus(cfg.data.source, cfg.data.eval_fraction, vocab, tokenizer=tok),
+    )
 
 
 def island_mesh_devices(cfg: ExperimentConfig, island: str | None) -> list:
