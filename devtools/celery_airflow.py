@@ -43,6 +43,7 @@ from devtools.local_airflow import (  # noqa: E402
     LocalAirflow,
     groups_still_alive,
     port_in_use,
+    serve,
 )
 
 HOSTNAME_ENV = "DILOCO_WORKER_HOSTNAME"
@@ -402,6 +403,15 @@ class CeleryAirflow(LocalAirflow):
         finally:
             app.close()
 
+    def describe(self) -> list[str]:
+        """What `serve` prints: the database, the broker, the workers (once they answer)."""
+        assert self.postgres is not None and self.redis is not None
+        nodes = self.wait_workers()
+        return [
+            f"CeleryExecutor: PostgreSQL {self.postgres.url()}, Redis {self.redis.url()}",
+            f"Celery workers: {', '.join(nodes)} (task instances' hostnames: {self.workers})",
+        ]
+
     def stop(self, grace_s: float = 15.0) -> None:
         sessions = self.sessions()
         super().stop(grace_s)
@@ -414,3 +424,29 @@ class CeleryAirflow(LocalAirflow):
         if self.services_dir is not None:
             shutil.rmtree(self.services_dir, ignore_errors=True)
             self.services_dir = None
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] != "serve":
+        print(
+            "usage: python -m devtools.celery_airflow serve [--port N] [--home DIR] [--workers N]",
+            file=sys.stderr,
+        )
+        return 2
+
+    def opt(flag: str):
+        return argv[argv.index(flag) + 1] if flag in argv else None
+
+    port, home, workers = opt("--port"), opt("--home"), opt("--workers")
+    for program in ("initdb", "postgres", "redis-server"):
+        try:
+            find_program(program)
+        except AirflowError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 1
+    return serve(int(port) if port else None, home, cls=CeleryAirflow, workers=int(workers or 2))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
