@@ -43,8 +43,13 @@ test-all: test test-slow
 demo: $(STAMP)
 	PYTHONPATH=.:plugins $(BIN)/python -m devtools.demo
 
+# make airflow EXECUTOR=celery: PostgreSQL + Redis + CeleryExecutor + two workers (docs/AIRFLOW.md)
+EXECUTOR ?= local
+AIRFLOW_SETUP_local = local_airflow
+AIRFLOW_SETUP_celery = celery_airflow
 airflow: $(STAMP)
-	PYTHONPATH=.:plugins $(BIN)/python -m devtools.local_airflow serve
+	@test -n "$(AIRFLOW_SETUP_$(EXECUTOR))" || { echo "EXECUTOR=$(EXECUTOR): local or celery" >&2; exit 2; }
+	PYTHONPATH=.:plugins $(BIN)/python -m devtools.$(AIRFLOW_SETUP_$(EXECUTOR)) serve
 
 bench-quality: $(STAMP)
 	$(BIN)/diloco bench quality --quick --json runs/bench_quality.json

@@ -296,6 +296,10 @@ class LocalAirflow:
                 (self.home / "pids.json").unlink()
             self.lock.release()
 
+    def describe(self) -> list[str]:
+        """Lines `serve` prints about this setup beyond the UI's address (none here)."""
+        return []
+
     def check_alive(self) -> None:
         for name, p in self.procs.items():
             if p.poll() is not None:
@@ -448,16 +452,20 @@ def stop_islands(runs_root: str | Path) -> list[int]:
     return killed
 
 
-def serve(port: int | None = None, home: str | None = None) -> int:
+def serve(port: int | None = None, home: str | None = None, cls=None, **kw) -> int:
     """`make airflow`: start, print where to go, run until SIGINT / SIGTERM, stop it all.
-    Refuses to start (one line on stderr, exit 1) when the home or the port is in use."""
-    af = LocalAirflow(home=home, port=port, env={knobs.RUNS_ROOT.name: str(ROOT / "runs")})
+    Refuses to start (one line on stderr, exit 1) when the home or the port is in use. `cls`
+    (default `LocalAirflow`) and `kw`: another setup (`devtools.celery_airflow`)."""
+    cls = cls or LocalAirflow
+    af = cls(home=home, port=port, env={knobs.RUNS_ROOT.name: str(ROOT / "runs")}, **kw)
     port = af.port
     with stop_on_signals():
         try:
             af.start()
             af.wait_healthy()
             af.ensure_pools()
+            for line in af.describe():
+                print(line)
             print(f"Airflow UI: http://localhost:{port}  user {USER}  password {af.password()}")
             print(f"DiLoCo page: http://localhost:{port}/plugin/diloco (Browse -> DiLoCo)")
             print(

@@ -88,8 +88,9 @@ def _run(airflow, gcs_bucket: str, label: str, chaos: dict) -> dict:  # noqa: F8
     return {"name": name, "run_id": run_id, "bucket": Bucket(f"{prefix}/{name}"), "s": seconds}
 
 
-def _check_exactly_once(bucket: Bucket) -> dict:
-    """Zero lost, zero double-applied, from manifests and ledger (google-cloud-storage only)."""
+def check_exactly_once(bucket: Bucket, islands=ISLANDS) -> dict:
+    """Zero lost, zero double-applied, from manifests and ledger (google-cloud-storage only);
+    every one of `islands` done. Also tests/test_celery.py's check."""
     chains = bucket.chains()  # every fragment's chain (store layout 2)
     versions = [v for chain in chains.values() for v in chain]
     for chain in chains.values():
@@ -116,7 +117,7 @@ def _check_exactly_once(bucket: Bucket) -> dict:
     assert not quarantined, f"quarantined: {quarantined}"
     lost = sorted(set(committed) - set(applied))
     assert not lost, f"committed but never applied: {lost}"
-    assert set(bucket.names("done/")) == {f"done/{i}.json" for i in ISLANDS}
+    assert set(bucket.names("done/")) == {f"done/{i}.json" for i in islands}
     evals = sorted(bucket.records("metrics/eval/"), key=lambda r: r["at"])
     assert evals[-1]["versions"] == [chains[p][-1]["version"] for p in sorted(chains)]
     return {
@@ -148,8 +149,8 @@ def test_chaos_run_loses_nothing_and_matches_the_fault_free_loss(airflow, gcs_bu
     base = _run(airflow, gcs_bucket, "calm", {})
     chaos = _run(airflow, gcs_bucket, "chaos", CHAOS)
 
-    clean = _check_exactly_once(base["bucket"])
-    faulty = _check_exactly_once(chaos["bucket"])
+    clean = check_exactly_once(base["bucket"])
+    faulty = check_exactly_once(chaos["bucket"])
     assert not base["bucket"].records("metrics/chaos/"), "chaos events in the fault-free run"
 
     # the injected faults, as recorded in the store's metrics
