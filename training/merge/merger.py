@@ -20,7 +20,7 @@ So a contribution is applied at most once (only a version that won the CAS count
 cursors and `applied` list are what the next attempt reads) and at least once (it stays pending
 until a version of its fragment names it). Fragments are independent: two shards never contend.
 
-Length: about 570 lines, on purpose: the decisions are in rules.py and stream.py, what is left
+Length: about 590 lines, on purpose: the decisions are in rules.py and stream.py, what is left
 is the I/O of one merge round in the order above, which reads best unbroken.
 """
 
@@ -30,7 +30,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -146,7 +146,9 @@ class Merger:
             if len(self._manifests) > 4 * len(self.fragments):
                 self._manifests.clear()
             manifest = self.store.fragment_manifest(head)
-            self._manifests[head.dir] = (manifest, records.merge_state_of(manifest))
+            ms = records.merge_state_of(manifest)
+            cursors = self.store.checked_cursors(head.dir, manifest, ms.cursors)
+            self._manifests[head.dir] = (manifest, replace(ms, cursors=cursors))
         return self._manifests[head.dir]
 
     def _active_islands(self) -> set[str]:
@@ -176,7 +178,25 @@ class Merger:
                 self.store.repair_ledger(h, versions[h.fragment][0])
                 self._repaired.add(h.dir)
         cursors = {p: ms.cursors for p, (_, ms) in versions.items()}
-        pending = self.store.pending_after(cursors, [i.name for i in self.cfg.islands])
+        # contributions to no fragment of the experiment: quarantined by fragment 0's shard
+        strays: list[PseudoGradRef] | None = [] if 0 in self.fragments else None
+        pending = self.store.pending_after(
+            cursors, [i.name for i in self.cfg.islands], strays, len(self.frags)
+        )
+        for ref in strays or ():
+            reason = rules.check_manifest(
+                self.cfg,
+                ref.id,
+                ref.island,
+                ref.seq,
+                ref.fragment,
+                ref.manifest,
+                -1,
+                None,
+                ref.error,
+            )
+            if isinstance(reason, str):
+                self._quarantine(ref.id, reason, result)
         self.store.hit_fault("merge.after-read")  # the store's fault plan (faults/points.py)
         active = self._active_islands()
         beats = claims.beats(self.store.heartbeats()) if any(pending.values()) else {}
