@@ -38,6 +38,7 @@ from training.codecs import host as codecs
 from training.config.experiment import ExperimentConfig
 from training.merge import rules
 from training.merge import stream as merge_stream
+from training.merge.fetch import Prefetch
 from training.model import definition as model
 from training.model.runtime import fragment_names
 from training.protocol import broadcast, claims, rounds
@@ -134,6 +135,7 @@ class Merger:
         # version dir -> (manifest, its merge state) (immutable once committed)
         self._manifests: dict[str, tuple[dict, records.MergeState]] = {}
         self._repaired: set[str] = set()  # version dirs whose ledger entries this merger wrote
+        self._fetch = Prefetch([], self._load_payload, 1)  # a merge's payload downloads
         self._round_clock_known = not rounds.clock_rounds(cfg)
         # fragment -> {candidate id: when this merger first saw it} (the grace floor's start;
         # rebuilt every pass from the pending candidates, so it holds no applied ones)
@@ -296,6 +298,7 @@ class Merger:
         applied, details = [], []
         # outer.anchor = now: stale votes re-anchored at the params as they stand (`_vote`)
         now = (head, params, {}) if self.cfg.outer.anchor == "now" else None
+        self._prefetch(groups)
         for group in groups:
             combiner = rules.Combiner(
                 self.shapes[p], self.cfg.outer.rda and self.cfg.outer.method != "sync"
@@ -448,7 +451,8 @@ class Merger:
         norms computed in one streaming pass, summed (they are consecutive increments: an
         island never publishes the same progress twice). Returns (vote or None, the
         contributions in it, their norms, the vote's (squared norm, squared body norm)).
-        At most one payload and one summed vote are held at a time.
+        One summed vote is held, and at most `syncer.fetch_concurrency` payloads beside the
+        one being summed (fetched ahead: training/merge/fetch.py).
 
         `now` (only with `outer.anchor = "now"`) = (HEAD, its params as they stand, a cache of
         base versions' params): a stale contribution is re-anchored at them (`_anchored_now`)."""
@@ -460,9 +464,7 @@ class Merger:
             shapes = self.shapes[c.fragment]
             max_nbytes, max_header = codecs.payload_limits(shapes, c.codec)
             try:
-                payload = self.store.load_pseudograd(
-                    self._ref(c), max_nbytes, max_header, f" of fragment {c.fragment} in {c.codec}"
-                )
+                payload = self._fetch.get(c.id, (c, max_nbytes, max_header))
             except (TransientStoreError, StoreUnreachable):
                 raise  # not the payload's fault: retry later, quarantine nothing
             except (StoreError, ValueError, KeyError) as err:
@@ -490,6 +492,23 @@ class Merger:
         if vote is not None and sqs is None:
             sqs = merge_stream.sq_norms(vote, self.shapes[kept[0].fragment], combiner.body, buf)
         return vote, kept, vote_norms, sqs or (0.0, 0.0)
+
+    def _load_payload(self, item) -> dict[str, np.ndarray]:
+        c, max_nbytes, max_header = item
+        return self.store.load_pseudograd(
+            self._ref(c), max_nbytes, max_header, f" of fragment {c.fragment} in {c.codec}"
+        )
+
+    def _prefetch(self, groups) -> None:
+        """Start fetching the payloads of `groups` in the order `_vote` sums them
+        (training/merge/fetch.py): groups, islands sorted, contributions in group order."""
+        self._fetch.close()  # an earlier merge's, if it ended early (an error)
+        order = []
+        for group in groups:
+            for c in sorted(group, key=lambda c: c.island):  # stable: group order per island
+                limits = codecs.payload_limits(self.shapes[c.fragment], c.codec)
+                order.append((c.id, (c, *limits)))
+        self._fetch = Prefetch(order, self._load_payload, self.cfg.syncer.fetch_concurrency)
 
     def _anchored_now(self, c, vote, head, params, bases, buf) -> merge_stream.Vote:
         """`outer.anchor = "now"`: the contribution's outer gradient anchored at the fragment as
