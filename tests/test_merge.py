@@ -67,10 +67,10 @@ def test_crash_between_head_swap_and_ledger_is_repaired_without_reapplying():
     theta = store.load_params()
     publish_delta(store, cfg, "a", 0, random_delta(theta, 0))
     merger = Merger(cfg, store)
-    real_record = store.record_applied
-    store.record_applied = lambda ids, version: None  # the merger "dies" before the ledger
+    real_settle = store.settle_ledger  # what publish_fragment records the ledger with
+    store.settle_ledger = lambda fragment, ids, version: None  # it "dies" before the ledger
     assert merger.merge_once().version == 1
-    store.record_applied = real_record
+    store.settle_ledger = real_settle
     assert store.applied() == {}
     r = merger.merge_once()  # a new attempt repairs the ledger from HEAD first
     assert r.version is None

@@ -11,7 +11,7 @@
     diloco history --store URL --experiment NAME [--json]
     diloco report  --store URL --experiment NAME --out DIR
     diloco prepare --data SRC --tokenizer T --out URL [--workers N] [--text-field F]
-    diloco bench   quality | goodput-sim | chaos | merge | wan | science | island | scavenge
+    diloco bench   quality | goodput-sim | chaos | merge | fetch | wan | science | island | scavenge
                    | device  [...]
 
 Every error a user can cause (a bad config, name or URL, an unreachable store, a corrupt object)
@@ -263,6 +263,10 @@ def cmd_bench(args, rest: list[str]) -> int:
         from training.bench import merge
 
         return merge.main(rest)
+    if args.bench == "fetch":
+        from training.bench import fetch
+
+        return fetch.main(rest)
     if args.bench == "chaos":
         from training.bench import chaos
 
@@ -425,7 +429,7 @@ def build_parser() -> argparse.ArgumentParser:
     # no help of its own: `diloco bench NAME --help` reaches the benchmark's parser
     sp = sub.add_parser(
         "bench",
-        help="benchmarks: quality, goodput-sim, chaos, merge, wan, science, island, scavenge, "
+        help="benchmarks: quality, goodput-sim, chaos, merge, fetch, wan, science, island, scavenge, "
         "device",
         add_help=False,
     )
@@ -439,6 +443,7 @@ BENCHES = [
     "goodput-sim",
     "chaos",
     "merge",
+    "fetch",
     "wan",
     "science",
     "island",

@@ -12,12 +12,13 @@ budget (tokens in the global model).
 Returned: the eval curve (every `eval_dt` virtual seconds and at the end), tokens merged and
 processed, bytes per island both ways (`bytes_received` is None when islands do not count it),
 merges, quarantined contributions, goodput (island-seconds stepping / island-seconds
-provisioned from 0 to the end) and, with `trace_every` > 0, the per-merge trace
-(training/bench/trace.py).
+provisioned from 0 to the end), `params_sha256` (the final parameters' digest) and, with
+`trace_every` > 0, the per-merge trace (training/bench/trace.py).
 """
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 import json
 import math
@@ -52,6 +53,17 @@ def fresh_store(cfg: ExperimentConfig) -> ExperimentStore:
     store.write_config(json.loads(cfg.to_json()))
     initial_version(cfg, store)
     return store
+
+
+def params_digest(params: dict[str, np.ndarray]) -> str:
+    """sha256 over the final parameters' names, dtypes, shapes and bytes (name order): equal
+    digests are equal bits (tests/test_determinism.py)."""
+    h = hashlib.sha256()
+    for name in sorted(params):
+        a = np.ascontiguousarray(params[name])
+        h.update(f"{name}:{a.dtype.str}:{a.shape};".encode())
+        h.update(a.tobytes())
+    return h.hexdigest()
 
 
 def run_islands(
@@ -170,6 +182,7 @@ def run_islands(
         quarantined=quarantined,
         final_version=seen_version,
         goodput=stepping / (len(islands) * clock.t) if clock.t > 0 else None,
+        params_sha256=params_digest(store.load_params(store.current_snapshot())),
     )
     if tracer:
         out["trace"] = tracer.records

@@ -389,6 +389,15 @@ class SyncerConfig(_Frozen):
         description="evaluate the current global model at most this often while it changes "
         "(a task of its own: never delays a merge); a final eval ends the run",
     )
+    fetch_concurrency: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="contribution payloads a merge downloads at once, ahead of the one it "
+        "sums (summed in a fixed order all the same: same bits); the merge holds at most this "
+        "many besides the current one (k/8 of the fragment's float32 bytes at int4); 1: one "
+        "after another (no gain measured on a local fake-gcs-server: docs/BENCHMARKS.md)",
+    )
     lease_s: float = Field(
         60.0,
         gt=0,

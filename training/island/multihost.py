@@ -156,6 +156,9 @@ WRITES = frozenset(
         "clear_stop",
         "create_round_clock",
         "record_applied",
+        "settle_ledger",
+        "rewrite_ledger_entry",
+        "ledger_conflicts",
         "quarantine",
     }
 )

@@ -20,7 +20,7 @@ So a contribution is applied at most once (only a version that won the CAS count
 cursors and `applied` list are what the next attempt reads) and at least once (it stays pending
 until a version of its fragment names it). Fragments are independent: two shards never contend.
 
-Length: about 570 lines, on purpose: the decisions are in rules.py and stream.py, what is left
+Length: about 590 lines, on purpose: the decisions are in rules.py and stream.py, what is left
 is the I/O of one merge round in the order above, which reads best unbroken.
 """
 
@@ -30,7 +30,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -38,6 +38,7 @@ from training.codecs import host as codecs
 from training.config.experiment import ExperimentConfig
 from training.merge import rules
 from training.merge import stream as merge_stream
+from training.merge.fetch import Prefetch
 from training.model import definition as model
 from training.model.runtime import fragment_names
 from training.protocol import broadcast, claims, rounds
@@ -134,6 +135,7 @@ class Merger:
         # version dir -> (manifest, its merge state) (immutable once committed)
         self._manifests: dict[str, tuple[dict, records.MergeState]] = {}
         self._repaired: set[str] = set()  # version dirs whose ledger entries this merger wrote
+        self._fetch = Prefetch([], self._load_payload, 1)  # a merge's payload downloads
         self._round_clock_known = not rounds.clock_rounds(cfg)
         # fragment -> {candidate id: when this merger first saw it} (the grace floor's start;
         # rebuilt every pass from the pending candidates, so it holds no applied ones)
@@ -146,7 +148,9 @@ class Merger:
             if len(self._manifests) > 4 * len(self.fragments):
                 self._manifests.clear()
             manifest = self.store.fragment_manifest(head)
-            self._manifests[head.dir] = (manifest, records.merge_state_of(manifest))
+            ms = records.merge_state_of(manifest)
+            cursors = self.store.checked_cursors(head.dir, manifest, ms.cursors)
+            self._manifests[head.dir] = (manifest, replace(ms, cursors=cursors))
         return self._manifests[head.dir]
 
     def _active_islands(self) -> set[str]:
@@ -176,7 +180,25 @@ class Merger:
                 self.store.repair_ledger(h, versions[h.fragment][0])
                 self._repaired.add(h.dir)
         cursors = {p: ms.cursors for p, (_, ms) in versions.items()}
-        pending = self.store.pending_after(cursors, [i.name for i in self.cfg.islands])
+        # contributions to no fragment of the experiment: quarantined by fragment 0's shard
+        strays: list[PseudoGradRef] | None = [] if 0 in self.fragments else None
+        pending = self.store.pending_after(
+            cursors, [i.name for i in self.cfg.islands], strays, len(self.frags)
+        )
+        for ref in strays or ():
+            reason = rules.check_manifest(
+                self.cfg,
+                ref.id,
+                ref.island,
+                ref.seq,
+                ref.fragment,
+                ref.manifest,
+                -1,
+                None,
+                ref.error,
+            )
+            if isinstance(reason, str):
+                self._quarantine(ref.id, reason, result)
         self.store.hit_fault("merge.after-read")  # the store's fault plan (faults/points.py)
         active = self._active_islands()
         beats = claims.beats(self.store.heartbeats()) if any(pending.values()) else {}
@@ -276,6 +298,7 @@ class Merger:
         applied, details = [], []
         # outer.anchor = now: stale votes re-anchored at the params as they stand (`_vote`)
         now = (head, params, {}) if self.cfg.outer.anchor == "now" else None
+        self._prefetch(groups)
         for group in groups:
             combiner = rules.Combiner(
                 self.shapes[p], self.cfg.outer.rda and self.cfg.outer.method != "sync"
@@ -428,7 +451,8 @@ class Merger:
         norms computed in one streaming pass, summed (they are consecutive increments: an
         island never publishes the same progress twice). Returns (vote or None, the
         contributions in it, their norms, the vote's (squared norm, squared body norm)).
-        At most one payload and one summed vote are held at a time.
+        One summed vote is held, and at most `syncer.fetch_concurrency` payloads beside the
+        one being summed (fetched ahead: training/merge/fetch.py).
 
         `now` (only with `outer.anchor = "now"`) = (HEAD, its params as they stand, a cache of
         base versions' params): a stale contribution is re-anchored at them (`_anchored_now`)."""
@@ -440,9 +464,7 @@ class Merger:
             shapes = self.shapes[c.fragment]
             max_nbytes, max_header = codecs.payload_limits(shapes, c.codec)
             try:
-                payload = self.store.load_pseudograd(
-                    self._ref(c), max_nbytes, max_header, f" of fragment {c.fragment} in {c.codec}"
-                )
+                payload = self._fetch.get(c.id, (c, max_nbytes, max_header))
             except (TransientStoreError, StoreUnreachable):
                 raise  # not the payload's fault: retry later, quarantine nothing
             except (StoreError, ValueError, KeyError) as err:
@@ -470,6 +492,23 @@ class Merger:
         if vote is not None and sqs is None:
             sqs = merge_stream.sq_norms(vote, self.shapes[kept[0].fragment], combiner.body, buf)
         return vote, kept, vote_norms, sqs or (0.0, 0.0)
+
+    def _load_payload(self, item) -> dict[str, np.ndarray]:
+        c, max_nbytes, max_header = item
+        return self.store.load_pseudograd(
+            self._ref(c), max_nbytes, max_header, f" of fragment {c.fragment} in {c.codec}"
+        )
+
+    def _prefetch(self, groups) -> None:
+        """Start fetching the payloads of `groups` in the order `_vote` sums them
+        (training/merge/fetch.py): groups, islands sorted, contributions in group order."""
+        self._fetch.close()  # an earlier merge's, if it ended early (an error)
+        order = []
+        for group in groups:
+            for c in sorted(group, key=lambda c: c.island):  # stable: group order per island
+                limits = codecs.payload_limits(self.shapes[c.fragment], c.codec)
+                order.append((c.id, (c, *limits)))
+        self._fetch = Prefetch(order, self._load_payload, self.cfg.syncer.fetch_concurrency)
 
     def _anchored_now(self, c, vote, head, params, bases, buf) -> merge_stream.Vote:
         """`outer.anchor = "now"`: the contribution's outer gradient anchored at the fragment as

@@ -101,10 +101,11 @@ def scratch() -> np.ndarray:
 
 
 def _sq(x: np.ndarray) -> float:
-    d = float(np.dot(x, x))
-    if math.isfinite(d):
-        return d
-    return float(np.dot(x.astype(np.float64), x.astype(np.float64)))  # float32 overflow
+    """The squared norm of a float32 chunk, the same bits on every machine and thread count:
+    the squares are exact in float64 (24 + 24 mantissa bits < 53; no overflow either) and
+    numpy's pairwise float64 sum has a fixed order (no BLAS `sdot`, whose kernel and threads
+    follow the CPU and OPENBLAS/OMP settings). docs/DESIGN.md, "What the bits depend on"."""
+    return float(np.add.reduce(np.square(x, dtype=np.float64)))
 
 
 def sq_norms(
@@ -118,11 +119,9 @@ def sq_norms(
         sq = 0.0
         for s, e in spans(shape):
             x = vote.chunk(n, s, e, buf[: e - s])
-            d = float(np.dot(x, x))
-            if not math.isfinite(d):
-                if not np.isfinite(x).all():
-                    raise ValueError(f"non-finite values in {n}")
-                d = _sq(x)
+            d = _sq(x)
+            if not math.isfinite(d):  # NaN or infinity in x (float64 squares cannot overflow)
+                raise ValueError(f"non-finite values in {n}")
             sq += d
         total += sq
         if n in body_set:

@@ -231,15 +231,32 @@ class Contributions:
         """Create ledger/{id}.json = {"version": version} for each id (create-only).
 
         An existing entry with the same version is fine (repair after a crash); one with another
-        version raises DoubleApply, after every other entry has been recorded.
+        version raises DoubleApply, after every other entry has been recorded. (The merger
+        records through `settle_ledger` (versions.py), which checks such entries against the
+        fragment's versions first.)
         """
+        conflicts = {i: v for i, v in self.ledger_conflicts(ids, version).items() if v is not None}
+        if conflicts:
+            raise DoubleApply(self._double_apply_message(conflicts, version))
+
+    def _double_apply_message(self, conflicts: Mapping[str, int], version: int) -> str:
+        shown = [f"{i} (version {v})" for i, v in sorted(conflicts.items())]
+        listed = ", ".join(shown[:5]) + (" ..." if len(shown) > 5 else "")
+        return (
+            f"{self.url}: {len(shown)} pseudo-gradient(s) already applied in another "
+            f"version, not recorded for version {version}: {listed}"
+        )
+
+    def ledger_conflicts(self, ids: Iterable[str], version: int) -> dict[str, int | None]:
+        """Create the ledger entries of `ids` for `version` (create-only, as `record_applied`)
+        and return the ids whose existing entry says otherwise: id -> the version it names
+        (None: the entry is unreadable; it is counted as skipped and left alone here)."""
         ids = list(ids)
         for pg_id in ids:
             parse_pseudograd_id(pg_id)
-        at = now()
-        entry = dump_json({"version": version, "at": at, "at_iso": iso(at)})
+        entry = self._ledger_entry(version)
 
-        def record(pg_id: str) -> str | None:
+        def record(pg_id: str) -> tuple[str, int | None] | None:
             relative = f"ledger/{pg_id}.json"
             if self.store.create(self.object_key(relative), entry):
                 return None
@@ -249,20 +266,82 @@ class Contributions:
                 )
             except CorruptObject as exc:  # unreadable: the id stays applied (see applied())
                 self.note_skipped(relative, exc)
-                return None
-            return None if existing == version else f"{pg_id} (version {existing})"
+                return pg_id, None
+            return None if existing == version else (pg_id, existing)
 
         outcomes = [record(ids[0])] if ids else []
         if len(ids) > 1:
             self.hit_fault("ledger.partial")
             outcomes += self.parallel(record, ids[1:])
-        conflicts = [c for c in outcomes if c is not None]
-        if conflicts:
-            shown = ", ".join(conflicts[:5]) + (" ..." if len(conflicts) > 5 else "")
-            raise DoubleApply(
-                f"{self.url}: {len(conflicts)} pseudo-gradient(s) already applied in another "
-                f"version, not recorded for version {version}: {shown}"
+        return dict(c for c in outcomes if c is not None)
+
+    @staticmethod
+    def _ledger_entry(version: int) -> bytes:
+        at = now()
+        return dump_json({"version": version, "at": at, "at_iso": iso(at)})
+
+    def rewrite_ledger_entry(self, pg_id: str, version: int) -> None:
+        """Overwrite one ledger entry with `version` (the merger, once the fragment's versions
+        showed the entry false: `settle_ledger`)."""
+        parse_pseudograd_id(pg_id)
+        self.store.write(self.object_key(f"ledger/{pg_id}.json"), self._ledger_entry(version))
+
+    # the versions' applied lists are the truth ---------------------------------------------
+    def settle_ledger(self, fragment: int, ids: Iterable[str], version: int) -> None:
+        """Record `ids`, applied by committed `version` of `fragment` (its `applied` list),
+        in the ledger, checking any entry that says otherwise against the fragment's versions
+        (docs/STORE.md, "The ledger is checked against the versions").
+
+        An entry naming another version m whose `applied` list does not name the id (a forged
+        or broken entry: nothing in the bucket outranks the versions' applied lists) is
+        reported (a log line, counted as skipped) and rewritten with `version`. If version m
+        does name the id too, the id really was applied twice: DoubleApply.
+        """
+        conflicts = self.ledger_conflicts(ids, version)
+        if not conflicts:
+            return
+        claimed = {v for v in conflicts.values() if v is not None}
+        applied_by: dict[int, set[str]] = {}
+        if claimed:
+            for manifest in self.list_fragment_versions(fragment):
+                listed = manifest.get("applied")
+                if manifest.get("version") in claimed and isinstance(listed, list):
+                    applied_by[manifest["version"]] = set(listed)
+        doubles = {}
+        for pg_id, other in sorted(conflicts.items()):
+            if other is not None and pg_id in applied_by.get(other, ()):
+                doubles[pg_id] = other
+                continue
+            said = "is unreadable" if other is None else f"names version {other}"
+            self.note_skipped(
+                f"ledger/{pg_id}.json",
+                f"contradicts the versions: it {said}, but version {version} of fragment "
+                f"{fragment} applied it (and no other); rewritten",
             )
+            self.rewrite_ledger_entry(pg_id, version)
+        if doubles:
+            raise DoubleApply(self._double_apply_message(doubles, version))
+
+    def checked_cursors(self, directory: str, manifest: Mapping[str, Any], cursors):
+        """A version's merge cursors (island -> highest seq applied), raised where the
+        version's own `applied` list names a higher seq of an island (the list is the truth:
+        a cursor below it would let the id be listed, and applied, again). A raised cursor is
+        reported and counted as skipped."""
+        checked = dict(cursors)
+        listed = manifest.get("applied")
+        for pg_id in listed if isinstance(listed, list) else ():
+            try:
+                island, seq, _ = parse_pseudograd_id(pg_id)
+            except ValueError:
+                continue  # the manifest parser refuses these (BadFragmentManifest)
+            if seq > checked.get(island, -1):
+                self.note_skipped(
+                    f"{directory}/manifest.json",
+                    f"cursor of {island} is {checked.get(island, -1)}, below {pg_id} of its "
+                    f"applied list: {seq} used",
+                )
+                checked[island] = seq
+        return checked
 
     def quarantine(self, pg_id: str, reason: str) -> None:
         """Mark a pseudo-gradient as never to be applied (overwrites an earlier reason)."""

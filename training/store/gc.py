@@ -82,20 +82,26 @@ def _version_of(directory: str) -> tuple[int, int] | None:
 class GarbageCollection:
     """plan_gc / collect_garbage (mixed into ExperimentStore)."""
 
-    def _chain(self, fragment: int) -> tuple[int | None, dict[int, str], bool]:
-        """(head version, version -> directory along HEAD's chain, whether it reaches v0's root)."""
+    def _chain(self, fragment: int) -> tuple[int | None, dict[int, str], bool, dict[str, int]]:
+        """(head version, version -> directory along HEAD's chain, whether it reaches v0's root,
+        pseudo-gradient id -> the version whose `applied` list names it: the truth the ledger
+        is checked against)."""
         head = self.head(fragment)
         if head is None:
-            return None, {}, True
+            return None, {}, True, {}
         dirs = {head.version: head.dir}
         complete = False
+        applied_in: dict[str, int] = {}
         for manifest in self.list_fragment_versions(fragment):
             parent, parent_dir = manifest.get("parent_version"), manifest.get("parent_dir")
             if parent_dir is None:
                 complete = True
             elif is_int(parent) and isinstance(parent_dir, str):
                 dirs[parent] = parent_dir
-        return head.version, dirs, complete
+            listed, version = manifest.get("applied"), manifest.get("version")
+            if isinstance(listed, list) and is_int(version):
+                applied_in.update((i, version) for i in listed if isinstance(i, str))
+        return head.version, dirs, complete, applied_in
 
     def _island_bases(self) -> list[Any]:
         """Every base version an island names (heartbeat and latest checkpoint): per-fragment
@@ -120,7 +126,7 @@ class GarbageCollection:
         best_versions = best.get("versions") if isinstance(best.get("versions"), list) else []
         keep: dict[int, set[int]] = {}
         for p in range(self.num_fragments()):
-            head, dirs, _ = self._chain(p)
+            head, dirs, _, _ = self._chain(p)
             if head is None:
                 continue
             kept = {head} | {v for v in dirs if v > head - max(1, keep_last)}
@@ -143,10 +149,12 @@ class GarbageCollection:
         plan = GCPlan(keep_last=keep_last)
         protected = self.referenced_versions(keep_last, keep_first)
         plan.protected = {p: sorted(v) for p, v in protected.items()}
+        applied_in: dict[str, int] = {}  # what the versions' applied lists say (the truth)
         for p in range(self.num_fragments()):
-            head, dirs, complete = self._chain(p)
+            head, dirs, complete, chain_applied = self._chain(p)
             if head is None:
                 continue
+            applied_in.update(chain_applied)
             plan.heads[p] = head
             files: dict[str, set[str]] = {}
             for key in self.list_keys(f"{fragment_root(p)}/v"):
@@ -175,12 +183,27 @@ class GarbageCollection:
                 payload_keys.setdefault(name.id, []).append(key)
         # the ledger entries of the pseudo-gradients still in the store only (a run's whole
         # history would be read on every collection otherwise)
+        # A pseudo-gradient goes only once a version's applied list names it (the ledger entry
+        # must exist too: delete_pseudograd checks it); an entry the versions contradict (a
+        # forged one, for a contribution still pending) is reported and protects it.
         applied = self.applied(markers | set(payload_keys))
         for pg_id in sorted(markers | set(payload_keys)):
-            version = applied.get(pg_id)
+            ledger, version = applied.get(pg_id), applied_in.get(pg_id)
+            if ledger is not None and ledger >= 0 and ledger != version:
+                said = "no version" if version is None else f"version {version}"
+                self.note_skipped(
+                    f"ledger/{pg_id}.json",
+                    f"contradicts the versions: it names version {ledger}, {said} applied it; "
+                    "not collected",
+                )
             head = plan.heads.get(parse_pseudograd_id(pg_id)[2])
             window_start = None if head is None else head - keep_last + 1
-            stale = version is not None and window_start is not None and version < window_start
+            stale = (
+                ledger is not None
+                and version is not None
+                and window_start is not None
+                and version < window_start
+            )
             if stale and pg_id not in quarantined:
                 plan.pseudograds.append(pg_id)
         collected = set(plan.pseudograds)

@@ -162,7 +162,7 @@ class FragmentVersions:
             log.info("%s: lost the race for fragment %d version %d", self.url, fragment, version)
             return None
         self.hit_fault("global.after-cas")
-        self.record_applied(ids, version)
+        self.settle_ledger(fragment, ids, version)
         return HeadPointer(fragment, version, directory, generation)
 
     def fragment_manifest(self, head: HeadPointer) -> dict[str, Any]:
@@ -311,22 +311,29 @@ class FragmentVersions:
 
     def repair_ledger(self, head: HeadPointer, manifest: dict | None = None) -> None:
         """Record the `applied` list of `head` in the ledger (see docs/STORE.md): completes the
-        ledger writes that a crash between the HEAD swap and record_applied left undone."""
+        ledger writes that a crash between the HEAD swap and the ledger writes left undone, and
+        rewrites entries the versions contradict (`settle_ledger`)."""
         manifest = manifest if manifest is not None else self.fragment_manifest(head)
         applied = manifest.get("applied", [])
         if not isinstance(applied, list):
             raise CorruptObject(f"{self.url}/{head.dir}/manifest.json: invalid applied list")
-        self.record_applied(applied, head.version)
+        self.settle_ledger(head.fragment, applied, head.version)
 
     # pending work --------------------------------------------------------------------------
     def pending_after(
-        self, cursors: Mapping[int, Mapping[str, int]], islands: Sequence[str]
+        self,
+        cursors: Mapping[int, Mapping[str, int]],
+        islands: Sequence[str],
+        strays: list | None = None,
+        count: int | None = None,
     ) -> dict[int, list]:
         """Committed pseudo-gradients of `islands` to the fragments in `cursors` (fragment ->
         island -> highest seq applied) that are above their cursor and not quarantined.
 
         Per island one listing of markers and one of quarantine entries, each starting after
-        the smallest cursor (a start offset on GCS): never the history.
+        the smallest cursor (a start offset on GCS): never the history. `strays` (with
+        `count`, the experiment's P): appended with the listed, unquarantined ones whose
+        fragment is not below P (no fragment will ever apply them: the caller quarantines).
         """
         out: dict[int, list] = {p: [] for p in cursors}
         for island in islands:
@@ -340,6 +347,8 @@ class FragmentVersions:
                 fresh = ref.fragment in out and ref.seq > cursors[ref.fragment].get(island, -1)
                 if fresh and ref.id not in skip:
                     out[ref.fragment].append(ref)
+                elif strays is not None and ref.fragment >= count and ref.id not in skip:
+                    strays.append(ref)
         return out
 
     def pending(self, fragments: Sequence[int] | None = None) -> dict[int, list]:
@@ -349,8 +358,10 @@ class FragmentVersions:
         heads = self.heads(fragments)
         if any(h is None for h in heads):
             return {}
+        manifests = {h.fragment: (h.dir, self.fragment_manifest(h)) for h in heads}
         cursors = {
-            h.fragment: records.merge_state_of(self.fragment_manifest(h)).cursors for h in heads
+            p: self.checked_cursors(d, m, records.merge_state_of(m).cursors)
+            for p, (d, m) in manifests.items()
         }
         return self.pending_after(cursors, [i for i in islands if isinstance(i, str)])
 
