@@ -13,9 +13,11 @@ import numpy as np
 import pytest
 
 from tests.gcs_fixture import gcs_bucket  # noqa: F401
+from tests.test_tokenizer import train_bpe
 from training.data import corpus as data
 from training.data.prepare import prepare
-from training.data.stream import StreamingLoader, open_prepared
+from training.data.stream import LazyTokens, StreamingLoader, open_prepared
+from training.data.tokenizer import load_tokenizer
 
 
 def _prepared(root: Path, docs: int, name: str = "out", chunk: int = 2000) -> Path:
@@ -102,3 +104,16 @@ def test_ranged_reads_from_a_bucket_give_the_local_batches(tmp_path, gcs_bucket)
     b.close()
     # ranged reads only: (6 batches + 2 read ahead) x 3 rows x 13 tokens x 2 bytes (uint16)
     assert remote.train.bytes_read == 8 * 3 * 13 * 2
+
+
+def test_load_corpus_streams_a_prepared_directory_and_checks_its_tokenizer(tmp_path):
+    out = _prepared(tmp_path, 30)
+    streamed = data.load_corpus(str(out), eval_fraction=0.05, vocab_size=256)
+    assert isinstance(streamed.train, LazyTokens)
+    assert streamed.fingerprint == data.load_corpus(str(out / "tokens") + "/", 0.05).fingerprint
+    with pytest.raises(ValueError, match="vocab_size 100"):
+        data.load_corpus(str(out), vocab_size=100)  # byte tokenizer: 256 ids
+    train_bpe(tmp_path / "bpe.json")
+    other = load_tokenizer(str(tmp_path / "bpe.json"))
+    with pytest.raises(ValueError, match="prepare it again"):
+        data.load_corpus(str(out), tokenizer=other)

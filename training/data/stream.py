@@ -205,14 +205,38 @@ class LazyTokens:
         return arr if dtype is None else arr.astype(dtype)
 
 
-def open_prepared(url: str, eval_fraction: float = 0.05, vocab_size: int | None = None) -> Corpus:
+def is_prepared(url: str) -> bool:
+    """Whether `url` is a directory holding a prepared corpus's index.json."""
+    try:
+        fs, root = fsspec.core.url_to_fs(url.rstrip("/"))
+        return fs.isfile(f"{root}/{INDEX}")
+    except (OSError, ValueError):
+        return False
+
+
+def open_prepared(
+    url: str, eval_fraction: float = 0.05, vocab_size: int | None = None, tokenizer_sha256=None
+) -> Corpus:
     """The prepared corpus at `url` as a `Corpus` of `LazyTokens` (reads index.json only).
 
     The train/eval split and the fingerprint are those of `load_corpus(url + "/tokens/")`.
+    Tokens are checked against `vocab_size` through the index's tokenizer (a larger one is a
+    one-line error), and against `tokenizer_sha256` when given (shards of another tokenizer).
     """
     if not 0.0 <= eval_fraction < 1.0:
         raise ValueError(f"eval_fraction must be in [0, 1), got {eval_fraction}")
     fs, root, index = read_index(url)
+    size = _vocab(index)
+    if vocab_size is not None and size > vocab_size:
+        raise ValueError(
+            f"{url}: prepared with a {size}-token vocabulary > vocab_size {vocab_size}"
+        )
+    sha = (index.get("tokenizer") or {}).get("sha256")
+    if tokenizer_sha256 is not None and sha != tokenizer_sha256:
+        raise ValueError(
+            f"{url}: prepared with tokenizer {str(sha)[:12]}, the experiment's is "
+            f"{tokenizer_sha256[:12]} (prepare it again with the experiment's tokenizer)"
+        )
     wire = _WIRE[index["dtype"]]
     shards = index["shards"]
     paths = [f"{root}/{s['shard']}" for s in shards]
@@ -228,7 +252,7 @@ def open_prepared(url: str, eval_fraction: float = 0.05, vocab_size: int | None 
     return Corpus(
         train=train_tokens,
         eval=eval_tokens,
-        vocab_size=vocab_size if vocab_size is not None else _vocab(index),
+        vocab_size=vocab_size if vocab_size is not None else size,
         source=url,
         fingerprint=fingerprint(train_tokens),
         train_documents=len(shards),
