@@ -11,7 +11,7 @@
     diloco history --store URL --experiment NAME [--json]
     diloco report  --store URL --experiment NAME --out DIR
     diloco prepare --data SRC --tokenizer T --out URL [--workers N] [--text-field F]
-    diloco bench   quality | goodput-sim | chaos | merge | wan | science | island | scavenge
+    diloco bench   quality | goodput-sim | chaos | merge | wan | science | island | scavenge | stream
                    | device  [...]
 
 Every error a user can cause (a bad config, name or URL, an unreachable store, a corrupt object)
@@ -275,6 +275,10 @@ def cmd_bench(args, rest: list[str]) -> int:
         from training.bench import island
 
         return island.main(rest)
+    if args.bench == "stream":
+        from training.bench import stream
+
+        return stream.main(rest)
     if args.bench == "scavenge":
         from training.bench import scavenge
 
@@ -443,6 +447,7 @@ BENCHES = [
     "science",
     "island",
     "scavenge",
+    "stream",
     "device",
 ]
 
