@@ -2,7 +2,7 @@
 
 Writes a synthetic prepared corpus (random uint16 tokens in 64M-token shards, with the index
 `diloco prepare` writes; tokenizing a billion tokens here would take hours of the shared CPU)
-of each `--tokens` size, then, each in a fresh subprocess (so `ru_maxrss` is that reader's
+of each `--tokens` size, then, each in a fresh subprocess (so VmHWM is that reader's
 peak): `memory` (load_corpus of tokens/ into RAM, then BatchLoader), `file` (load_corpus of
 the prepared directory: StreamingLoader, pread) and `gs` (the same corpus copied into a
 fake-gcs-server bucket, ranged reads; only for sizes up to `--gs-max-tokens`). Each reader
@@ -62,6 +62,14 @@ def write_corpus(root: Path, tokens: int, seed: int = 0) -> Path:
     return root
 
 
+def _peak_rss_mib() -> float:
+    """This process's peak RSS (VmHWM: unlike ru_maxrss, not inherited from the parent's fork)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return round(int(line.split()[1]) / 1024, 1)
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+
+
 def worker(source: str, batches: int, batch_size: int, seq_len: int) -> dict:
     from training.data.corpus import BatchLoader, load_corpus, shard_tokens
     from training.data.stream import LazyTokens, StreamingLoader
@@ -81,7 +89,7 @@ def worker(source: str, batches: int, batch_size: int, seq_len: int) -> dict:
     return {
         "open_s": round(t1 - t0, 3),
         "tokens_per_s": round(batches * batch_size * seq_len / (t2 - t1)),
-        "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        "peak_rss_mib": _peak_rss_mib(),
     }
 
 
