@@ -117,3 +117,22 @@ def test_load_corpus_streams_a_prepared_directory_and_checks_its_tokenizer(tmp_p
     other = load_tokenizer(str(tmp_path / "bpe.json"))
     with pytest.raises(ValueError, match="prepare it again"):
         data.load_corpus(str(out), tokenizer=other)
+
+
+def test_an_island_on_a_prepared_corpus_streams_and_resumes_from_its_checkpoint(tmp_path):
+    from tests.helpers import new_store, small_config
+    from training.island.process import Island
+
+    cfg = small_config(data={"source": str(_prepared(tmp_path, 200))}, islands=("a",))
+    store = new_store(cfg)
+    fresh = Island(cfg, "a", store)
+    fresh.start()
+    for _ in range(3):
+        fresh.step()
+    fresh.checkpoint(wait=True)
+    resumed = Island(cfg, "a", store)
+    resumed.start()
+    assert isinstance(fresh.state.loader, StreamingLoader)
+    assert resumed.state.loader.state() == fresh.state.loader.state()
+    a, b = fresh.state.loader.next_batch(), resumed.state.loader.next_batch()
+    assert np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])
