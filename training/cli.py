@@ -12,7 +12,7 @@
     diloco report  --store URL --experiment NAME --out DIR
     diloco prepare --data SRC --tokenizer T --out URL [--workers N] [--text-field F]
     diloco bench   quality | goodput-sim | chaos | merge | fetch | wan | science | island | scavenge
-                   | device  [...]
+                   | stream | device  [...]
 
 Every error a user can cause (a bad config, name or URL, an unreachable store, a corrupt object)
 ends with one line on stderr and exit status 2.
@@ -279,6 +279,10 @@ def cmd_bench(args, rest: list[str]) -> int:
         from training.bench import island
 
         return island.main(rest)
+    if args.bench == "stream":
+        from training.bench import stream
+
+        return stream.main(rest)
     if args.bench == "scavenge":
         from training.bench import scavenge
 
@@ -448,6 +452,7 @@ BENCHES = [
     "science",
     "island",
     "scavenge",
+    "stream",
     "device",
 ]
 

@@ -46,14 +46,19 @@ def _cfg(
     compute_dtype: str = "auto",
     seq_len: int = 64,
     batch_size: int = 16,
+    data_source: str | None = None,
 ):
     from training.config.experiment import parse_config
+
+    data = {"seq_len": seq_len, "batch_size": batch_size}
+    if data_source is not None:
+        data["source"] = data_source
 
     return parse_config(
         {
             "name": "bench-island",
             "model": {"preset": preset, "compute_dtype": compute_dtype},
-            "data": {"seq_len": seq_len, "batch_size": batch_size},
+            "data": data,
             "inner": {"H": H, "tau": 1},
             "fragments": {"count": P, "strategy": "tensors"},
             "codec": "int8",
@@ -94,6 +99,7 @@ def measure(
     seq_len: int = 64,
     batch_size: int = 16,
     gc_keep: int | None = None,
+    data_source: str | None = None,
 ) -> dict:
     """One row; `gc_keep` N: after each (untimed) merge, the store's garbage collection keeps
     the newest N versions per fragment (and version 0), so that a large model's versions and
@@ -107,7 +113,7 @@ def measure(
     from training.store.experiment import ExperimentStore
     from training.store.registry import open_store
 
-    cfg = _cfg(preset, P, H, every_rounds, compute_dtype, seq_len, batch_size)
+    cfg = _cfg(preset, P, H, every_rounds, compute_dtype, seq_len, batch_size, data_source)
     with tempfile.TemporaryDirectory(prefix="bench-island-") as tmp:
         store = ExperimentStore(open_store(f"file://{tmp}/store"), cfg.name)
         store.write_config(json.loads(cfg.to_json()))
@@ -254,6 +260,11 @@ def main(argv: list[str] | None = None) -> int:
         help="after each untimed merge, garbage-collect all but the newest N versions per "
         "fragment (large models on a small disk); default: keep everything",
     )
+    ap.add_argument(
+        "--data-source",
+        default=None,
+        help="data.source (default: the built-in corpus); a `diloco prepare` directory streams",
+    )
     args = ap.parse_args(argv)
     if args.gc_keep is not None and args.gc_keep < 1:
         ap.error(f"--gc-keep must be >= 1, got {args.gc_keep}")
@@ -287,6 +298,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.seq_len,
                 args.batch_size,
                 args.gc_keep,
+                args.data_source,
             )
             row["fragments_asked"] = P
             rows.append(row)

@@ -322,6 +322,12 @@ def _is_array_path(path: str) -> bool:
     return path.endswith((".npy", ".bin"))
 
 
+def _prepared(source: str) -> bool:
+    from training.data.stream import is_prepared
+
+    return is_prepared(source)
+
+
 def load_corpus(
     source: str = BUILTIN_SOURCE,
     eval_fraction: float = 0.05,
@@ -334,7 +340,8 @@ def load_corpus(
     `vocab_size` is the model's vocabulary: every token must be below it. Without it, text sources
     report the tokenizer's vocabulary and array sources `max token + 1`. `dtype` ("uint16" /
     "uint32") overrides the suffix of raw `.bin` shards. `tokenizer` encodes text sources
-    (default: UTF-8 bytes); token arrays are used as they are.
+    (default: UTF-8 bytes); token arrays are used as they are. A `diloco prepare` output
+    directory (its index.json) is streamed, not loaded (training/data/stream.py).
     """
     tok = tokenizer or ByteTokenizer()
     if not 0.0 <= eval_fraction < 1.0:
@@ -345,6 +352,11 @@ def load_corpus(
         docs = _tokenize(list(builtin_documents()), tok)
     elif source.startswith("builtin:"):
         raise ValueError(f"unknown built-in corpus {source!r}; known: {BUILTIN_SOURCE!r}")
+    elif _prepared(source):
+        from training.data.stream import open_prepared  # stream imports this module
+
+        sha = tokenizer.sha256 if tokenizer is not None else None
+        return open_prepared(source, eval_fraction, vocab_size, tokenizer_sha256=sha)
     else:
         fs, files, root = expand_source(source)
         kinds = {_is_array_path(p) for p in files}

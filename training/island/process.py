@@ -56,6 +56,7 @@ from typing import TYPE_CHECKING, Any
 
 from training.config.experiment import ExperimentConfig
 from training.data.corpus import BatchLoader, shard_tokens
+from training.data.stream import LazyTokens, StreamingLoader
 from training.faults.points import FaultPlan
 from training.island import checkpoint as checkpointing
 from training.island.adopt import Adopter
@@ -239,7 +240,8 @@ class Island:
     def loader_at(self, cursor: dict | None) -> BatchLoader:
         """The island's batches from data cursor `cursor` (None: the first): its whole
         batch, on every host (training/island/multihost.py)."""
-        return BatchLoader(
+        make = StreamingLoader if isinstance(self.shard, LazyTokens) else BatchLoader
+        return make(
             self.shard,
             self.batch_size,
             self.cfg.data.seq_len,
