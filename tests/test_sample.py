@@ -1,0 +1,36 @@
+"""Sampling with the key/value cache: greedy sampling equals repeated argmax of the whole
+sequence's logits; a seed makes a draw repeatable; top-k 1 is greedy."""
+
+import jax.numpy as jnp
+import pytest
+
+from training.config.experiment import ConfigError, ModelConfig
+from training.model import definition as model
+from training.model.sample import sample
+
+CFG = ModelConfig(preset="tiny", compute_dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def params():
+    return model.init_params(CFG, seed=0)
+
+
+def test_greedy_equals_argmax_of_the_whole_sequence(params):
+    prompt = [72, 105, 32]  # "Hi "
+    seq = list(prompt)
+    for _ in range(5):  # no cache: recompute every position, take the last argmax
+        seq.append(int(jnp.argmax(model.apply(CFG, params, jnp.asarray([seq]))[0, -1])))
+    assert sample(CFG, params, prompt, 5, temperature=0.0) == seq[3:]
+
+
+def test_a_seed_repeats_and_top_k_1_is_greedy(params):
+    a = sample(CFG, params, [1, 2], 6, temperature=1.0, seed=7)
+    assert a == sample(CFG, params, [1, 2], 6, temperature=1.0, seed=7)
+    greedy = sample(CFG, params, [1, 2], 6, temperature=0.0)
+    assert sample(CFG, params, [1, 2], 6, temperature=2.0, top_k=1, seed=3) == greedy
+
+
+def test_too_long_is_a_one_line_error(params):
+    with pytest.raises(ConfigError, match="> max_seq_len"):
+        sample(CFG, params, [1], CFG.dims()["max_seq_len"])
