@@ -34,3 +34,18 @@ def test_a_seed_repeats_and_top_k_1_is_greedy(params):
 def test_too_long_is_a_one_line_error(params):
     with pytest.raises(ConfigError, match="> max_seq_len"):
         sample(CFG, params, [1], CFG.dims()["max_seq_len"])
+
+
+def test_diloco_sample_prints_the_greedy_continuation_of_a_store_snapshot(tmp_path, capsys):
+    from tests.helpers import new_store, small_config
+    from training import cli
+    from training.data.tokenizer import tokenizer_for
+
+    cfg = small_config("exp")
+    url = f"file://{tmp_path}"
+    estore = new_store(cfg, url)
+    tok = tokenizer_for(cfg)
+    want = sample(cfg.model, estore.load_params(), tok.encode("Hi"), 4, temperature=0.0)
+    argv = ["sample", "--store", url, "--experiment", "exp", "--prompt", "Hi"]
+    code = cli.main([*argv, "--max-tokens", "4", "--temperature", "0", "--snapshot", "0"])
+    assert (code, capsys.readouterr().out) == (0, "Hi" + tok.decode(want) + "\n")

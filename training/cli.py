@@ -1,10 +1,13 @@
-"""`diloco`: a thin command line over the library.
+"""`diloco`: a thin command line over the library (past 500 lines: one short handler and
+its argument parser per subcommand, kept together so each command reads in one place).
 
     diloco init    --store URL --name NAME [--config FILE] [--set key=value ...]   (create or join)
     diloco island  --store URL --experiment NAME --island NAME
                    [--coordinator HOST:PORT --num-processes N --process-id I]
     diloco merge   --store URL --experiment NAME [--follow]
     diloco eval    --store URL --experiment NAME [--version N] [--record]
+    diloco sample  --store URL --experiment NAME --prompt TEXT [--snapshot head|best|N]
+                   [--max-tokens N --temperature T --top-k K --seed S]
     diloco status  --store URL --experiment NAME [--json]
     diloco stop    --store URL --experiment NAME [--island NAME]
     diloco list    --store URL [--json]
@@ -166,6 +169,39 @@ def cmd_eval(args) -> int:
         bar.step(f"evaluating {cfg.data.eval_batches} batches")
         out = evaluate_snapshot(cfg, estore, snapshot, record=args.record)
     print(json.dumps(out))
+    return 0
+
+
+def cmd_sample(args) -> int:
+    """A continuation of --prompt from a snapshot: HEADs (`head`), BEST (`best`) or every
+    fragment at version N; encoded and decoded with the experiment's tokenizer."""
+    from training.config.experiment import ConfigError
+    from training.data.tokenizer import tokenizer_for
+    from training.model.sample import sample
+
+    cfg, estore = _load(args)
+    which = args.snapshot
+    if which == "head":
+        snapshot = None
+    elif which == "best":
+        record = estore.best()
+        if record is None:
+            raise ConfigError("sample --snapshot best: no evaluated snapshot recorded yet")
+        snapshot = estore.snapshot_of(record)
+    elif which.isdigit():
+        n = int(which)
+        count = cfg.fragments.count
+        dirs = [estore.find_version(p, n).dir for p in range(count)]
+        snapshot = estore.snapshot_of({"versions": [n] * count, "dirs": dirs})
+    else:
+        raise ConfigError(f"sample --snapshot {which!r}: use head, best or a version number")
+    params = estore.load_params(snapshot)
+    tok = tokenizer_for(cfg)
+    ids = sample(
+        cfg.model, params, tok.encode(args.prompt), args.max_tokens,
+        args.temperature, args.top_k, args.seed,
+    )  # fmt: skip
+    print(args.prompt + tok.decode(ids))
     return 0
 
 
@@ -384,6 +420,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--record", action="store_true", help="record the eval and snapshot in the store"
     )
     sp.set_defaults(fn=cmd_eval)
+
+    sp = with_store(sub.add_parser("sample", help="print a continuation of a prompt"))
+    sp.add_argument("--prompt", required=True, help="the text to continue")
+    sp.add_argument(
+        "--snapshot", default="head", help="head (default), best, or a version number N"
+    )
+    sp.add_argument("--max-tokens", type=int, default=64, help="tokens to generate")
+    sp.add_argument("--temperature", type=float, default=1.0, help="0: greedy")
+    sp.add_argument("--top-k", type=int, default=0, help="draw among the k likeliest (0: all)")
+    sp.add_argument("--seed", type=int, default=0, help="PRNG seed of the draws")
+    sp.set_defaults(fn=cmd_sample)
 
     sp = with_store(sub.add_parser("status", help="versions, islands, staleness, losses"))
     sp.add_argument("--json", action="store_true")
