@@ -49,3 +49,25 @@ def test_diloco_sample_prints_the_greedy_continuation_of_a_store_snapshot(tmp_pa
     argv = ["sample", "--store", url, "--experiment", "exp", "--prompt", "Hi"]
     code = cli.main([*argv, "--max-tokens", "4", "--temperature", "0", "--snapshot", "0"])
     assert (code, capsys.readouterr().out) == (0, "Hi" + tok.decode(want) + "\n")
+
+
+def test_diloco_export_writes_the_snapshot_as_safetensors_and_config(tmp_path, capsys):
+    import json
+
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    from tests.helpers import new_store, small_config
+    from training import cli
+
+    cfg = small_config("exp")
+    url = f"file://{tmp_path / 'store'}"
+    want = new_store(cfg, url).load_params()
+    out = tmp_path / "out"
+    argv = ["export", "--store", url, "--experiment", "exp", "--out", str(out), "--snapshot", "0"]
+    assert cli.main(argv) == 0
+    got = load_file(out / "model.safetensors")  # read back by the safetensors library
+    assert sorted(got) == sorted(want)
+    assert all(np.array_equal(got[k], want[k]) for k in want)
+    config = json.loads((out / "config.json").read_text())
+    assert (config["family"], config["tokenizer"]["kind"]) == (cfg.model.family, "byte")

@@ -6,6 +6,7 @@ its argument parser per subcommand, kept together so each command reads in one p
                    [--coordinator HOST:PORT --num-processes N --process-id I]
     diloco merge   --store URL --experiment NAME [--follow]
     diloco eval    --store URL --experiment NAME [--version N] [--record]
+    diloco export  --store URL --experiment NAME --out DIR [--snapshot head|best|N]
     diloco sample  --store URL --experiment NAME --prompt TEXT [--snapshot head|best|N]
                    [--max-tokens N --temperature T --top-k K --seed S]
     diloco status  --store URL --experiment NAME [--json]
@@ -172,30 +173,63 @@ def cmd_eval(args) -> int:
     return 0
 
 
+def _pick_snapshot(cfg, estore, which: str):
+    """The snapshot `--snapshot` names: None for `head` (every fragment's HEAD, read as one
+    consistent snapshot), BEST's recorded snapshot, or every fragment at version N."""
+    from training.config.experiment import ConfigError
+
+    if which == "head":
+        return None
+    if which == "best":
+        record = estore.best()
+        if record is None:
+            raise ConfigError("--snapshot best: no evaluated snapshot recorded yet")
+        return estore.snapshot_of(record)
+    if which.isdigit():
+        n, count = int(which), cfg.fragments.count
+        dirs = [estore.find_version(p, n).dir for p in range(count)]
+        return estore.snapshot_of({"versions": [n] * count, "dirs": dirs})
+    raise ConfigError(f"--snapshot {which!r}: use head, best or a version number")
+
+
+def cmd_export(args) -> int:
+    """The snapshot as one safetensors file plus config.json (sizes, family, tokenizer)."""
+    import pathlib
+
+    import numpy as np
+    from safetensors.numpy import save
+
+    from training.data.tokenizer import tokenizer_for
+
+    cfg, estore = _load(args)
+    params = estore.load_params(_pick_snapshot(cfg, estore, args.snapshot))
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "model.safetensors").write_bytes(
+        save({k: np.ascontiguousarray(v) for k, v in params.items()})
+    )
+    config = {
+        "family": cfg.model.family,
+        "preset": cfg.model.preset,
+        "dims": cfg.model.dims(),
+        "tokenizer": tokenizer_for(cfg).identity(),
+        "snapshot": args.snapshot,
+        "experiment": args.experiment,
+        "model": cfg.model.model_dump(mode="json"),
+    }
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    print(json.dumps({"out": str(out), "tensors": len(params)}))
+    return 0
+
+
 def cmd_sample(args) -> int:
     """A continuation of --prompt from a snapshot: HEADs (`head`), BEST (`best`) or every
     fragment at version N; encoded and decoded with the experiment's tokenizer."""
-    from training.config.experiment import ConfigError
     from training.data.tokenizer import tokenizer_for
     from training.model.sample import sample
 
     cfg, estore = _load(args)
-    which = args.snapshot
-    if which == "head":
-        snapshot = None
-    elif which == "best":
-        record = estore.best()
-        if record is None:
-            raise ConfigError("sample --snapshot best: no evaluated snapshot recorded yet")
-        snapshot = estore.snapshot_of(record)
-    elif which.isdigit():
-        n = int(which)
-        count = cfg.fragments.count
-        dirs = [estore.find_version(p, n).dir for p in range(count)]
-        snapshot = estore.snapshot_of({"versions": [n] * count, "dirs": dirs})
-    else:
-        raise ConfigError(f"sample --snapshot {which!r}: use head, best or a version number")
-    params = estore.load_params(snapshot)
+    params = estore.load_params(_pick_snapshot(cfg, estore, args.snapshot))
     tok = tokenizer_for(cfg)
     ids = sample(
         cfg.model, params, tok.encode(args.prompt), args.max_tokens,
@@ -420,6 +454,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--record", action="store_true", help="record the eval and snapshot in the store"
     )
     sp.set_defaults(fn=cmd_eval)
+
+    sp = with_store(sub.add_parser("export", help="a snapshot as safetensors + config.json"))
+    sp.add_argument("--out", required=True, help="the directory to write")
+    sp.add_argument(
+        "--snapshot", default="head", help="head (default), best, or a version number N"
+    )
+    sp.set_defaults(fn=cmd_export)
 
     sp = with_store(sub.add_parser("sample", help="print a continuation of a prompt"))
     sp.add_argument("--prompt", required=True, help="the text to continue")
