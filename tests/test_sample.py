@@ -71,3 +71,25 @@ def test_diloco_export_writes_the_snapshot_as_safetensors_and_config(tmp_path, c
     assert all(np.array_equal(got[k], want[k]) for k in want)
     config = json.loads((out / "config.json").read_text())
     assert (config["family"], config["tokenizer"]["kind"]) == (cfg.model.family, "byte")
+
+
+def test_an_orbax_export_restores_into_the_model_with_equal_logits(tmp_path):
+    import jax
+    import numpy as np
+    import orbax.checkpoint as ocp
+
+    from tests.helpers import new_store, small_config
+    from training import cli
+
+    cfg = small_config("exp")
+    url = f"file://{tmp_path / 'store'}"
+    params = new_store(cfg, url).load_params()
+    out = tmp_path / "out"
+    argv = ["export", "--store", url, "--experiment", "exp", "--out", str(out), "--format"]
+    assert cli.main([*argv, "orbax"]) == 0
+    with ocp.StandardCheckpointer() as ckpt:  # read back by orbax itself
+        restored = ckpt.restore((out / "orbax").absolute())
+    tokens = np.arange(16, dtype=np.int32).reshape(2, 8)
+    want = model.apply(cfg.model, {k: jax.numpy.asarray(v) for k, v in params.items()}, tokens)
+    got = model.apply(cfg.model, {k: jax.numpy.asarray(v) for k, v in restored.items()}, tokens)
+    assert np.array_equal(np.asarray(got), np.asarray(want))

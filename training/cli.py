@@ -218,6 +218,11 @@ def cmd_export(args) -> int:
         "model": cfg.model.model_dump(mode="json"),
     }
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    if args.format == "orbax":  # a flat {flax path: array} tree that orbax restores as such
+        import orbax.checkpoint as ocp
+
+        with ocp.StandardCheckpointer() as ckpt:
+            ckpt.save((out / "orbax").absolute(), params)
     print(json.dumps({"out": str(out), "tensors": len(params)}))
     return 0
 
@@ -459,6 +464,12 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--out", required=True, help="the directory to write")
     sp.add_argument(
         "--snapshot", default="head", help="head (default), best, or a version number N"
+    )
+    sp.add_argument(
+        "--format",
+        choices=["safetensors", "orbax"],
+        default="safetensors",
+        help="orbax: also an Orbax checkpoint in DIR/orbax (safetensors + config.json always)",
     )
     sp.set_defaults(fn=cmd_export)
 
