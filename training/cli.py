@@ -1,10 +1,14 @@
-"""`diloco`: a thin command line over the library.
+"""`diloco`: a thin command line over the library (past 500 lines: one short handler and
+its argument parser per subcommand, kept together so each command reads in one place).
 
     diloco init    --store URL --name NAME [--config FILE] [--set key=value ...]   (create or join)
     diloco island  --store URL --experiment NAME --island NAME
                    [--coordinator HOST:PORT --num-processes N --process-id I]
     diloco merge   --store URL --experiment NAME [--follow]
     diloco eval    --store URL --experiment NAME [--version N] [--record]
+    diloco export  --store URL --experiment NAME --out DIR [--snapshot head|best|N]
+    diloco sample  --store URL --experiment NAME --prompt TEXT [--snapshot head|best|N]
+                   [--max-tokens N --temperature T --top-k K --seed S]
     diloco status  --store URL --experiment NAME [--json]
     diloco stop    --store URL --experiment NAME [--island NAME]
     diloco list    --store URL [--json]
@@ -166,6 +170,77 @@ def cmd_eval(args) -> int:
         bar.step(f"evaluating {cfg.data.eval_batches} batches")
         out = evaluate_snapshot(cfg, estore, snapshot, record=args.record)
     print(json.dumps(out))
+    return 0
+
+
+def _pick_snapshot(cfg, estore, which: str):
+    """The snapshot `--snapshot` names: None for `head` (every fragment's HEAD, read as one
+    consistent snapshot), BEST's recorded snapshot, or every fragment at version N."""
+    from training.config.experiment import ConfigError
+
+    if which == "head":
+        return None
+    if which == "best":
+        record = estore.best()
+        if record is None:
+            raise ConfigError("--snapshot best: no evaluated snapshot recorded yet")
+        return estore.snapshot_of(record)
+    if which.isdigit():
+        n, count = int(which), cfg.fragments.count
+        dirs = [estore.find_version(p, n).dir for p in range(count)]
+        return estore.snapshot_of({"versions": [n] * count, "dirs": dirs})
+    raise ConfigError(f"--snapshot {which!r}: use head, best or a version number")
+
+
+def cmd_export(args) -> int:
+    """The snapshot as one safetensors file plus config.json (sizes, family, tokenizer)."""
+    import pathlib
+
+    import numpy as np
+    from safetensors.numpy import save
+
+    from training.data.tokenizer import tokenizer_for
+
+    cfg, estore = _load(args)
+    params = estore.load_params(_pick_snapshot(cfg, estore, args.snapshot))
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "model.safetensors").write_bytes(
+        save({k: np.ascontiguousarray(v) for k, v in params.items()})
+    )
+    config = {
+        "family": cfg.model.family,
+        "preset": cfg.model.preset,
+        "dims": cfg.model.dims(),
+        "tokenizer": tokenizer_for(cfg).identity(),
+        "snapshot": args.snapshot,
+        "experiment": args.experiment,
+        "model": cfg.model.model_dump(mode="json"),
+    }
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    if args.format == "orbax":  # a flat {flax path: array} tree that orbax restores as such
+        import orbax.checkpoint as ocp
+
+        with ocp.StandardCheckpointer() as ckpt:
+            ckpt.save((out / "orbax").absolute(), params)
+    print(json.dumps({"out": str(out), "tensors": len(params)}))
+    return 0
+
+
+def cmd_sample(args) -> int:
+    """A continuation of --prompt from a snapshot: HEADs (`head`), BEST (`best`) or every
+    fragment at version N; encoded and decoded with the experiment's tokenizer."""
+    from training.data.tokenizer import tokenizer_for
+    from training.model.sample import sample
+
+    cfg, estore = _load(args)
+    params = estore.load_params(_pick_snapshot(cfg, estore, args.snapshot))
+    tok = tokenizer_for(cfg)
+    ids = sample(
+        cfg.model, params, tok.encode(args.prompt), args.max_tokens,
+        args.temperature, args.top_k, args.seed,
+    )  # fmt: skip
+    print(args.prompt + tok.decode(ids))
     return 0
 
 
@@ -392,6 +467,30 @@ def build_parser() -> argparse.ArgumentParser:
         "--record", action="store_true", help="record the eval and snapshot in the store"
     )
     sp.set_defaults(fn=cmd_eval)
+
+    sp = with_store(sub.add_parser("export", help="a snapshot as safetensors + config.json"))
+    sp.add_argument("--out", required=True, help="the directory to write")
+    sp.add_argument(
+        "--snapshot", default="head", help="head (default), best, or a version number N"
+    )
+    sp.add_argument(
+        "--format",
+        choices=["safetensors", "orbax"],
+        default="safetensors",
+        help="orbax: also an Orbax checkpoint in DIR/orbax (safetensors + config.json always)",
+    )
+    sp.set_defaults(fn=cmd_export)
+
+    sp = with_store(sub.add_parser("sample", help="print a continuation of a prompt"))
+    sp.add_argument("--prompt", required=True, help="the text to continue")
+    sp.add_argument(
+        "--snapshot", default="head", help="head (default), best, or a version number N"
+    )
+    sp.add_argument("--max-tokens", type=int, default=64, help="tokens to generate")
+    sp.add_argument("--temperature", type=float, default=1.0, help="0: greedy")
+    sp.add_argument("--top-k", type=int, default=0, help="draw among the k likeliest (0: all)")
+    sp.add_argument("--seed", type=int, default=0, help="PRNG seed of the draws")
+    sp.set_defaults(fn=cmd_sample)
 
     sp = with_store(sub.add_parser("status", help="versions, islands, staleness, losses"))
     sp.add_argument("--json", action="store_true")

@@ -34,6 +34,26 @@ class Dims:
     n_kv_heads: int  # the gemma family's; the gpt family has n_heads
 
 
+KV = tuple[jax.Array, jax.Array]  # a block's cached keys and values, each (batch, S, kv_heads, hd)
+
+
+def cached_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, cache: KV, start: jax.Array
+) -> tuple[jax.Array, KV]:
+    """Causal attention of the queries q (batch, t, heads, hd) at positions start..start+t-1
+    over the cache's keys and values with k and v (batch, t, kv_heads, hd) written at those
+    positions: each query sees the positions up to its own (the same result as
+    `dot_product_attention(..., is_causal=True)` over the whole prefix). Returns (attention,
+    cache)."""
+    ck, cv = cache
+    at = (0, start, 0, 0)
+    ck = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), at)
+    cv = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype), at)
+    positions = start + jnp.arange(q.shape[1])
+    mask = jnp.arange(ck.shape[1])[None, :] <= positions[:, None]  # (t, S)
+    return jax.nn.dot_product_attention(q, ck, cv, mask=mask[None, None]), (ck, cv)
+
+
 class Block(nnx.Module):
     def __init__(self, dims: Dims, rngs: nnx.Rngs):
         d, f = dims.d_model, dims.d_ff
@@ -47,14 +67,27 @@ class Block(nnx.Module):
         self.mlp_up = nnx.Linear(d, f, use_bias=False, kernel_init=init, rngs=rngs)
         self.mlp_down = nnx.Linear(f, d, use_bias=False, kernel_init=out_init, rngs=rngs)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def _qkv(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         b, t, d = x.shape
         h = self.n_heads
         q, k, v = jnp.split(self.qkv(self.attn_norm(x)), 3, axis=-1)
-        q, k, v = (z.reshape(b, t, h, d // h) for z in (q, k, v))
-        attn = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        return tuple(z.reshape(b, t, h, d // h) for z in (q, k, v))
+
+    def _rest(self, x: jax.Array, attn: jax.Array) -> jax.Array:
+        b, t, d = x.shape
         x = x + self.attn_out(attn.reshape(b, t, d))
         return x + self.mlp_down(jax.nn.gelu(self.mlp_up(self.mlp_norm(x))))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        q, k, v = self._qkv(x)
+        return self._rest(x, jax.nn.dot_product_attention(q, k, v, is_causal=True))
+
+    def decode(self, x: jax.Array, cache: KV, start: jax.Array) -> tuple[jax.Array, KV]:
+        """`__call__` for positions start.. of a sequence whose earlier keys and values are in
+        `cache`; returns the output and the cache with this chunk's keys and values."""
+        q, k, v = self._qkv(x)
+        attn, cache = cached_attention(q, k, v, cache, start)
+        return self._rest(x, attn), cache
 
 
 class Transformer(nnx.Module):
@@ -75,6 +108,16 @@ class Transformer(nnx.Module):
         for block in self.blocks:
             x = block(x)
         return self.embed.attend(self.final_norm(x))
+
+    def decode(self, tokens: jax.Array, cache: list[KV], start: jax.Array):
+        """Logits of `tokens` at positions start.. given the keys and values of the positions
+        before in `cache` (one KV per block, from `empty_cache`); returns (logits, cache)."""
+        x = self.embed(tokens) + self.pos_embed(start + jnp.arange(tokens.shape[1]))[None]
+        out = []
+        for block, kv in zip(self.blocks, cache, strict=True):
+            x, kv = block.decode(x, kv, start)
+            out.append(kv)
+        return self.embed.attend(self.final_norm(x)), out
 
 
 def dims_of(cfg: ModelConfig) -> Dims:
@@ -271,3 +314,35 @@ def loss_fn(cfg: ModelConfig, params: dict[str, jax.Array], inputs, targets) -> 
     """The model's float32 loss (default: mean next-token cross entropy, nats per token). Its
     gradient with respect to float32 `params` is float32 whatever the compute dtype."""
     return _loss(cfg, definition(cfg), params, inputs, targets)
+
+
+# ---------------------------------------------------------------------------------------------
+# Incremental decoding (sampling, training/model/sample.py)
+
+
+def has_kv_cache(cfg: ModelConfig) -> bool:
+    """Whether `cfg`'s model decodes with a key/value cache: the preset families do
+    (`Transformer.decode`, `Gemma.decode`); a `model.factory` module is only a function of
+    whole token sequences, so sampling from it recomputes a fixed-size window per token."""
+    return cfg.factory is None
+
+
+def empty_cache(cfg: ModelConfig, batch: int, length: int) -> list[KV]:
+    """A zero key/value cache of `length` positions per block, in the compute dtype."""
+    dims = dims_of(cfg)
+    hd = dims.d_model // dims.n_heads
+    kv_heads = dims.n_kv_heads if cfg.family == "gemma" else dims.n_heads
+    shape = (batch, length, kv_heads, hd)
+    dtype = compute_dtype(cfg)
+    return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(dims.n_layers)]
+
+
+def decode(
+    cfg: ModelConfig, params: dict[str, jax.Array], tokens: jax.Array, cache: list[KV], start
+) -> tuple[jax.Array, list[KV]]:
+    """Logits of `tokens` (batch, t) at positions start..start+t-1 and the cache holding
+    their keys and values too (the preset families only: `has_kv_cache`). Traceable under jit,
+    `start` may be traced. Equal to `apply` on the whole prefix at those positions."""
+    if not has_kv_cache(cfg):
+        raise ConfigError(f"model.factory {cfg.factory!r}: no key/value cache (has_kv_cache)")
+    return _module(cfg, definition(cfg), params).decode(tokens, cache, start)

@@ -18,6 +18,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from training.model.definition import KV, cached_attention
+
 ROPE_BASE = 10_000.0
 NORM_EPS = 1e-6
 
@@ -36,14 +38,15 @@ class ZeroCenteredRMSNorm(nnx.Module):
         return (y * scale.reshape((1,) * (x.ndim - 1) + (-1,))).astype(x.dtype)
 
 
-def rope(x: jax.Array, base: float = ROPE_BASE) -> jax.Array:
-    """Rotary position embedding of x (batch, seq, heads, head_dim) at positions 0..seq-1,
-    rotating the first half of head_dim against the second (Gemma's layout); angles in
-    float32, the result in x's dtype."""
+def rope(x: jax.Array, base: float = ROPE_BASE, offset: jax.Array | int = 0) -> jax.Array:
+    """Rotary position embedding of x (batch, seq, heads, head_dim) at positions
+    offset..offset+seq-1, rotating the first half of head_dim against the second (Gemma's
+    layout); angles in float32, the result in x's dtype."""
     t, hd = x.shape[1], x.shape[-1]
     half = hd // 2
     freq = base ** (-jnp.arange(half, dtype=jnp.float32) * 2.0 / hd)
-    angle = jnp.arange(t, dtype=jnp.float32)[:, None] * freq[None, :]  # (seq, half)
+    positions = jnp.arange(t, dtype=jnp.float32) + jnp.asarray(offset, jnp.float32)
+    angle = positions[:, None] * freq[None, :]  # (seq, half)
     sin, cos = jnp.sin(angle)[None, :, None, :], jnp.cos(angle)[None, :, None, :]
     x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
@@ -71,17 +74,29 @@ class GemmaBlock(nnx.Module):
         self.mlp_up = nnx.Linear(d, f, use_bias=False, kernel_init=init, rngs=rngs)
         self.mlp_down = nnx.Linear(f, d, use_bias=False, kernel_init=out_init, rngs=rngs)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def _qkv(self, x: jax.Array, offset: jax.Array | int = 0):
         b, t, _ = x.shape
         hd = self.head_dim
         h = self.attn_norm(x)
         q = self.q(h).reshape(b, t, self.n_heads, hd)
         k, v = jnp.split(self.kv(h).reshape(b, t, 2 * self.n_kv_heads, hd), 2, axis=2)
-        q, k = rope(self.q_norm(q)), rope(self.k_norm(k))
-        attn = jax.nn.dot_product_attention(q, k, v, is_causal=True)  # GQA: K divides N
-        x = x + self.attn_out(attn.reshape(b, t, self.n_heads * hd))
+        return rope(self.q_norm(q), offset=offset), rope(self.k_norm(k), offset=offset), v
+
+    def _rest(self, x: jax.Array, attn: jax.Array) -> jax.Array:
+        b, t, _ = x.shape
+        x = x + self.attn_out(attn.reshape(b, t, self.n_heads * self.head_dim))
         h = self.mlp_norm(x)
         return x + self.mlp_down(jax.nn.gelu(self.mlp_gate(h)) * self.mlp_up(h))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        q, k, v = self._qkv(x)
+        return self._rest(x, jax.nn.dot_product_attention(q, k, v, is_causal=True))  # GQA
+
+    def decode(self, x: jax.Array, cache: KV, start: jax.Array) -> tuple[jax.Array, KV]:
+        """`__call__` at positions start.. with the earlier keys and values in `cache`."""
+        q, k, v = self._qkv(x, start)
+        attn, cache = cached_attention(q, k, v, cache, start)
+        return self._rest(x, attn), cache
 
 
 class Gemma(nnx.Module):
@@ -104,3 +119,14 @@ class Gemma(nnx.Module):
         for block in self.blocks:
             x = block(x)
         return self.embed.attend(self.final_norm(x))
+
+    def decode(self, tokens: jax.Array, cache: list[KV], start: jax.Array):
+        """Logits of `tokens` at positions start.. given the earlier positions' keys and
+        values in `cache` (one KV per block); returns (logits, cache)."""
+        x = self.embed(tokens)
+        x = x * jnp.asarray(self.embed_scale, x.dtype)
+        out = []
+        for block, kv in zip(self.blocks, cache, strict=True):
+            x, kv = block.decode(x, kv, start)
+            out.append(kv)
+        return self.embed.attend(self.final_norm(x)), out

@@ -1,0 +1,95 @@
+"""Sampling with the key/value cache: greedy sampling equals repeated argmax of the whole
+sequence's logits; a seed makes a draw repeatable; top-k 1 is greedy."""
+
+import jax.numpy as jnp
+import pytest
+
+from training.config.experiment import ConfigError, ModelConfig
+from training.model import definition as model
+from training.model.sample import sample
+
+CFG = ModelConfig(preset="tiny", compute_dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def params():
+    return model.init_params(CFG, seed=0)
+
+
+def test_greedy_equals_argmax_of_the_whole_sequence(params):
+    prompt = [72, 105, 32]  # "Hi "
+    seq = list(prompt)
+    for _ in range(5):  # no cache: recompute every position, take the last argmax
+        seq.append(int(jnp.argmax(model.apply(CFG, params, jnp.asarray([seq]))[0, -1])))
+    assert sample(CFG, params, prompt, 5, temperature=0.0) == seq[3:]
+
+
+def test_a_seed_repeats_and_top_k_1_is_greedy(params):
+    a = sample(CFG, params, [1, 2], 6, temperature=1.0, seed=7)
+    assert a == sample(CFG, params, [1, 2], 6, temperature=1.0, seed=7)
+    greedy = sample(CFG, params, [1, 2], 6, temperature=0.0)
+    assert sample(CFG, params, [1, 2], 6, temperature=2.0, top_k=1, seed=3) == greedy
+
+
+def test_too_long_is_a_one_line_error(params):
+    with pytest.raises(ConfigError, match="> max_seq_len"):
+        sample(CFG, params, [1], CFG.dims()["max_seq_len"])
+
+
+def test_diloco_sample_prints_the_greedy_continuation_of_a_store_snapshot(tmp_path, capsys):
+    from tests.helpers import new_store, small_config
+    from training import cli
+    from training.data.tokenizer import tokenizer_for
+
+    cfg = small_config("exp")
+    url = f"file://{tmp_path}"
+    estore = new_store(cfg, url)
+    tok = tokenizer_for(cfg)
+    want = sample(cfg.model, estore.load_params(), tok.encode("Hi"), 4, temperature=0.0)
+    argv = ["sample", "--store", url, "--experiment", "exp", "--prompt", "Hi"]
+    code = cli.main([*argv, "--max-tokens", "4", "--temperature", "0", "--snapshot", "0"])
+    assert (code, capsys.readouterr().out) == (0, "Hi" + tok.decode(want) + "\n")
+
+
+def test_diloco_export_writes_the_snapshot_as_safetensors_and_config(tmp_path, capsys):
+    import json
+
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    from tests.helpers import new_store, small_config
+    from training import cli
+
+    cfg = small_config("exp")
+    url = f"file://{tmp_path / 'store'}"
+    want = new_store(cfg, url).load_params()
+    out = tmp_path / "out"
+    argv = ["export", "--store", url, "--experiment", "exp", "--out", str(out), "--snapshot", "0"]
+    assert cli.main(argv) == 0
+    got = load_file(out / "model.safetensors")  # read back by the safetensors library
+    assert sorted(got) == sorted(want)
+    assert all(np.array_equal(got[k], want[k]) for k in want)
+    config = json.loads((out / "config.json").read_text())
+    assert (config["family"], config["tokenizer"]["kind"]) == (cfg.model.family, "byte")
+
+
+def test_an_orbax_export_restores_into_the_model_with_equal_logits(tmp_path):
+    import jax
+    import numpy as np
+    import orbax.checkpoint as ocp
+
+    from tests.helpers import new_store, small_config
+    from training import cli
+
+    cfg = small_config("exp")
+    url = f"file://{tmp_path / 'store'}"
+    params = new_store(cfg, url).load_params()
+    out = tmp_path / "out"
+    argv = ["export", "--store", url, "--experiment", "exp", "--out", str(out), "--format"]
+    assert cli.main([*argv, "orbax"]) == 0
+    with ocp.StandardCheckpointer() as ckpt:  # read back by orbax itself
+        restored = ckpt.restore((out / "orbax").absolute())
+    tokens = np.arange(16, dtype=np.int32).reshape(2, 8)
+    want = model.apply(cfg.model, {k: jax.numpy.asarray(v) for k, v in params.items()}, tokens)
+    got = model.apply(cfg.model, {k: jax.numpy.asarray(v) for k, v in restored.items()}, tokens)
+    assert np.array_equal(np.asarray(got), np.asarray(want))
