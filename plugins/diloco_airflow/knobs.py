@@ -66,6 +66,8 @@ HEARTBEAT_TIMEOUT_S = Knob(
 EXPERIMENT_SCHEDULE = Knob(
     "DILOCO_EXPERIMENT_SCHEDULE", None, str, "cron or preset of diloco_experiment (default: none)"
 )
+
+
 def _json_object(text: str) -> dict:
     import json
 
@@ -79,8 +81,8 @@ FORM_DEFAULTS = Knob(
     "DILOCO_FORM_DEFAULTS",
     {},
     _json_object,
-    "a JSON object of diloco_experiment form values (e.g. {\"token_budget\": 10000000, "
-    "\"model_preset\": \"125m\"}): the defaults of the trigger form, so what a scheduled "
+    'a JSON object of diloco_experiment form values (e.g. {"token_budget": 10000000, '
+    '"model_preset": "125m"}): the defaults of the trigger form, so what a scheduled '
     "run trains (read at parse time; the form's schema checks them)",
 )
 BUDGET_HORIZON_H = Knob(
