@@ -307,15 +307,7 @@ class CeleryAirflow(LocalAirflow):
         self.redis = Redis(self.services_dir / "redis")
         self.postgres.start()
         self.redis.start()
-        env = self.env()
-        logs = self.home / "logs"
-        logs.mkdir(parents=True, exist_ok=True)
-        with open(logs / "db-migrate.log", "ab") as out:
-            rc = subprocess.call(
-                [*self.airflow_bin(), "db", "migrate"], env=env, stdout=out, stderr=out
-            )
-        if rc:
-            raise AirflowError(f"airflow db migrate failed ({rc}); see {logs / 'db-migrate.log'}")
+        self.migrate_db(self.env())
         for name in COMPONENTS:
             self.start_component(name)
         for name in self.workers:

@@ -224,6 +224,18 @@ class LocalAirflow:
         env.update(self.extra_env)
         return env
 
+    def migrate_db(self, env: dict[str, str]) -> Path:
+        """`airflow db migrate` (its output in logs/db-migrate.log); returns the logs folder."""
+        logs = self.home / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        with open(logs / "db-migrate.log", "ab") as out:
+            rc = subprocess.call(
+                [*self.airflow_bin(), "db", "migrate"], env=env, stdout=out, stderr=out
+            )
+        if rc:
+            raise AirflowError(f"airflow db migrate failed ({rc}); see {logs / 'db-migrate.log'}")
+        return logs
+
     def airflow_bin(self) -> list[str]:
         exe = Path(sys.executable).with_name("airflow")
         return [str(exe)] if exe.exists() else [sys.executable, "-m", "airflow"]
@@ -246,14 +258,7 @@ class LocalAirflow:
                 f"port {self.port} is in use (another Airflow?): set DILOCO_AIRFLOW_PORT"
             )
         env = self.env()
-        logs = self.home / "logs"
-        logs.mkdir(parents=True, exist_ok=True)
-        with open(logs / "db-migrate.log", "ab") as out:
-            rc = subprocess.call(
-                [*self.airflow_bin(), "db", "migrate"], env=env, stdout=out, stderr=out
-            )
-        if rc:
-            raise AirflowError(f"airflow db migrate failed ({rc}); see {logs / 'db-migrate.log'}")
+        logs = self.migrate_db(env)
         for name in COMPONENTS:
             args = [*self.airflow_bin(), name]
             if name == "api-server":

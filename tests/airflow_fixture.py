@@ -17,22 +17,28 @@ def free_port() -> int:
 
 
 @contextmanager
+def island_env(runs: Path, gcs: bool = True) -> dict[str, str]:
+    """The environment of a test Airflow's islands: local runs under `runs`, quick retries, one
+    compute thread each (they share the cores with Airflow), fake-gcs-server when `gcs`."""
+    env = {
+        "DILOCO_RUNS_ROOT": str(runs),
+        "DILOCO_RETRY_DELAY_S": "2",
+        "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1",
+        "OMP_NUM_THREADS": "1",
+        "JAX_PLATFORMS": "cpu",
+    }
+    if gcs:
+        env["STORAGE_EMULATOR_HOST"] = os.environ["STORAGE_EMULATOR_HOST"]
+        env["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"
+    return env
+
+
 def running_airflow(tmp_path: Path, **extra_env: str):
     """Airflow on a free port with islands on fake-gcs-server (STORAGE_EMULATOR_HOST must be set);
     asserts on exit that no process group it started outlived it."""
 
     runs = tmp_path / "islands"
-    env = {
-        "DILOCO_RUNS_ROOT": str(runs),
-        "DILOCO_RETRY_DELAY_S": "2",
-        # islands share the cores with Airflow: one compute thread each
-        "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1",
-        "OMP_NUM_THREADS": "1",
-        "JAX_PLATFORMS": "cpu",
-        "STORAGE_EMULATOR_HOST": os.environ["STORAGE_EMULATOR_HOST"],
-        "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
-        **extra_env,
-    }
+    env = {**island_env(runs), **extra_env}
     af = LocalAirflow(home=tmp_path / "airflow_home", port=free_port(), env=env)
     af.runs = runs
     try:

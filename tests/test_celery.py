@@ -26,7 +26,6 @@ markers: `tests.test_e2e_chaos.check_exactly_once`), the final eval no worse tha
 
 from __future__ import annotations
 
-import os
 import time
 import uuid
 
@@ -35,6 +34,7 @@ import pytest
 from devtools.celery_airflow import CeleryAirflow, find_program, free_port, session_members
 from devtools.demo import summarize
 from devtools.local_airflow import AirflowError, groups_still_alive, stop_islands
+from tests.airflow_fixture import island_env
 from tests.gcs_fixture import gcs_bucket  # noqa: F401
 from tests.helpers import small_dag_params
 from tests.test_e2e_airflow import DAG, Bucket
@@ -58,17 +58,7 @@ def celery_airflow(tmp_path, gcs_bucket):  # noqa: F811 - the fixture
         except AirflowError as exc:
             pytest.skip(str(exc))
     runs = tmp_path / "islands"
-    env = {
-        "DILOCO_RUNS_ROOT": str(runs),
-        "DILOCO_RETRY_DELAY_S": "2",
-        "DILOCO_GC_DRY_RUN": "1",
-        # islands share the cores with Airflow: one compute thread each
-        "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1",
-        "OMP_NUM_THREADS": "1",
-        "JAX_PLATFORMS": "cpu",
-        "STORAGE_EMULATOR_HOST": os.environ["STORAGE_EMULATOR_HOST"],
-        "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
-    }
+    env = {**island_env(runs), "DILOCO_GC_DRY_RUN": "1"}
     af = CeleryAirflow(home=tmp_path / "airflow_home", port=free_port(), env=env, workers=2)
     af.runs = runs
     try:

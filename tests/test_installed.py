@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from devtools.local_airflow import LocalAirflow, groups_still_alive, stop_islands
-from tests.airflow_fixture import free_port
+from tests.airflow_fixture import free_port, island_env
 from tests.helpers import small_dag_params
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
@@ -123,13 +123,7 @@ class InstalledAirflow(LocalAirflow):
 def test_a_short_run_succeeds_and_the_page_answers_for_it(installed, tmp_path):
     venv, home, _ = installed
     runs = tmp_path / "islands"
-    env = {
-        "DILOCO_RUNS_ROOT": str(runs),
-        "DILOCO_RETRY_DELAY_S": "2",
-        "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1",
-        "OMP_NUM_THREADS": "1",
-        "JAX_PLATFORMS": "cpu",
-    }
+    env = island_env(runs, gcs=False)
     af = InstalledAirflow(venv, home, env)
     store_url = (tmp_path / "store").as_uri()
     name = f"installed-{uuid.uuid4().hex[:8]}"
