@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv test test-slow test-all lint format demo airflow bench-quality bench-goodput-sim clean browser
+.PHONY: venv test test-slow test-all lint format demo airflow image bench-quality bench-goodput-sim clean browser
 
 venv: $(STAMP)
 
@@ -50,6 +50,17 @@ AIRFLOW_SETUP_celery = celery_airflow
 airflow: $(STAMP)
 	@test -n "$(AIRFLOW_SETUP_$(EXECUTOR))" || { echo "EXECUTOR=$(EXECUTOR): local or celery" >&2; exit 2; }
 	PYTHONPATH=.:plugins $(BIN)/python -m devtools.$(AIRFLOW_SETUP_$(EXECUTOR)) serve
+
+# The Airflow image (Dockerfile, `default` target) built here with podman, FROM local stand-ins for
+# the official base images (devtools/image/bases.sh: no registry is reachable from these machines).
+# Users build with the defaults: `docker build -t diloco-airflow .`
+IMAGE      ?= localhost/diloco-airflow:dev
+CA_BUNDLE  := /etc/ssl/certs/ca-certificates.crt
+image:
+	bash devtools/image/bases.sh
+	podman build --network host --pull=never --target default -v $(CA_BUNDLE):$(CA_BUNDLE):ro \
+	  --build-arg AIRFLOW_IMAGE=localhost/diloco-base-airflow:3.3.2-python3.11 \
+	  --build-arg PYTHON_IMAGE=localhost/diloco-base-python:3.11 -t $(IMAGE) .
 
 bench-quality: $(STAMP)
 	$(BIN)/diloco bench quality --quick --json runs/bench_quality.json

@@ -37,6 +37,8 @@ for _p in (ROOT, ROOT / "plugins"):  # `python -m devtools.celery_airflow` from 
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 
+from diloco_airflow.knobs import WORKER_HOSTNAME  # noqa: E402
+
 from devtools.local_airflow import (  # noqa: E402
     COMPONENTS,
     AirflowError,
@@ -46,14 +48,14 @@ from devtools.local_airflow import (  # noqa: E402
     serve,
 )
 
-HOSTNAME_ENV = "DILOCO_WORKER_HOSTNAME"
+HOSTNAME_ENV = WORKER_HOSTNAME.name
 DB, DB_USER = "airflow", "airflow"
 
 
 def worker_hostname() -> str:
     """``[core] hostname_callable`` of this setup: the worker's own name (``$DILOCO_WORKER_HOSTNAME``),
     else the machine's (Airflow's default, `socket.getfqdn`)."""
-    return os.environ.get(HOSTNAME_ENV) or socket.getfqdn()
+    return WORKER_HOSTNAME.get() or socket.getfqdn()
 
 
 def free_port() -> int:

@@ -138,7 +138,7 @@ def _parse_only(monkeypatch):
     """Every bench's expensive function replaced by one that builds the config it was given."""
     seen = []
 
-    def island_measure(preset, P, H, repeats, every_rounds, dtype, seq_len, batch, gc_keep):
+    def island_measure(preset, P, H, repeats, every_rounds, dtype, seq_len, batch, gc_keep, source):
         cfg = bench_island._cfg(preset, P, H, every_rounds, dtype, seq_len, batch)
         assert seq_len <= cfg.model.dims()["max_seq_len"]
         seen.append(("island", preset, P, dtype))

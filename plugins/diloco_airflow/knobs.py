@@ -164,6 +164,12 @@ DEMO_PROFILE = Knob(
     "DILOCO_DEMO_PROFILE", "default", str, "`make demo`'s settings: default, or paper (P = 24)"
 )
 DEMO_TIMEOUT_S = Knob("DILOCO_DEMO_TIMEOUT_S", 600.0, float, "how long `make demo` waits")
+WORKER_HOSTNAME = Knob(
+    "DILOCO_WORKER_HOSTNAME",
+    None,
+    str,
+    "the Celery setup's worker name (devtools/celery_airflow: its `hostname_callable`)",
+)
 
 KNOBS: tuple[Knob, ...] = (
     RETRY_DELAY_S,
@@ -187,6 +193,7 @@ KNOBS: tuple[Knob, ...] = (
     DEMO_TOKENS,
     DEMO_PROFILE,
     DEMO_TIMEOUT_S,
+    WORKER_HOSTNAME,
 )
 
 # -- what the backends set for the island process ----------------------------------------------
