@@ -28,7 +28,9 @@ def _run(cmd: list[str], timeout: int = 600) -> str:
 
 
 def _in_image(script: str) -> str:
-    return _run(["podman", "run", "--rm", "--network", "host", IMAGE, "bash", "-c", script])
+    # as the Helm chart and docker-compose run it: without Airflow's example DAGs
+    env = ["-e", "AIRFLOW__CORE__LOAD_EXAMPLES=False"]
+    return _run(["podman", "run", "--rm", "--network", "host", *env, IMAGE, "bash", "-c", script])
 
 
 def _last_json(out: str):
