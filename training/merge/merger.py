@@ -578,7 +578,7 @@ class Merger:
             len(manifests), 1
         )
         if result.tokens_merged >= self.cfg.token_budget:
-            self.store.request_stop()
+            self.store.request_stop(reason="budget")
         now = self.clock()
         self.store.append_metric(
             "merge",

@@ -24,6 +24,10 @@ from training.store.objectstore import CorruptObject, ObjectNotFound
 from training.store.record_fields import is_int
 from training.store.tensors import stream_tensors
 
+STOP_REASONS = ("budget", "user")  # who wrote control/STOP: the syncer at the budget, or a person
+RUN_STATES = {None: "running", "budget": "finished", "user": "stopped"}
+"""An experiment's state from its stop marker's reason: no marker, the budget merged, a person."""
+
 
 def with_iso(record: Mapping[str, Any], key: str = "at") -> dict[str, Any]:
     """`record` with `{key}_iso` (ISO-8601 UTC) next to its epoch `key`, unless it has one or
@@ -208,9 +212,31 @@ class IslandObjects:
     def _stop_key(self, island: str | None) -> str:
         return self.STOP if island is None else f"control/stop/{validate_name('island', island)}"
 
-    def request_stop(self, island: str | None = None) -> None:
-        """Ask every island (None) or one island to stop: control/STOP or control/stop/{island}."""
-        self.write_json(self._stop_key(island), with_iso({"at": now()}))
+    def request_stop(self, island: str | None = None, reason: str = "user") -> None:
+        """Ask every island (None) or one island to stop: control/STOP or control/stop/{island}.
+        `reason` says who asked (STOP_REASONS): "budget" (the syncer, the token budget merged)
+        or "user" (`diloco stop`, the page)."""
+        if reason not in STOP_REASONS:
+            raise ValueError(f"stop reason {reason!r} is not one of {STOP_REASONS}")
+        self.write_json(self._stop_key(island), with_iso({"at": now(), "reason": reason}))
+
+    def stop_reason(self) -> str | None:
+        """Why control/STOP was written ("budget" or "user"); None when there is none. A marker
+        that does not say (written before reasons were recorded, or not a small JSON object
+        naming one) counts as "user": its existence alone stops the islands."""
+        try:
+            record = self.read_json_or_none(self.STOP, safejson.POINTER)
+        except CorruptObject:
+            return "user"
+        if record is None:
+            return None
+        reason = record.get("reason")
+        return reason if reason in STOP_REASONS else "user"
+
+    def run_state(self) -> str:
+        """ "running", "finished" (the token budget is merged) or "stopped" (a person asked):
+        RUN_STATES of `stop_reason`. What `diloco list`, `diloco status` and the page show."""
+        return RUN_STATES[self.stop_reason()]
 
     def clear_stop(self, island: str | None = None) -> None:
         """Remove a stop marker written by request_stop (missing is fine)."""

@@ -343,6 +343,7 @@ def experiment_view(
             merged=tokens, budget=cfg.token_budget, fraction=min(tokens / cfg.token_budget, 1.0)
         ),
         stop_requested=estore.stop_requested(None),
+        state=estore.run_state(),
         best_eval=estore.best(),
         last_eval=evals[-1] if evals else None,
         evals=eval_curve(evals),
@@ -392,6 +393,7 @@ def experiment_summary(cfg: ExperimentConfig, estore, now: float | None = None) 
         islands=len(cfg.islands),
         islands_done=sum(1 for i in cfg.islands if i.name in done),
         stop_requested=estore.stop_requested(None),
+        state=estore.run_state(),
         best_loss=best.get("loss") if best else None,
         chaos=chaos_mode(cfg),
     )

@@ -55,7 +55,7 @@ def format_list(rows: Sequence[Mapping[str, Any]]) -> str:
         tokens = f"{r['tokens_merged']:,} / {r['token_budget']:,}"
         done = f"{r['islands_done']}/{r['islands']}"
         best = "-" if r["best_loss"] is None else f"{r['best_loss']:.4f}"
-        state = "stopped" if r["stop_requested"] else "open"
+        state = r.get("state", "running")
         lines.append(
             f"{r['experiment']:28s} {versions:12s} {tokens:>26s} {done:>8s} {best:>9s}  {state}"
         )

@@ -10,6 +10,12 @@ from training.config.scavenge import METRIC as SCAVENGE_METRIC
 from training.config.scavenge import scavenge_view
 from training.island.goodput import BADPUT, experiment_goodput
 
+STATE_NOTE = {
+    "finished": "  FINISHED: the token budget is merged",
+    "stopped": "  STOPPED: a stop was requested",
+}
+"""What `diloco status` appends to its summary line for an experiment that is not running."""
+
 STORAGE_KINDS = {
     "checkpoints": "checkpoints",
     "pseudograds": "pseudo-gradients",
@@ -99,6 +105,7 @@ def collect_status(cfg: ExperimentConfig, store, now: float | None = None) -> di
         warning=report["warning"],
         goodput=experiment_goodput(cfg, {n: hb.get("goodput_state") for n, hb in beats.items()}),
         stop_requested=store.stop_requested(None),
+        state=store.run_state(),
         storage=bytes_by_kind(store.sizes()),
         islands=islands,
         skipped=dict(
@@ -134,7 +141,7 @@ def format_status(s: dict) -> str:
         f"experiment {s['experiment']}  store {s['store']}",
         f"fragment versions {_fmt(s['fragment_versions'])}  tokens merged {s['tokens_merged']:,} / "
         f"{s['token_budget']:,}  applied {s['applied']}  pending {s['pending']}  "
-        f"quarantined {s['quarantined']}" + ("  STOP requested" if s["stop_requested"] else ""),
+        f"quarantined {s['quarantined']}" + STATE_NOTE.get(s.get("state", "running"), ""),
     ]
     if s["last_eval"]:
         e = s["last_eval"]
