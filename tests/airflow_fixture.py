@@ -16,7 +16,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@contextmanager
 def island_env(runs: Path, gcs: bool = True) -> dict[str, str]:
     """The environment of a test Airflow's islands: local runs under `runs`, quick retries, one
     compute thread each (they share the cores with Airflow), fake-gcs-server when `gcs`."""
@@ -33,6 +32,7 @@ def island_env(runs: Path, gcs: bool = True) -> dict[str, str]:
     return env
 
 
+@contextmanager
 def running_airflow(tmp_path: Path, **extra_env: str):
     """Airflow on a free port with islands on fake-gcs-server (STORAGE_EMULATOR_HOST must be set);
     asserts on exit that no process group it started outlived it."""
