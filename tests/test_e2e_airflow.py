@@ -31,14 +31,13 @@ from pathlib import Path
 
 import pytest
 
-from devtools.demo import ISLANDS, demo_conf, summarize
+from devtools.demo import ISLANDS, KILL, demo_conf, summarize
 from tests.airflow_fixture import running_airflow
 from tests.gcs_fixture import BUCKET, gcs_bucket  # noqa: F401
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(540)]
 
 DAG = "diloco_experiment"
-KILL = "island-b"
 ISLAND_TOKENS = 300_000
 RUN_TIMEOUT_S = 330.0
 

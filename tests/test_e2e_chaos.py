@@ -35,7 +35,7 @@ from tests.test_e2e_airflow import DAG, ISLANDS, Bucket
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(720)]
 
-STALL = "island-b"
+STALL = ISLANDS[1]  # the middle one of the form's three islands (island-1)
 # Each island stops at its own token limit (`max_tokens`; a relaunched island resumes its count
 # from its checkpoint), so both runs merge the same number of tokens: with only the shared
 # `token_budget`, islands keep publishing until the merge after the budget marks the stop, and
@@ -44,7 +44,7 @@ ISLAND_TOKENS = 150_000
 RUN_TIMEOUT_S = 330.0
 LOSS_TOLERANCE = 0.03
 # chaos.seed 10 with a mean of 20 s: kills due about 25, 53 and 65 s after the monkey starts,
-# victims a, c, a while all three run (training.faults.chaos.kill_times / victim_chooser), so the
+# victims the first, third, first island while all three run (training.faults.chaos.kill_times / victim_chooser), so the
 # stalled island is normally left to the heartbeat check
 CHAOS = {
     "kill_mtbi_s": 20.0,
