@@ -10,7 +10,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 DAGS = ROOT / "dags"
-DAG_IDS = {"diloco_experiment", "diloco_maintenance", "diloco_scavenge"}
+DAG_IDS = {"diloco_experiment", "diloco_maintenance", "diloco_scavenge", "diloco_export_best"}
 
 
 @pytest.fixture(scope="module")
@@ -184,3 +184,19 @@ print(dag.params.get_param("islands").schema["items"]["properties"]["backend"]["
     assert "islands_local" in groups and "select_local" in groups
     assert not [g for g in ("tpu_vm", "gke") if g in groups], groups
     assert enum == "['local']"
+
+
+def test_the_export_example_is_scheduled_on_the_watched_models_asset_of_the_default_store(dagbag):
+    from diloco_airflow import knobs
+    from diloco_airflow.assets import store_uri
+
+    (asset,) = dagbag.dags["diloco_export_best"].timetable.asset_condition.objects
+    assert asset.uri == store_uri(knobs.DEFAULT_STORE.get())
+    (watcher,) = asset.watchers
+    assert type(watcher.trigger).__name__ == "ModelEventTrigger"
+
+
+def test_finalize_emits_through_the_models_alias(dagbag):
+    from diloco_airflow.assets import MODELS_ALIAS
+
+    assert dagbag.dags["diloco_experiment"].get_task("finalize").outlets == [MODELS_ALIAS]

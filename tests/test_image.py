@@ -1,7 +1,7 @@
 """The image built and run here (issue 23 item 3): `make image` builds the Dockerfile's `default`
 target with podman FROM local stand-ins for the official bases (devtools/image/bases.sh), then
-the image must answer `airflow version`, list the page plugin, parse the three DAGs with no import
-error and run `diloco --help` — with nothing but the installed package and the three DAG files.
+the image must answer `airflow version`, list the page plugin, parse the four DAGs with no import
+error and run `diloco --help` — with nothing but the installed package and the four DAG files.
 
     .venv/bin/python -m pytest -m slow tests/test_image.py
 """
@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(900
 
 ROOT = Path(__file__).resolve().parents[1]
 IMAGE = "localhost/diloco-airflow:test"
-DAG_IDS = {"diloco_experiment", "diloco_maintenance", "diloco_scavenge"}
+DAG_IDS = {"diloco_experiment", "diloco_maintenance", "diloco_scavenge", "diloco_export_best"}
 
 
 def _run(cmd: list[str], timeout: int = 600) -> str:
@@ -54,7 +54,7 @@ def test_the_image_lists_the_page_plugin(image):
     assert "diloco" in names
 
 
-def test_the_three_dags_parse_in_the_image(image):
+def test_the_dags_parse_in_the_image(image):
     # `dags list` reads the serialized DAGs: migrate a (throwaway SQLite) database, parse into it
     out = _in_image(
         "airflow db migrate >/dev/null && airflow dags reserialize >/dev/null"

@@ -1,6 +1,6 @@
 """The installed layout, as Composer and the image deploy it: the wheel built from a clean clone,
 installed into a fresh virtualenv where the repo is not on sys.path, an $AIRFLOW_HOME holding
-only the three thin DAG files, nothing on PYTHONPATH and an empty plugins folder. Airflow of that
+only the thin DAG files, nothing on PYTHONPATH and an empty plugins folder. Airflow of that
 virtualenv must list the page and the provider, parse the DAGs, and run a short experiment whose
 page API answers.
 
@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 import urllib.parse
 import uuid
 from pathlib import Path
@@ -28,7 +29,7 @@ from tests.helpers import small_dag_params
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
 ROOT = Path(__file__).resolve().parents[1]
-DAG_IDS = {"diloco_experiment", "diloco_maintenance", "diloco_scavenge"}
+DAG_IDS = {"diloco_experiment", "diloco_maintenance", "diloco_scavenge", "diloco_export_best"}
 BUDGET = 6_000  # tokens: about a dozen intervals of 2 x 32 x 4 tokens per island (two islands)
 
 
@@ -120,18 +121,58 @@ class InstalledAirflow(LocalAirflow):
         return env
 
 
+def _until(what: str, timeout_s: float, probe):
+    """`probe()`'s first truthy value, polled every 2 s; fails naming `what` after the timeout."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got = probe()
+        if got:
+            return got
+        time.sleep(2.0)
+    raise AssertionError(f"{what}: not within {timeout_s:.0f} s")
+
+
+def _models_asset(af, store_url: str) -> dict | None:
+    """The store's models asset as the REST API shows it, once its watcher runs."""
+    query = urllib.parse.urlencode({"uri_pattern": Path(store_url[len("file://") :]).name})
+    found = [a for a in af.request("GET", f"/api/v2/assets?{query}")["assets"]]
+    return next((a for a in found if a["uri"] == store_url and a["watchers"]), None)
+
+
+def _events(af, asset_id: int) -> list[dict]:
+    return af.request("GET", f"/api/v2/assets/events?asset_id={asset_id}")["asset_events"]
+
+
 def test_a_short_run_succeeds_and_the_page_answers_for_it(installed, tmp_path):
+    """Also the Asset events (issue 23 item 5): the example `diloco_export_best`, unpaused before
+    the run, is scheduled on the store's models asset; its watcher (in the triggerer) reports
+    the run's new best snapshots and `finalize` reports the run's end, both naming the
+    experiment; the DAG runs they trigger export the best model, which loads back."""
+    from safetensors.numpy import load_file
+
     venv, home, _ = installed
     runs = tmp_path / "islands"
-    env = island_env(runs, gcs=False)
-    af = InstalledAirflow(venv, home, env)
     store_url = (tmp_path / "store").as_uri()
+    exports = tmp_path / "exports"
+    env = island_env(runs, gcs=False)
+    # the example DAG watches this run's store; the DAG processor re-parses each file every
+    # 10 s (default 30), so that the watcher starts soon after the DAG is unpaused
+    env |= {
+        "DILOCO_EXPORT_STORE": store_url,
+        "DILOCO_EXPORT_DIR": str(exports),
+        "DILOCO_ASSET_POLL_S": "1",
+        "AIRFLOW__DAG_PROCESSOR__MIN_FILE_PROCESS_INTERVAL": "10",
+    }
+    af = InstalledAirflow(venv, home, env)
     name = f"installed-{uuid.uuid4().hex[:8]}"
     try:
         af.start()
         af.wait_healthy()
         af.ensure_pools()
         af.wait_dag("diloco_experiment")
+        af.wait_dag("diloco_export_best")
+        af.unpause("diloco_export_best")
+        asset = _until("the models asset's watcher", 120, lambda: _models_asset(af, store_url))
         conf = small_dag_params(name, store_url, ["island-a", "island-b"], token_budget=BUDGET)
         run_id = af.trigger("diloco_experiment", conf)
         state = af.wait_run("diloco_experiment", run_id, timeout_s=420)
@@ -139,6 +180,34 @@ def test_a_short_run_succeeds_and_the_page_answers_for_it(installed, tmp_path):
         query = urllib.parse.urlencode({"store": store_url, "experiment": name})
         page = af.request("GET", f"/diloco/api/experiment?{query}")
         assert page["experiment"] == name and page["tokens"]["merged"] >= BUDGET
+
+        def ours(kind: str):
+            for ev in _events(af, asset["id"]):
+                extra = ev["extra"] or {}
+                data = extra.get("payload", extra) if extra.get("from_trigger") else extra
+                if data.get("event") == kind and data.get("experiment") == name:
+                    return ev, data
+
+        best_event, best = _until("a 'best' event from the watcher", 60, lambda: ours("best"))
+        assert best_event["source_dag_id"] is None  # the triggerer's, not a task's
+        end_event, end = _until("the 'finished' event", 30, lambda: ours("finished"))
+        assert (end_event["source_dag_id"], end_event["source_task_id"]) == (
+            "diloco_experiment",
+            "finalize",
+        )
+        assert end["over"] is True and end["experiment_url"] == f"{store_url}/{name}"
+
+        def exported():
+            done = [
+                r
+                for r in af.request("GET", "/api/v2/dags/diloco_export_best/dagRuns")["dag_runs"]
+                if r["state"] == "success"
+            ]
+            return done and sorted((exports / name).glob("best-*/model.safetensors"))
+
+        model = _until("an export by diloco_export_best", 240, exported)[-1]
+        config = json.loads((model.parent / "config.json").read_text())
+        assert config["experiment"] == name and len(load_file(model)) > 0
     finally:
         pgids = [p.pid for p in af.procs.values()]
         af.stop()

@@ -121,4 +121,5 @@ def finalize_experiment(store_url: str, experiment: str, run_id: str | None = No
         "best": report.get("best"),
         "warning": report["warning"],
         "done": sorted(done),
+        "over": over,
     }

@@ -55,6 +55,12 @@ def get_provider_info() -> dict:
                 },
             }
         ],
+        "triggers": [
+            {
+                "integration-name": "Decoupled DiLoCo",
+                "python-modules": ["diloco_airflow.triggers", "diloco_airflow.assets"],
+            }
+        ],
         "extra-links": [
             "diloco_airflow.ui.links.DilocoPageLink",
             "diloco_airflow.ui.links.IslandBucketLink",

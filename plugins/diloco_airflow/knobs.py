@@ -107,6 +107,26 @@ DEFAULT_STORE = Knob(
     "the trigger form's default store URL; on Composer set gs://<bucket>/<prefix> (a file:// "
     "store exists on one machine only: islands on TPU VMs or GKE cannot reach it)",
 )
+EXPORT_STORE = Knob(
+    "DILOCO_EXPORT_STORE",
+    None,
+    str,
+    "diloco_export_best (an example DAG): the store whose new best models it exports (read at "
+    "parse time; default: DILOCO_DEFAULT_STORE)",
+)
+EXPORT_DIR = Knob(
+    "DILOCO_EXPORT_DIR",
+    "/tmp/diloco/exports",
+    str,
+    "diloco_export_best: where exports go, one folder per experiment and snapshot (on Composer "
+    "the bucket's mounted data folder, /home/airflow/gcs/data/exports)",
+)
+ASSET_POLL_S = Knob(
+    "DILOCO_ASSET_POLL_S",
+    30.0,
+    float,
+    "how often the triggerer's watcher of a store's models asset looks for a new best snapshot",
+)
 SCAVENGE_SCHEDULE = Knob(
     "DILOCO_SCAVENGE_SCHEDULE",
     None,

@@ -32,6 +32,7 @@ from datetime import datetime, timedelta
 from airflow.sdk import dag, task
 
 from diloco_airflow import knobs
+from diloco_airflow.assets import MODELS_ALIAS, finished_event
 from diloco_airflow.backends.registry import enabled_backends
 from diloco_airflow.chaos_monkey import run_chaos_monkey
 from diloco_airflow.experiment_end import finalize_experiment, islands_ended
@@ -130,9 +131,17 @@ def diloco_experiment():
 
     # all done, at least one of islands_ended / syncer / evaluate successful: never after a
     # failed init (then islands_ended fails and the others are upstream_failed)
-    @task(trigger_rule="all_done_min_one_success")
-    def finalize(params=None, run_id=None) -> dict:
-        return finalize_experiment(params["store_url"], experiment_of(params, run_id), run_id)
+    # its outlet: the "finished" asset event of the run's store (diloco_airflow/assets.py)
+    @task(trigger_rule="all_done_min_one_success", outlets=[MODELS_ALIAS])
+    def finalize(params=None, run_id=None, outlet_events=None) -> dict:
+        experiment = experiment_of(params, run_id)
+        out = finalize_experiment(params["store_url"], experiment, run_id)
+        if out.get("eval"):  # this run ended the experiment's run (not another run's finalize)
+            extra = {**out["eval"], "over": out["over"]}
+            out["asset_event"] = finished_event(
+                outlet_events, params["store_url"], experiment, extra
+            )
+        return out
 
     ended = end_islands()
     islands >> ended
