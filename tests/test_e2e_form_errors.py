@@ -12,6 +12,7 @@ naming its experiment.
 
 from __future__ import annotations
 
+import json
 import uuid
 from datetime import datetime
 
@@ -39,8 +40,12 @@ def test_bad_input_fails_at_once_with_one_attempt(tmp_path, gcs_bucket):  # noqa
         af.ensure_pools()
         af.wait_dag(DAG)
         name = f"bad-{uuid.uuid4().hex[:8]}"
-        with pytest.raises(AirflowError, match="HTTP 400"):
+        with pytest.raises(AirflowError, match="HTTP 400") as refused:
             af.trigger(DAG, demo_conf(name, "s3://nope/x"))
+        # the plugin's middleware: jsonschema's first line, not its dump of the schema
+        detail = json.loads(str(refused.value).split("HTTP 400: ", 1)[1])["detail"]
+        assert detail.startswith("Invalid input for param store_url: 's3://nope/x' does not ")
+        assert "\n" not in detail and "Failed validating" not in detail
 
         conf = demo_conf(name, f"file://{tmp_path}/store", budget=100)
         body = {"logical_date": None, "conf": conf}  # as the form: no note

@@ -210,6 +210,20 @@ def hardware_description() -> str:
     return " ".join(out)
 
 
+# the fields most runs leave alone: a collapsed section of the form, so that the form is short
+# and the reason of a refused value (shown by Airflow at the top of the form) is in view
+MORE_SECTION = "More settings"
+MORE_FIELDS = {
+    "codec",
+    "outer_method",
+    "outer_momentum",
+    "quorum",
+    "heartbeat_s",
+    "chaos",
+    "overrides",
+}
+
+
 def experiment_params() -> dict[str, Param]:
     """The trigger form. Defaults form a valid config, so the DAG also runs on a schedule.
 
@@ -227,7 +241,10 @@ def experiment_params() -> dict[str, Param]:
         # the form's own text replaces the field's (never both: no sentence twice)
         description = param.description or docs.get(FIELD_MAP.get(name, ""), "")
         value = copy.deepcopy(deployment[name]) if name in deployment else param.value
-        params[name] = Param(value, description=description, **param.schema)
+        section = (
+            {"section": MORE_SECTION} if name in MORE_FIELDS or name.startswith("syncer_") else {}
+        )
+        params[name] = Param(value, description=description, **section, **param.schema)
         if name in deployment:
             params[name].resolve()  # the schema checks a deployment's default too
     return params

@@ -7,6 +7,8 @@
 - Extra links on its tasks: "DiLoCo page", "Island in bucket" on island tasks, "Experiment in
   bucket" on the merge shards and the other tasks (links.py).
 - A listener (run_notes.py): every run's note names its experiment.
+- A root middleware (form_errors.py): a value the trigger form's schema refuses is reported in
+  one line, not jsonschema's dump of the schema.
 
 Airflow loads it through the `airflow.plugins` entry point of the installed package
 (pyproject.toml), on every deployment alike: `pip install` is all it takes, no file in Airflow's
@@ -38,11 +40,18 @@ def _listeners() -> list:
     return [run_notes]
 
 
+def _middlewares() -> list:
+    from diloco_airflow.ui.form_errors import OneLineParamErrors
+
+    return [{"middleware": OneLineParamErrors, "name": "DiLoCo: refused form values in one line"}]
+
+
 class DilocoPagePlugin(AirflowPlugin):
     name = "diloco"
     global_operator_extra_links = _links()
     listeners = _listeners()
     fastapi_apps = [{"app": _app(), "url_prefix": URL_PREFIX, "name": "DiLoCo page"}]
+    fastapi_root_middlewares = _middlewares()
     external_views = [
         {
             "name": "DiLoCo",
