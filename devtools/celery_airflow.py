@@ -316,29 +316,13 @@ class CeleryAirflow(LocalAirflow):
             self.start_component(name)
         self._write_pids()
 
-    def start_component(self, name: str) -> subprocess.Popen:
-        """Start component `name` (``scheduler``, ..., or a worker ``worker-<i>``), logging to
-        ``logs/<name>.log``; replaces its entry in `procs`."""
-        env = self.env()
-        args = [*self.airflow_bin(), name]
-        if name == "api-server":
-            args += ["--port", str(self.port), "--host", "127.0.0.1"]
-        elif name in self.workers:
-            env[HOSTNAME_ENV] = name
-            args = [*self.airflow_bin(), "celery", "worker", "--celery-hostname", f"{name}@%h"]
-            args += ["--concurrency", str(self.concurrency), "--skip-serve-logs"]
-        out = open(self.home / "logs" / f"{name}.log", "ab")  # noqa: SIM115 - the process's
-        self.procs[name] = proc = subprocess.Popen(
-            args,
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            cwd=self.root,
-            start_new_session=True,
-        )
-        out.close()
-        return proc
+    def component_args(self, name: str, env: dict[str, str]) -> list[str]:
+        """A worker ``worker-<i>`` runs ``airflow celery worker`` under that hostname."""
+        if name not in self.workers:
+            return super().component_args(name, env)
+        env[HOSTNAME_ENV] = name
+        args = [*self.airflow_bin(), "celery", "worker", "--celery-hostname", f"{name}@%h"]
+        return args + ["--concurrency", str(self.concurrency), "--skip-serve-logs"]
 
     def _write_pids(self) -> None:
         import json

@@ -258,23 +258,35 @@ class LocalAirflow:
                 f"port {self.port} is in use (another Airflow?): set DILOCO_AIRFLOW_PORT"
             )
         env = self.env()
-        logs = self.migrate_db(env)
+        self.migrate_db(env)
         for name in COMPONENTS:
-            args = [*self.airflow_bin(), name]
-            if name == "api-server":
-                args += ["--port", str(self.port), "--host", "127.0.0.1"]
-            out = open(logs / f"{name}.log", "ab")  # noqa: SIM115 - lives as long as the process
-            self.procs[name] = subprocess.Popen(
-                args,
-                env=env,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                cwd=self.root,
-                start_new_session=True,
-            )
-            out.close()
+            self.start_component(name, env)
         (self.home / "pids.json").write_text(json.dumps({n: p.pid for n, p in self.procs.items()}))
+
+    def component_args(self, name: str, env: dict[str, str]) -> list[str]:
+        """The command line of component `name` (it may add to `env`, that process's own)."""
+        args = [*self.airflow_bin(), name]
+        if name == "api-server":
+            args += ["--port", str(self.port), "--host", "127.0.0.1"]
+        return args
+
+    def start_component(self, name: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+        """Start component `name` in its own process group, logging to ``logs/<name>.log``;
+        replaces its entry in `procs`."""
+        env = dict(env if env is not None else self.env())
+        args = self.component_args(name, env)
+        out = open(self.home / "logs" / f"{name}.log", "ab")  # noqa: SIM115 - the process's
+        self.procs[name] = proc = subprocess.Popen(
+            args,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            cwd=self.root,
+            start_new_session=True,
+        )
+        out.close()
+        return proc
 
     def stop(self, grace_s: float = 15.0) -> None:
         """SIGINT then SIGTERM each component's process group; SIGKILL what is left; then
