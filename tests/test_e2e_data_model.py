@@ -220,7 +220,7 @@ def test_text_in_a_trained_exported_sampled_model_out(gcs_bucket, tmp_path, caps
     _upload(tmp_path / "raw", raw)
     index = _prepare(capsys, raw, tokenizer, corpus)
     assert (index["documents"], index["tokenizer"]["sha256"]) == (documents, tok.sha256)
-    assert len(index["shards"]) == 2  # 1.9 MiB of JSON lines in units of --chunk-mb 1
+    assert len(index["shards"]) == 2  # 2.0 MiB of JSON lines in units of --chunk-mb 1
 
     _init(capsys, tmp_path, store, corpus, tokenizer)
     first = _eval(capsys, store, "--version", "0")
