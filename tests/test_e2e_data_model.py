@@ -28,6 +28,9 @@ import sys
 import time
 from pathlib import Path
 
+# gcsfs stalls against an emulator without it (docs: PLATFORM.md); before gcsfs is imported
+os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+
 import numpy as np
 import pytest
 
@@ -50,7 +53,7 @@ SAMPLING = ("--max-tokens", "32", "--temperature", "0.8", "--top-k", "40", "--se
 
 def _env() -> dict[str, str]:
     """The subprocesses import this tree and reach the fake-gcs-server of this session."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT="false")
     env["PYTHONPATH"] = os.pathsep.join(
         [str(ROOT), str(ROOT / "plugins"), env.get("PYTHONPATH", "")]
     )
@@ -131,7 +134,11 @@ def _init(capsys, tmp_path: Path, store: str, corpus: str, tokenizer: str) -> No
             "eval_batches": 8,
         },
         "inner": {"H": 10, "warmup_steps": 5, "tau": 0},
-        "outer": {"rounds": "steps"},
+        # DiLoCo's synchronous rounds: every H steps both islands' pseudo-gradients make one
+        # outer step. The default decoupled merges diverged here once the store answered fast
+        # (islands' loss 5.7, global eval 8.4-10.5: many partial merges of 2-4 stale
+        # contributions under Nesterov 0.9 and outer lr 0.7 at this tiny scale); sync: 4.76
+        "outer": {"method": "sync"},
         "islands": [{"name": name} for name in ISLANDS],
         "token_budget": BUDGET,
         "heartbeat_s": 1.0,
@@ -229,7 +236,7 @@ def test_text_in_a_trained_exported_sampled_model_out(gcs_bucket, tmp_path, caps
     # version 0 is a random model: about ln(512) = 6.24 nats per token. The tokens' unigram
     # entropy on this corpus is 5.27 nats (measured with this tokenizer), so a model that only
     # learnt their frequencies is 0.97 nats lower; 1 nat lower means it uses the context too.
-    # Measured: 6.25 -> 4.88 (the islands' 2 x ~300 steps merged into the global model).
+    # Measured: 6.25 -> 4.76 (the islands' 2 x ~300 steps in ~30 outer steps).
     assert first > math.log(VOCAB) - 0.5
     assert last < first - 1.0, (first, last)
 
