@@ -135,9 +135,9 @@ def _init(capsys, tmp_path: Path, store: str, corpus: str, tokenizer: str) -> No
         },
         "inner": {"H": 10, "warmup_steps": 5, "tau": 0},
         # DiLoCo's synchronous rounds: every H steps both islands' pseudo-gradients make one
-        # outer step. The default decoupled merges diverged here once the store answered fast
-        # (islands' loss 5.7, global eval 8.4-10.5: many partial merges of 2-4 stale
-        # contributions under Nesterov 0.9 and outer lr 0.7 at this tiny scale); sync: 4.76
+        # outer step (final eval 4.76). The default decoupled method diverged on this run:
+        # final eval 7.0 and 9.4 with its clock rounds, 8.4 and 10.5 with step rounds, while
+        # the islands' own loss was 5.7 (merges of 2-4 contributions, some stale; open issue)
         "outer": {"method": "sync"},
         "islands": [{"name": name} for name in ISLANDS],
         "token_budget": BUDGET,
