@@ -69,6 +69,18 @@ def test_init_then_status_and_a_corrupt_global_version(tmp_path, capsys):
     assert code == 2 and "checksum" in err.lower() and err.count("\n") == 1
 
 
+def test_init_takes_a_config_file_without_name_and_store(tmp_path, capsys):
+    # --name and --store are required flags: the file need not repeat them (it used to be
+    # refused with "name: Field required")
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"model": {"preset": "tiny", "d_model": 32, "n_heads": 2}}))
+    url = f"file://{tmp_path / 'store'}"
+    code, out, err = _run(capsys, "init", "--store", url, "--name", "e", "--config", str(path))
+    assert (code, err) == (0, "") and "created version 0" in out
+    cfg = ExperimentStore(open_store(url), "e").read_config()
+    assert (cfg["name"], cfg["store_url"], cfg["model"]["d_model"]) == ("e", url, 32)
+
+
 @pytest.mark.parametrize("argv", [["island"], ["merge", "--store", "file:///tmp"]])
 def test_missing_arguments_are_usage_errors(argv, capsys):
     with pytest.raises(SystemExit) as exc:

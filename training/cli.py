@@ -73,11 +73,9 @@ def cmd_init(args) -> int:
     from training.store.experiment import ExperimentStore
     from training.store.registry import open_store
 
-    cfg = load_config(args.config) if args.config else None
-    base = cfg.model_dump(mode="json") if cfg else {}
-    base["name"] = args.name
-    base["store_url"] = args.store
-    cfg = parse_config(base)
+    # --name and --store win over the file's (which need not have them)
+    names = {"name": args.name, "store_url": args.store}
+    cfg = load_config(args.config, **names) if args.config else parse_config(names)
     cfg = with_overrides(cfg, parse_sets(args.set or []))
     # the checks (budget, model, store) come first, in create_or_join: nothing half-written
     result = create_or_join(cfg, ExperimentStore(open_store(cfg.store_url), cfg.name))

@@ -234,7 +234,9 @@ def parse_config(data: dict[str, Any]) -> ExperimentConfig:
         raise ConfigError(f"invalid config: {err}") from None
 
 
-def load_config(path: str | Path) -> ExperimentConfig:
+def load_config(path: str | Path, **fields: Any) -> ExperimentConfig:
+    """The config in JSON file `path`; `fields` (e.g. `diloco init`'s --name and --store) are
+    set over the file's before validating, so the file need not name them."""
     try:
         text = Path(path).read_text()
     except OSError as err:
@@ -243,6 +245,8 @@ def load_config(path: str | Path) -> ExperimentConfig:
         data = json.loads(text)
     except json.JSONDecodeError as err:
         raise ConfigError(f"config {path} is not valid JSON: {err}") from None
+    if fields and isinstance(data, dict):
+        data = {**data, **fields}
     return parse_config(data)
 
 

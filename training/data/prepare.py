@@ -23,7 +23,8 @@ size; a unit cut short (no record) is done again from its start. Bad input (a li
 that is not UTF-8, a line that is not JSON, a missing field or column, a value that is not
 text, an empty text) is counted per reason with a few examples, in the unit's record, the index
 and the summary; it never stops the run. `tokens/` alone is also a plain token-array source
-(`load_corpus`): the same tokens, read into memory.
+(`load_corpus`): the same tokens, read into memory. (Over 500 lines: the plan, the three
+formats' readers, the worker and the resumable driver are one pipeline, read in one place.)
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ DEFAULT_CHUNK_BYTES = 64 << 20
 BATCH_DOCS = 256  # documents tokenized together (encode_batch)
 MAX_EXAMPLES = 5  # examples of bad input kept per unit
 MAX_LINE_BYTES = 64 << 20
+READ_BYTES = 1 << 20  # JSON lines are read in blocks of this size
 MAX_RECORD_BYTES = 16 << 20  # index.json, plan.json and unit records are read up to this size
 TEXT_TYPES = ("string", "large_string", "string_view")
 BINARY_TYPES = ("binary", "large_binary", "binary_view")
@@ -176,8 +178,34 @@ def _text_docs(fs, unit: dict, problems: Problems) -> Iterator[str]:
             yield text
 
 
+class _Raw(io.RawIOBase):
+    """An fsspec file as a raw stream, for `io.BufferedReader`: the buffered files of gcsfs and
+    other fsspec filesystems have no `readline(limit)`, which bounds a line's memory."""
+
+    def __init__(self, f):
+        self.f = f
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        data = self.f.read(len(b))
+        b[: len(data)] = data
+        return len(data)
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        return self.f.seek(pos, whence)
+
+    def tell(self) -> int:
+        return self.f.tell()
+
+
 def _lines(f, start: int, end: int) -> Iterator[tuple[int, bytes]]:
     """(offset, line) of every line that starts in [start, end) of an open binary file."""
+    f = io.BufferedReader(_Raw(f), buffer_size=READ_BYTES)
     if start > 0:
         f.seek(start - 1)
         f.readline()  # the rest of the line that started before `start` (another unit's)

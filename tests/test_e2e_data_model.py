@@ -1,0 +1,255 @@
+"""Issue 25, "Done when": from nothing but the repo, text in and a usable model out.
+
+One run, each step a helper (the order of docs/DATA.md's walkthrough, whose commands are these):
+
+1. `_train_tokenizer`: a byte-level BPE tokenizer.json (vocabulary 512) trained by the
+   `tokenizers` package on the built-in corpus (`builtin:pydoc`).
+2. `_write_corpus`: the built-in corpus as JSON lines, the raw data a user brings.
+3. `_prepare`: `diloco prepare` into token shards in a fake-gcs-server bucket.
+4. `_init` and `_train`: `diloco init` on the bucket, two `diloco island` processes and a
+   `diloco merge --follow` process until the token budget ends the run.
+5. `_eval`: `diloco eval` of version 0 and of the final model: the loss fell.
+6. `_export` + `_check_safetensors` / `_check_orbax`: `diloco export` in each format, each
+   loaded back by the library that owns it.
+7. `_sample`: `diloco sample` prints text decoded by the BPE tokenizer.
+
+Islands and the merge are real processes (`python -m training.cli`), as a user starts them; the
+short commands run in this process through `cli.main` with the same argv. A step added later
+(another export format, TensorBoard files) is one more helper called from the test.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+# gcsfs stalls against an emulator without it (docs: PLATFORM.md); before gcsfs is imported
+os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+
+import numpy as np
+import pytest
+
+from tests.gcs_fixture import gcs_bucket  # noqa: F401  (fixture)
+from training import cli
+
+pytestmark = [pytest.mark.slow, pytest.mark.integration]
+
+ROOT = Path(__file__).resolve().parents[1]
+EXP = "e2e"
+VOCAB = 512
+ISLANDS = ("island-0", "island-1")
+SEQ_LEN, BATCH = 64, 8
+STEPS = 300  # inner steps per island (about)
+# the run ends when the merge has applied this many tokens: 2 islands x 300 steps x 8 x 64
+BUDGET = len(ISLANDS) * STEPS * BATCH * SEQ_LEN
+PROCESS_TIMEOUT_S = 240
+SAMPLING = ("--max-tokens", "32", "--temperature", "0.8", "--top-k", "40", "--seed", "0")
+
+
+def _env() -> dict[str, str]:
+    """The subprocesses import this tree and reach the fake-gcs-server of this session."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT="false")
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(ROOT), str(ROOT / "plugins"), env.get("PYTHONPATH", "")]
+    )
+    return env
+
+
+def _diloco(*argv: str) -> subprocess.Popen:
+    """`diloco ARGV` as a separate process (stdout and stderr to one pipe)."""
+    cmd = [sys.executable, "-m", "training.cli", *argv]
+    return subprocess.Popen(
+        cmd, env=_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+
+def _main(capsys, *argv: str) -> str:
+    """`diloco ARGV` run here; returns what it printed."""
+    capsys.readouterr()
+    assert cli.main(list(argv)) == 0, capsys.readouterr()
+    return capsys.readouterr().out
+
+
+def _train_tokenizer(path: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from training.data.corpus import builtin_documents
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=["<|endoftext|>"],
+        show_progress=False,
+    )
+    tok.train_from_iterator((text for _, text in builtin_documents()), trainer)
+    tok.save(str(path))
+
+
+def _write_corpus(raw: Path) -> int:
+    """The built-in corpus as JSON lines (`{"id": ..., "text": ...}`); returns the documents."""
+    from training.data.corpus import builtin_documents
+
+    raw.mkdir()
+    docs = builtin_documents()
+    with open(raw / "pydoc.jsonl", "w", encoding="utf-8") as f:
+        for doc_id, text in docs:
+            f.write(json.dumps({"id": doc_id, "text": text}) + "\n")
+    return len(docs)
+
+
+def _upload(local: Path, url: str) -> None:
+    """What `gcloud storage cp -r LOCAL URL` does, through fsspec (gcsfs)."""
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(url)
+    fs.put(str(local), path, recursive=local.is_dir())
+
+
+def _prepare(capsys, raw: str, tokenizer: str, corpus: str) -> dict:
+    """`diloco prepare` from the bucket into the bucket; returns its index.json."""
+    import fsspec
+
+    argv = ["--data", raw, "--tokenizer", tokenizer, "--out", corpus]
+    _main(capsys, "prepare", *argv, "--text-field", "text", "--workers", "2", "--chunk-mb", "1")
+    with fsspec.open(f"{corpus}/index.json", "rb") as f:
+        return json.loads(f.read())
+
+
+def _init(capsys, tmp_path: Path, store: str, corpus: str, tokenizer: str) -> None:
+    config = {
+        "model": {"preset": "tiny", "max_seq_len": SEQ_LEN},  # vocab_size: the tokenizer's
+        "data": {
+            "source": corpus,
+            "tokenizer": tokenizer,
+            "seq_len": SEQ_LEN,
+            "batch_size": BATCH,
+            "eval_batches": 8,
+        },
+        "inner": {"H": 10, "warmup_steps": 5, "tau": 0},
+        # DiLoCo's synchronous rounds: every H steps both islands' pseudo-gradients make one
+        # outer step (final eval 4.76). The default decoupled method diverged on this run:
+        # final eval 7.0 and 9.4 with its clock rounds, 8.4 and 10.5 with step rounds, while
+        # the islands' own loss was 5.7 (merges of 2-4 contributions, some stale; open issue)
+        "outer": {"method": "sync"},
+        "islands": [{"name": name} for name in ISLANDS],
+        "token_budget": BUDGET,
+        "heartbeat_s": 1.0,
+    }
+    path = tmp_path / "experiment.json"
+    path.write_text(json.dumps(config))
+    _main(capsys, "init", "--store", store, "--name", EXP, "--config", str(path))
+
+
+def _train(store: str) -> None:
+    """Two islands and the merge, until the budget's stop and both islands done."""
+    base = ["--store", store, "--experiment", EXP]
+    procs = [_diloco("island", *base, "--island", name) for name in ISLANDS]
+    procs.append(_diloco("merge", *base, "--follow", "--poll", "0.5"))
+    deadline = time.monotonic() + PROCESS_TIMEOUT_S
+    try:
+        for proc in procs:
+            out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            assert proc.returncode == 0, out[-3000:]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def _eval(capsys, store: str, *version: str) -> float:
+    out = _main(capsys, "eval", "--store", store, "--experiment", EXP, *version)
+    return json.loads(out.strip().splitlines()[-1])["loss"]
+
+
+def _export(capsys, store: str, out: Path, fmt: str) -> None:
+    argv = ["--store", store, "--experiment", EXP, "--out", str(out), "--format", fmt]
+    _main(capsys, "export", *argv)
+
+
+def _check_safetensors(out: Path, want: dict) -> None:
+    from safetensors.numpy import load_file
+
+    got = load_file(out / "model.safetensors")  # read back by the safetensors library
+    assert sorted(got) == sorted(want)
+    assert all(np.array_equal(got[k], want[k]) for k in want)
+    config = json.loads((out / "config.json").read_text())
+    assert (config["tokenizer"]["kind"], config["dims"]["vocab_size"]) == ("huggingface", VOCAB)
+
+
+def _check_orbax(out: Path, cfg, want: dict) -> None:
+    import jax.numpy as jnp
+    import orbax.checkpoint as ocp
+
+    from training.model import definition as model
+
+    with ocp.StandardCheckpointer() as ckpt:  # read back by orbax itself
+        restored = ckpt.restore((out / "orbax").absolute())
+    tokens = np.arange(2 * SEQ_LEN, dtype=np.int32).reshape(2, SEQ_LEN) % VOCAB
+    logits = model.apply(cfg.model, {k: jnp.asarray(v) for k, v in restored.items()}, tokens)
+    expected = model.apply(cfg.model, {k: jnp.asarray(v) for k, v in want.items()}, tokens)
+    assert np.array_equal(np.asarray(logits), np.asarray(expected))
+
+
+def _sample(capsys, store: str, prompt: str) -> str:
+    """`diloco sample`'s continuation of `prompt` (drawn: temperature 0.8, top-k 40, seed 0)."""
+    argv = ["--store", store, "--experiment", EXP, "--prompt", prompt, *SAMPLING]
+    out = _main(capsys, "sample", *argv)
+    assert out.startswith(prompt) and out.endswith("\n")
+    return out[len(prompt) : -1]
+
+
+def test_text_in_a_trained_exported_sampled_model_out(gcs_bucket, tmp_path, capsys):  # noqa: F811
+    from training.config.experiment import parse_config
+    from training.data.tokenizer import load_tokenizer
+    from training.model.sample import sample
+    from training.store.experiment import ExperimentStore
+    from training.store.registry import open_store
+
+    root = f"{gcs_bucket}/e2e-data-model"
+    raw, tokenizer = f"{root}/raw", f"{root}/tok/tokenizer.json"
+    corpus, store = f"{root}/corpus", f"{root}/store"
+
+    _train_tokenizer(tmp_path / "tokenizer.json")
+    _upload(tmp_path / "tokenizer.json", tokenizer)
+    tok = load_tokenizer(tokenizer)
+    assert tok.vocab_size == VOCAB
+
+    documents = _write_corpus(tmp_path / "raw")
+    _upload(tmp_path / "raw", raw)
+    index = _prepare(capsys, raw, tokenizer, corpus)
+    assert (index["documents"], index["tokenizer"]["sha256"]) == (documents, tok.sha256)
+    assert len(index["shards"]) == 2  # 2.0 MiB of JSON lines in units of --chunk-mb 1
+
+    _init(capsys, tmp_path, store, corpus, tokenizer)
+    first = _eval(capsys, store, "--version", "0")
+    _train(store)
+    last = _eval(capsys, store)
+    # version 0 is a random model: about ln(512) = 6.24 nats per token. The tokens' unigram
+    # entropy on this corpus is 5.27 nats (measured with this tokenizer), so a model that only
+    # learnt their frequencies is 0.97 nats lower; 1 nat lower means it uses the context too.
+    # Measured: 6.25 -> 4.76 (the islands' 2 x ~300 steps in ~30 outer steps).
+    assert first > math.log(VOCAB) - 0.5
+    assert last < first - 1.0, (first, last)
+
+    estore = ExperimentStore(open_store(store), EXP)
+    cfg = parse_config(estore.read_config())
+    want = estore.load_params()  # HEADs: the snapshot export and sample read by default
+    _export(capsys, store, tmp_path / "st", "safetensors")
+    _check_safetensors(tmp_path / "st", want)
+    _export(capsys, store, tmp_path / "ox", "orbax")
+    _check_orbax(tmp_path / "ox", cfg, want)
+
+    prompt = "The class"
+    text = _sample(capsys, store, prompt)
+    ids = sample(cfg.model, want, tok.encode(prompt), 32, temperature=0.8, top_k=40, seed=0)
+    assert text == tok.decode(ids)  # the draw, decoded by the BPE tokenizer
+    assert text.strip()  # e.g. ' couryaireftering. Rther and iflon of the T raine, euupre'
