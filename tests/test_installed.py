@@ -180,6 +180,9 @@ def test_a_short_run_succeeds_and_the_page_answers_for_it(installed, tmp_path):
         query = urllib.parse.urlencode({"store": store_url, "experiment": name})
         page = af.request("GET", f"/diloco/api/experiment?{query}")
         assert page["experiment"] == name and page["tokens"]["merged"] >= BUDGET
+        # finalize recorded the model the run ends with (`diloco export --snapshot final`)
+        final = json.loads((tmp_path / "store" / name / "snapshots" / "FINAL.json").read_text())
+        assert final["run_id"] == run_id and final["loss"] > 0
 
         def ours(kind: str):
             for ev in _events(af, asset["id"]):

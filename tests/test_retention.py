@@ -103,6 +103,21 @@ def test_plan_protects_the_best_snapshot(exp):
     assert [_version(d) for d in plan.versions] == [(0, 4), (0, 5), (1, 4)]
 
 
+def test_plan_protects_the_final_snapshot(exp):
+    # FINAL names f0 v4 and f1 v3: they leave COLLECTED's list (f0: 1, 4, 5; f1: 3, 4)
+    dirs = [exp.find_version(0, 4).dir, exp.find_version(1, 3).dir]
+    assert exp.record_final({"loss": 1.0, "versions": [4, 3], "dirs": dirs})
+    plan = exp.plan_gc(keep_last=KEEP_LAST)
+    assert [_version(d) for d in plan.versions] == [(0, 1), (0, 5), (1, 4)]
+
+
+def test_final_is_written_once(exp):
+    dirs = [exp.find_version(0, 4).dir, exp.find_version(1, 3).dir]
+    assert exp.record_final({"loss": 1.0, "versions": [4, 3], "dirs": dirs})
+    assert not exp.record_final({"loss": 0.5, "versions": [4, 3], "dirs": dirs})
+    assert exp.final()["loss"] == 1.0
+
+
 def test_dry_run_deletes_nothing_and_reports_json(exp):
     before = _keys(exp)
     report = retention.collect(exp, keep_last=KEEP_LAST, dry_run=True)

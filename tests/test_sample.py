@@ -93,3 +93,19 @@ def test_an_orbax_export_restores_into_the_model_with_equal_logits(tmp_path):
     want = model.apply(cfg.model, {k: jax.numpy.asarray(v) for k, v in params.items()}, tokens)
     got = model.apply(cfg.model, {k: jax.numpy.asarray(v) for k, v in restored.items()}, tokens)
     assert np.array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_snapshot_final_is_refused_before_the_run_ended_then_names_finals_model(tmp_path, capsys):
+    from tests.helpers import new_store, small_config
+    from training import cli
+
+    cfg = small_config("exp")
+    url = f"file://{tmp_path / 'store'}"
+    estore = new_store(cfg, url)
+    argv = ["export", "--store", url, "--experiment", "exp", "--snapshot", "final"]
+    assert cli.main([*argv, "--out", str(tmp_path / "a")]) == 2
+    assert "--snapshot final: the run has not ended" in capsys.readouterr().err
+    snapshot = estore.current_snapshot()  # version 0 of each fragment: what finalize records
+    assert estore.record_final({"loss": 3.0, **snapshot.to_dict()})
+    assert cli.main([*argv, "--out", str(tmp_path / "b")]) == 0
+    assert '"tensors"' in capsys.readouterr().out

@@ -6,8 +6,8 @@ its argument parser per subcommand, kept together so each command reads in one p
                    [--coordinator HOST:PORT --num-processes N --process-id I]
     diloco merge   --store URL --experiment NAME [--follow]
     diloco eval    --store URL --experiment NAME [--version N] [--record]
-    diloco export  --store URL --experiment NAME --out DIR [--snapshot head|best|N]
-    diloco sample  --store URL --experiment NAME --prompt TEXT [--snapshot head|best|N]
+    diloco export  --store URL --experiment NAME --out DIR [--snapshot head|best|final|N]
+    diloco sample  --store URL --experiment NAME --prompt TEXT [--snapshot head|best|final|N]
                    [--max-tokens N --temperature T --top-k K --seed S]
     diloco status  --store URL --experiment NAME [--json]
     diloco stop    --store URL --experiment NAME [--island NAME]
@@ -173,7 +173,8 @@ def cmd_eval(args) -> int:
 
 def _pick_snapshot(cfg, estore, which: str):
     """The snapshot `--snapshot` names: None for `head` (every fragment's HEAD, read as one
-    consistent snapshot), BEST's recorded snapshot, or every fragment at version N."""
+    consistent snapshot), BEST's recorded snapshot, FINAL's (the model a finished run ends
+    with), or every fragment at version N."""
     from training.config.experiment import ConfigError
 
     if which == "head":
@@ -183,11 +184,16 @@ def _pick_snapshot(cfg, estore, which: str):
         if record is None:
             raise ConfigError("--snapshot best: no evaluated snapshot recorded yet")
         return estore.snapshot_of(record)
+    if which == "final":
+        record = estore.final()
+        if record is None:
+            raise ConfigError("--snapshot final: the run has not ended (no snapshots/FINAL.json)")
+        return estore.snapshot_of(record)
     if which.isdigit():
         n, count = int(which), cfg.fragments.count
         dirs = [estore.find_version(p, n).dir for p in range(count)]
         return estore.snapshot_of({"versions": [n] * count, "dirs": dirs})
-    raise ConfigError(f"--snapshot {which!r}: use head, best or a version number")
+    raise ConfigError(f"--snapshot {which!r}: use head, best, final or a version number")
 
 
 def cmd_export(args) -> int:
@@ -469,7 +475,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp = with_store(sub.add_parser("export", help="a snapshot as safetensors + config.json"))
     sp.add_argument("--out", required=True, help="the directory to write")
     sp.add_argument(
-        "--snapshot", default="head", help="head (default), best, or a version number N"
+        "--snapshot",
+        default="head",
+        help="head (default), best, final (the model a finished run ends with) or a version N",
     )
     sp.add_argument(
         "--format",
@@ -482,7 +490,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp = with_store(sub.add_parser("sample", help="print a continuation of a prompt"))
     sp.add_argument("--prompt", required=True, help="the text to continue")
     sp.add_argument(
-        "--snapshot", default="head", help="head (default), best, or a version number N"
+        "--snapshot",
+        default="head",
+        help="head (default), best, final (the model a finished run ends with) or a version N",
     )
     sp.add_argument("--max-tokens", type=int, default=64, help="tokens to generate")
     sp.add_argument("--temperature", type=float, default=1.0, help="0: greedy")

@@ -102,6 +102,8 @@ def finalize_experiment(store_url: str, experiment: str, run_id: str | None = No
                 finish["final"]["loss"],
             )
             record = finish["final"]
+        # the model the run ends with, for `--snapshot final` and whoever reads the bucket
+        estore.record_final({**record, "run_id": run_id})
     from diloco_airflow import retention
 
     try:  # what the run left beyond the retention rules (its islands pruned their checkpoints)

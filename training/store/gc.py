@@ -3,7 +3,7 @@
 `plan_gc` reads only and says what may go; `collect_garbage` deletes it and is safe to repeat.
 Per fragment, a version is *protected* (keeps its payloads) when it is that fragment's HEAD, one
 of the newest `keep_last` of its chain, version 0, the base an island's heartbeat or latest
-checkpoint names, or part of the BEST snapshot. A collected version keeps its manifest.json, so
+checkpoint names, or part of the BEST or FINAL snapshot. A collected version keeps its manifest.json, so
 every chain and every `applied` list stays readable.
 
 A mixin of `ExperimentStore` (training/store/experiment.py), which supplies the I/O helpers.
@@ -122,8 +122,10 @@ class GarbageCollection:
     ) -> dict[int, set[int]]:
         """Per fragment, the versions that must keep their payloads (see the module docstring)."""
         bases = self._island_bases()
-        best = self.best() or {}
-        best_versions = best.get("versions") if isinstance(best.get("versions"), list) else []
+        named = []  # the versions of the snapshots BEST and FINAL name
+        for record in (self.best() or {}, self.final() or {}):
+            versions = record.get("versions")
+            named.append(versions if isinstance(versions, list) else [])
         keep: dict[int, set[int]] = {}
         for p in range(self.num_fragments()):
             head, dirs, _, _ = self._chain(p)
@@ -137,8 +139,9 @@ class GarbageCollection:
                     kept.add(base)
                 elif isinstance(base, list) and p < len(base) and is_int(base[p]):
                     kept.add(base[p])
-            if p < len(best_versions) and is_int(best_versions[p]):
-                kept.add(best_versions[p])
+            for versions in named:
+                if p < len(versions) and is_int(versions[p]):
+                    kept.add(versions[p])
             keep[p] = kept
         return keep
 

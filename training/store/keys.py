@@ -45,6 +45,7 @@ CHECKPOINT_FILES = frozenset({"state.safetensors", "meta.json"})
 METRIC_FILE = re.compile(r"([0-9]{20})-([0-9a-f]{8})\.json", _A)
 SNAPSHOT = re.compile(r"snapshots/([0-9]{20})-([0-9a-f]{8})\.json", _A)
 BEST = "snapshots/BEST.json"
+FINAL = "snapshots/FINAL.json"  # the model a finished run ends with (finalize writes it once)
 ROUNDS = "control/rounds.json"
 LEASE_DIR = "control/syncer"  # a syncer shard's lease (training/merge/syncer.py)
 RUNS_DIR = "control/runs"  # a DAG run's "its islands ended" marker (same)
@@ -242,9 +243,11 @@ def parse_key(key: Any) -> ObjectName:
     if top == "snapshots":
         if key == BEST:
             return ObjectName("best")
+        if key == FINAL:
+            return ObjectName("final")
         if SNAPSHOT.fullmatch(key):
             return ObjectName("snapshot")
-        _refuse(key, "is not snapshots/BEST.json or snapshots/<20 digits>-<hex8>.json")
+        _refuse(key, "is not snapshots/BEST.json, FINAL.json or snapshots/<20 digits>-<hex8>.json")
     if top in ("pseudograds", "ledger", "quarantine") and n == 3:
         if parts[2].endswith(".json"):
             got = _pg_parts(parts[1], parts[2][: -len(".json")])

@@ -21,7 +21,7 @@ import numpy as np
 
 from training.store import merge_records as records
 from training.store import safejson
-from training.store.keys import BEST, BadName, parse_fragment_dir
+from training.store.keys import BEST, FINAL, BadName, parse_fragment_dir
 from training.store.layout import (
     FRAGMENT_RESERVED,
     FragmentVersion,
@@ -471,6 +471,16 @@ class FragmentVersions:
     def best(self) -> dict[str, Any] | None:
         """snapshots/BEST.json: the best evaluated snapshot with its eval record, or None."""
         return self.read_json_or_none(BEST, safejson.SNAPSHOT)
+
+    def final(self) -> dict[str, Any] | None:
+        """snapshots/FINAL.json: the eval record of the model a finished run ends with (its
+        BEST restored when the last model was worse), or None while the run has not ended."""
+        return self.read_json_or_none(FINAL, safejson.SNAPSHOT)
+
+    def record_final(self, record: Mapping[str, Any]) -> bool:
+        """Write snapshots/FINAL.json once (create-only: the run's one finalize); False when it
+        exists already."""
+        return self.create_json(FINAL, dict(record))
 
     def offer_best(self, record: Mapping[str, Any]) -> bool:
         """Make `record` (an eval record naming a snapshot and its `loss`) BEST if its loss is
