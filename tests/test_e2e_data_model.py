@@ -253,3 +253,7 @@ def test_text_in_a_trained_exported_sampled_model_out(gcs_bucket, tmp_path, caps
     ids = sample(cfg.model, want, tok.encode(prompt), 32, temperature=0.8, top_k=40, seed=0)
     assert text == tok.decode(ids)  # the draw, decoded by the BPE tokenizer
     assert text.strip()  # e.g. ' couryaireftering. Rther and iflon of the T raine, euupre'
+    # the same draw from the export directory, with the BPE tokenizer the export carries
+    assert (tmp_path / "st" / "tokenizer.json").read_bytes() == tok.data
+    argv = ["--from", str(tmp_path / "st"), "--prompt", prompt, *SAMPLING]
+    assert _main(capsys, "sample", *argv) == prompt + text + "\n"

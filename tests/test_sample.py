@@ -109,3 +109,63 @@ def test_snapshot_final_is_refused_before_the_run_ended_then_names_finals_model(
     assert estore.record_final({"loss": 3.0, **snapshot.to_dict()})
     assert cli.main([*argv, "--out", str(tmp_path / "b")]) == 0
     assert '"tensors"' in capsys.readouterr().out
+
+
+def _exported(tmp_path, capsys):
+    from tests.helpers import new_store, small_config
+    from training import cli
+
+    cfg = small_config("exp")
+    url = f"file://{tmp_path / 'store'}"
+    estore = new_store(cfg, url)
+    out = tmp_path / "out"
+    assert cli.main(["export", "--store", url, "--experiment", "exp", "--out", str(out)]) == 0
+    capsys.readouterr()
+    return cfg, estore, out
+
+
+def test_sample_from_an_export_directory_equals_sample_from_the_store(tmp_path, capsys):
+    from training import cli
+
+    cfg, estore, out = _exported(tmp_path, capsys)
+    args = ["--prompt", "Hi", "--max-tokens", "4", "--temperature", "0"]
+    url = f"file://{tmp_path / 'store'}"
+    assert cli.main(["sample", "--store", url, "--experiment", "exp", *args]) == 0
+    from_store = capsys.readouterr().out
+    assert cli.main(["sample", "--from", str(out), *args]) == 0
+    assert capsys.readouterr().out == from_store
+
+
+def test_an_export_whose_tensor_does_not_fit_the_model_is_refused_in_one_line(tmp_path, capsys):
+    import numpy as np
+    from safetensors.numpy import load_file, save
+
+    from training import cli
+
+    _, _, out = _exported(tmp_path, capsys)
+    tensors = load_file(out / "model.safetensors")
+    name = sorted(tensors)[0]
+    tensors[name] = np.zeros((3, 3), np.float32)  # not the shape the config's model has
+    (out / "model.safetensors").write_bytes(save(tensors))
+    assert cli.main(["sample", "--from", str(out), "--prompt", "Hi"]) == 2
+    assert f"{name} is float32[3, 3]" in capsys.readouterr().err
+
+
+def test_an_export_without_its_tokenizer_file_is_refused(tmp_path, capsys):
+    import json
+
+    from training import cli
+
+    _, _, out = _exported(tmp_path, capsys)
+    config = json.loads((out / "config.json").read_text())
+    config["tokenizer"] = {"kind": "huggingface", "sha256": "0" * 64, "file": "tokenizer.json"}
+    (out / "config.json").write_text(json.dumps(config))
+    assert cli.main(["sample", "--from", str(out), "--prompt", "Hi"]) == 2
+    assert "not found" in capsys.readouterr().err
+
+
+def test_sample_without_a_source_says_what_to_give(capsys):
+    from training import cli
+
+    assert cli.main(["sample", "--prompt", "Hi"]) == 2
+    assert "give --store and --experiment, or --from DIR" in capsys.readouterr().err

@@ -8,6 +8,7 @@ its argument parser per subcommand, kept together so each command reads in one p
     diloco eval    --store URL --experiment NAME [--version N] [--record]
     diloco export  --store URL --experiment NAME --out DIR [--snapshot head|best|final|N]
     diloco sample  --store URL --experiment NAME --prompt TEXT [--snapshot head|best|final|N]
+    diloco sample  --from DIR --prompt TEXT (an export directory)
                    [--max-tokens N --temperature T --top-k K --seed S]
     diloco status  --store URL --experiment NAME [--json]
     diloco stop    --store URL --experiment NAME [--island NAME]
@@ -197,31 +198,18 @@ def _pick_snapshot(cfg, estore, which: str):
 
 
 def cmd_export(args) -> int:
-    """The snapshot as one safetensors file plus config.json (sizes, family, tokenizer)."""
+    """The snapshot as one safetensors file plus config.json (sizes, family, tokenizer) and the
+    tokenizer's file (training/model/export.py)."""
     import pathlib
 
-    import numpy as np
-    from safetensors.numpy import save
-
     from training.data.tokenizer import tokenizer_for
+    from training.model.export import write_export
 
     cfg, estore = _load(args)
     params = estore.load_params(_pick_snapshot(cfg, estore, args.snapshot))
     out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "model.safetensors").write_bytes(
-        save({k: np.ascontiguousarray(v) for k, v in params.items()})
-    )
-    config = {
-        "family": cfg.model.family,
-        "preset": cfg.model.preset,
-        "dims": cfg.model.dims(),
-        "tokenizer": tokenizer_for(cfg).identity(),
-        "snapshot": args.snapshot,
-        "experiment": args.experiment,
-        "model": cfg.model.model_dump(mode="json"),
-    }
-    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    what = {"snapshot": args.snapshot, "experiment": args.experiment}
+    write_export(out, cfg, params, tokenizer_for(cfg), what)
     if args.format == "orbax":  # a flat {flax path: array} tree that orbax restores as such
         import orbax.checkpoint as ocp
 
@@ -232,16 +220,24 @@ def cmd_export(args) -> int:
 
 
 def cmd_sample(args) -> int:
-    """A continuation of --prompt from a snapshot: HEADs (`head`), BEST (`best`) or every
-    fragment at version N; encoded and decoded with the experiment's tokenizer."""
+    """A continuation of --prompt from a snapshot (HEADs `head`, BEST `best`, FINAL `final` or
+    every fragment at version N) or from an export directory (`--from DIR`); encoded and
+    decoded with the experiment's tokenizer (the one the directory holds)."""
     from training.data.tokenizer import tokenizer_for
     from training.model.sample import sample
 
-    cfg, estore = _load(args)
-    params = estore.load_params(_pick_snapshot(cfg, estore, args.snapshot))
-    tok = tokenizer_for(cfg)
+    if args.from_dir:
+        from training.model.export import load_export
+
+        mcfg, params, tok = load_export(args.from_dir)
+    elif not (args.store and args.experiment):
+        raise ConfigError("sample: give --store and --experiment, or --from DIR")
+    else:
+        cfg, estore = _load(args)
+        params = estore.load_params(_pick_snapshot(cfg, estore, args.snapshot))
+        mcfg, tok = cfg.model, tokenizer_for(cfg)
     ids = sample(
-        cfg.model, params, tok.encode(args.prompt), args.max_tokens,
+        mcfg, params, tok.encode(args.prompt), args.max_tokens,
         args.temperature, args.top_k, args.seed,
     )  # fmt: skip
     print(args.prompt + tok.decode(ids))
@@ -487,7 +483,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sp.set_defaults(fn=cmd_export)
 
-    sp = with_store(sub.add_parser("sample", help="print a continuation of a prompt"))
+    sp = sub.add_parser("sample", help="print a continuation of a prompt")
+    sp.add_argument("--store", help="file:///path, gs://bucket/prefix (or --from DIR)")
+    sp.add_argument("--experiment")
+    sp.add_argument(
+        "--from", dest="from_dir", metavar="DIR", help="an export directory (diloco export)"
+    )
     sp.add_argument("--prompt", required=True, help="the text to continue")
     sp.add_argument(
         "--snapshot",

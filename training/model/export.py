@@ -1,0 +1,123 @@
+"""A model out of the store and back: the export directory `diloco export` writes and
+`diloco sample --from DIR` reads.
+
+The directory: `model.safetensors` (the whole model, tensors named by their Flax paths),
+`config.json` (family, preset, sizes, the full model section, the tokenizer's identity, what
+was exported) and, for a file tokenizer (Hugging Face `tokenizer.json`, SentencePiece `.model`),
+that file beside them (its name in `config.json` as `tokenizer.file`), so the directory
+is enough to encode and decode. `load_export` trusts nothing in it: bounded reads, a strict
+model section, every tensor's name, shape and dtype checked against the model the section
+describes, finite values, and the tokenizer file checked against its recorded sha256.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from training.config.experiment import ConfigError, ModelConfig
+from training.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
+
+CONFIG = "config.json"
+WEIGHTS = "model.safetensors"
+MAX_CONFIG_BYTES = 1 << 20
+
+
+def write_export(
+    out: Path, cfg, params: dict[str, np.ndarray], tok: Tokenizer, what: dict[str, Any]
+) -> dict[str, Any]:
+    """Write `params` of experiment `cfg` (an ExperimentConfig) to `out`; `what`: the
+    export's provenance (experiment, snapshot) recorded in config.json. Returns config.json."""
+    from safetensors.numpy import save
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / WEIGHTS).write_bytes(save({k: np.ascontiguousarray(v) for k, v in params.items()}))
+    identity = tok.identity()
+    if tok.data is not None:  # the tokenizer travels with the model
+        (out / tok.name).write_bytes(tok.data)
+        identity["file"] = tok.name
+    config = {
+        "family": cfg.model.family,
+        "preset": cfg.model.preset,
+        "dims": cfg.model.dims(),
+        "tokenizer": identity,
+        "model": cfg.model.model_dump(mode="json"),
+        **what,
+    }
+    (out / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return config
+
+
+def _read_config(root: Path) -> dict[str, Any]:
+    path = root / CONFIG
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_CONFIG_BYTES + 1)
+    except OSError as exc:
+        raise ConfigError(f"{root}: not an export directory ({CONFIG}: {exc.strerror})") from None
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{path}: larger than {MAX_CONFIG_BYTES} bytes")
+    try:
+        config = json.loads(data)
+    except ValueError as exc:
+        raise ConfigError(f"{path}: not JSON ({exc})") from None
+    if not isinstance(config, dict) or not isinstance(config.get("model"), dict):
+        raise ConfigError(f"{path}: no model section")
+    return config
+
+
+def _tokenizer(root: Path, identity: Any) -> Tokenizer:
+    if not isinstance(identity, dict):
+        raise ConfigError(f"{root / CONFIG}: no tokenizer section")
+    if identity.get("kind") == "byte":
+        return ByteTokenizer()
+    name = identity.get("file")
+    if not isinstance(name, str) or "/" in name or name.startswith("."):
+        raise ConfigError(f"{root / CONFIG}: the tokenizer file is not named")
+    try:
+        tok = load_tokenizer(str(root / name))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if tok.sha256 != identity.get("sha256"):
+        raise ConfigError(f"{root / name}: sha256 differs from the one {CONFIG} records")
+    return tok
+
+
+def load_export(root: str | Path) -> tuple[ModelConfig, dict[str, np.ndarray], Tokenizer]:
+    """(model section, parameters, tokenizer) of an export directory; ConfigError (one line)
+    for anything that does not fit the model its config.json describes."""
+    from safetensors import SafetensorError
+    from safetensors.numpy import load_file
+
+    from training.model import definition as model
+
+    root = Path(root)
+    config = _read_config(root)
+    try:
+        mcfg = ModelConfig.model_validate(config["model"])
+    except ValueError as exc:
+        first = str(exc).strip().splitlines()
+        raise ConfigError(f"{root / CONFIG}: bad model section: {first[-1][:200]}") from None
+    tok = _tokenizer(root, config.get("tokenizer"))
+    if tok.vocab_size > mcfg.dims()["vocab_size"]:
+        raise ConfigError(f"{root}: tokenizer vocabulary {tok.vocab_size} > the model's")
+    try:
+        params = load_file(root / WEIGHTS)
+    except (OSError, SafetensorError) as exc:
+        raise ConfigError(f"{root / WEIGHTS}: {str(exc).splitlines()[0][:200]}") from None
+    want = model.abstract_params(mcfg)
+    if sorted(params) != sorted(want):
+        missing, extra = sorted(set(want) - set(params)), sorted(set(params) - set(want))
+        raise ConfigError(
+            f"{root / WEIGHTS}: tensors missing {missing[:3]}, unexpected {extra[:3]}"
+        )
+    for name, spec in want.items():
+        got = params[name]
+        if got.shape != tuple(spec.shape) or got.dtype != np.float32:
+            raise ConfigError(f"{root / WEIGHTS}: {name} is {got.dtype}{list(got.shape)}")
+        if not np.isfinite(got).all():
+            raise ConfigError(f"{root / WEIGHTS}: {name} has non-finite values")
+    return mcfg, params, tok
