@@ -209,6 +209,12 @@ def cmd_export(args) -> int:
     params = estore.load_params(_pick_snapshot(cfg, estore, args.snapshot))
     out = pathlib.Path(args.out)
     what = {"snapshot": args.snapshot, "experiment": args.experiment}
+    if args.format == "hf":  # transformers' layout only (training/model/export_hf.py)
+        from training.model.export_hf import write_hf
+
+        write_hf(out, cfg, params, tokenizer_for(cfg), what)
+        print(json.dumps({"out": str(out), "format": "hf", "tensors": len(params)}))
+        return 0
     write_export(out, cfg, params, tokenizer_for(cfg), what)
     if args.format == "orbax":  # a flat {flax path: array} tree that orbax restores as such
         import orbax.checkpoint as ocp
@@ -477,9 +483,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sp.add_argument(
         "--format",
-        choices=["safetensors", "orbax"],
+        choices=["safetensors", "orbax", "hf"],
         default="safetensors",
-        help="orbax: also an Orbax checkpoint in DIR/orbax (safetensors + config.json always)",
+        help="orbax: also an Orbax checkpoint in DIR/orbax (safetensors + config.json always); "
+        "hf: a transformers checkpoint instead (gemma presets, as Qwen3ForCausalLM)",
     )
     sp.set_defaults(fn=cmd_export)
 
