@@ -125,7 +125,8 @@ def _prepare(capsys, raw: str, tokenizer: str, corpus: str) -> dict:
 
 def _init(capsys, tmp_path: Path, store: str, corpus: str, tokenizer: str) -> None:
     config = {
-        "model": {"preset": "tiny", "max_seq_len": SEQ_LEN},  # vocab_size: the tokenizer's
+        # the gemma family: its export also has a transformers form (--format hf)
+        "model": {"preset": "gemma-tiny", "max_seq_len": SEQ_LEN},  # vocab: the tokenizer's
         "data": {
             "source": corpus,
             "tokenizer": tokenizer,
@@ -183,6 +184,35 @@ def _check_safetensors(out: Path, want: dict) -> None:
     assert all(np.array_equal(got[k], want[k]) for k in want)
     config = json.loads((out / "config.json").read_text())
     assert (config["tokenizer"]["kind"], config["dims"]["vocab_size"]) == ("huggingface", VOCAB)
+
+
+def _check_hf(out: Path, cfg, want: dict) -> None:
+    """The transformers checkpoint: Qwen3's tensor names, the BPE tokenizer's files; loaded by
+    transformers with our logits where it is installed (tests/test_export_hf.py is the check
+    that needs it; CI has no torch)."""
+    from safetensors.numpy import load_file
+
+    got = load_file(out / "model.safetensors")
+    d = cfg.model.dims()
+    assert len(got) == 3 + 11 * d["n_layers"]  # embed, head, final norm; 11 per layer
+    assert np.array_equal(got["lm_head.weight"], want["embed/embedding"])
+    assert (out / "tokenizer.json").exists() and (out / "tokenizer_config.json").exists()
+    try:
+        import torch
+        import transformers
+    except ImportError:
+        return
+    import jax.numpy as jnp
+
+    from training.model import definition as model
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, torch_dtype=torch.float32)
+    tokens = np.arange(2 * SEQ_LEN, dtype=np.int64).reshape(2, SEQ_LEN) % VOCAB
+    with torch.no_grad():
+        logits = hf(torch.from_numpy(tokens)).logits.numpy()
+    jparams = {k: jnp.asarray(v) for k, v in want.items()}
+    expected = np.asarray(model.apply(cfg.model, jparams, jnp.asarray(tokens, jnp.int32)))
+    assert np.abs(logits - expected).max() < 1e-4
 
 
 def _check_orbax(out: Path, cfg, want: dict) -> None:
@@ -247,6 +277,8 @@ def test_text_in_a_trained_exported_sampled_model_out(gcs_bucket, tmp_path, caps
     _check_safetensors(tmp_path / "st", want)
     _export(capsys, store, tmp_path / "ox", "orbax")
     _check_orbax(tmp_path / "ox", cfg, want)
+    _export(capsys, store, tmp_path / "hf", "hf")
+    _check_hf(tmp_path / "hf", cfg, want)
 
     prompt = "The class"
     text = _sample(capsys, store, prompt)
