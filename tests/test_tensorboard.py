@@ -1,0 +1,93 @@
+"""TensorBoard event files (training/store/tensorboard.py), read back with TensorBoard's own
+reader (EventAccumulator): exact values and steps, name order, the failure rule, and what a
+short real run (two islands, a merge, an eval on file://) writes."""
+
+from pathlib import Path
+
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from tests.helpers import new_store, small_config
+from training.island.process import Island
+from training.merge.merger import Merger
+from training.model.evaluate import evaluate_current
+from training.store.keys import BadName, parse_key, tb_events_key
+from training.store.local import LocalStore
+from training.store.tensorboard import ScalarWriter
+
+
+def _scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})  # 0: keep every event
+    acc.Reload()
+    return {t: [(e.step, e.value) for e in acc.Scalars(t)] for t in acc.Tags()["scalars"]}
+
+
+class _Estore:  # the two things ScalarWriter uses of an ExperimentStore
+    def __init__(self, root: Path):
+        self.store = LocalStore(str(root))
+
+    def object_key(self, relative: str) -> str:
+        return f"exp/{relative}"
+
+
+def test_scalars_read_back_exactly_across_two_flushes(tmp_path):
+    estore = _Estore(tmp_path)
+    tb = ScalarWriter(estore, "merge")
+    tb.add("loss", 2.5, 1)  # 2.5 and 0.125 are exact in float32 (simple_value's type)
+    tb.add("loss", 0.125, 7)
+    tb.flush()
+    tb.add("loss", 1.0, 9)
+    tb.flush()
+    tb.flush()  # nothing buffered: no object
+    keys = estore.store.list("exp/tb/")
+    assert len(keys) == 2 and {parse_key(k[len("exp/") :]).kind for k in keys} == {"tensorboard"}
+    assert _scalars(tmp_path / "exp/tb/merge") == {"loss": [(1, 2.5), (7, 0.125), (9, 1.0)]}
+
+
+def test_nonfinite_values_are_dropped_and_counted(tmp_path):
+    tb = ScalarWriter(_Estore(tmp_path), "eval")
+    tb.add_all({"a": float("nan"), "b": None, "c": float("inf"), "d": 3.0}, 5)
+    tb.flush()
+    assert tb.dropped == 3  # a, b, c
+    assert _scalars(tmp_path / "exp/tb/eval") == {"d": [(5, 3.0)]}
+
+
+def test_a_failed_write_is_counted_never_raised(tmp_path):
+    class Broken(_Estore):
+        def object_key(self, relative):
+            raise OSError("bucket gone")
+
+    tb = ScalarWriter(Broken(tmp_path), "merge")
+    tb.add("x", 1.0, 0)
+    tb.flush()  # must not raise
+    assert (tb.failures, tb.written) == (1, 0)
+
+
+def test_event_file_names_sort_in_time_order_and_reject_bad_runs():
+    early = tb_events_key("island-a", 999_999_999_999_999_999, "0000000f")
+    late = tb_events_key("island-a", 1_000_000_000_000_000_000, "00000000")
+    assert early < late  # 20 digits: a shorter number still sorts first
+    with pytest.raises(BadName):
+        tb_events_key("../x", 1)
+
+
+def test_a_short_run_writes_island_merge_and_eval_scalars(tmp_path):
+    """Two islands of H=4 steps, 8 steps each on file://: each publishes twice; one merge pass
+    after the first 4 steps applies both islands' contributions to the one fragment."""
+    cfg = small_config(heartbeat_s=0.001)
+    store = new_store(cfg, f"file://{tmp_path}")
+    islands = [Island(cfg, name, store, background=False) for name in ("a", "b")]
+    for island in islands:
+        island.run(max_steps=4)
+    Merger(cfg, store).merge_all()
+    evaluate_current(cfg, store)
+    tb = tmp_path / cfg.name / "tb"
+    assert sorted(p.name for p in tb.iterdir()) == ["eval", "island-a", "island-b", "merge"]
+    island_a = _scalars(tb / "island-a")
+    assert {"train/loss", "train/tokens_per_s", "train/goodput"} <= set(island_a)
+    assert max(step for step, _ in island_a["train/loss"]) == 4
+    merge = _scalars(tb / "merge")
+    assert merge["contributions/f000"] == [(1, 2.0)]  # both islands, into version 1
+    assert merge["staleness_max/f000"] == [(1, 0.0)]  # both trained from version 0
+    (eval_loss,) = _scalars(tb / "eval")["eval/loss"]
+    assert eval_loss[0] == 1  # the eval's step: the sum of fragment versions (one fragment)
