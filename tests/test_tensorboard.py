@@ -7,12 +7,15 @@ from pathlib import Path
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from tests.gcs_fixture import gcs_bucket  # noqa: F401
 from tests.helpers import new_store, small_config
 from training.island.process import Island
 from training.merge.merger import Merger
 from training.model.evaluate import evaluate_current
+from training.store.experiment import ExperimentStore
 from training.store.keys import BadName, parse_key, tb_events_key
 from training.store.local import LocalStore
+from training.store.registry import open_store
 from training.store.tensorboard import ScalarWriter
 
 
@@ -91,3 +94,27 @@ def test_a_short_run_writes_island_merge_and_eval_scalars(tmp_path):
     assert merge["staleness_max/f000"] == [(1, 0.0)]  # both trained from version 0
     (eval_loss,) = _scalars(tb / "eval")["eval/loss"]
     assert eval_loss[0] == 1  # the eval's step: the sum of fragment versions (one fragment)
+
+
+def test_the_switch_off_writes_no_event_file(tmp_path):
+    cfg = small_config(islands=("a",), heartbeat_s=0.001, tensorboard={"enabled": False})
+    store = new_store(cfg, f"file://{tmp_path}")
+    Island(cfg, "a", store, background=False).run(max_steps=2)
+    assert store.store.list(f"{cfg.name}/tb/") == []
+
+
+@pytest.mark.integration
+def test_event_files_on_fake_gcs_server_read_back(tmp_path, gcs_bucket):  # noqa: F811
+    """Two flushes into a fake-gcs-server bucket; the objects, copied down in name order, read
+    back exactly (what `tensorboard --logdir gs://...` lists)."""
+    estore = ExperimentStore(open_store(f"{gcs_bucket}/tb-{tmp_path.name}"), "exp")
+    tb = ScalarWriter(estore, "eval")
+    tb.add("eval/loss", 4.0, 0)
+    tb.flush()
+    tb.add("eval/loss", 3.5, 2)
+    tb.flush()
+    keys = estore.store.list("exp/tb/eval/")
+    assert len(keys) == 2
+    for key in keys:
+        (tmp_path / key.rsplit("/", 1)[1]).write_bytes(estore.store.read(key))
+    assert _scalars(tmp_path) == {"eval/loss": [(0, 4.0), (2, 3.5)]}
