@@ -10,13 +10,13 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tests.gcs_fixture import gcs_bucket  # noqa: F401
 from tests.helpers import new_store, small_config
 from training.island.process import Island
-from training.merge.merger import Merger
+from training.merge.merger import Merger, MergeResult
 from training.model.evaluate import evaluate_current
 from training.store.experiment import ExperimentStore
 from training.store.keys import BadName, parse_key, tb_events_key
 from training.store.local import LocalStore
 from training.store.registry import open_store
-from training.store.tensorboard import ScalarWriter
+from training.store.tensorboard import ScalarWriter, merge_scalars
 
 
 def _scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
@@ -64,6 +64,30 @@ def test_a_failed_write_is_counted_never_raised(tmp_path):
     tb.add("x", 1.0, 0)
     tb.flush()  # must not raise
     assert (tb.failures, tb.written) == (1, 0)
+
+
+def test_merge_scalars_per_fragment_at_its_new_version():
+    def c(staleness, published_at, weight):
+        return dict(
+            fragment=1,
+            staleness=staleness,
+            published_at=published_at,
+            merged_at=10.0,
+            weight=weight,
+        )
+
+    result = MergeResult(
+        versions={1: 7}, tokens_merged=512, contributions=[c(0, 9.0, 0.25), c(2, 6.0, 0.75)]
+    )
+    assert merge_scalars(result) == [
+        ("merge/tokens_merged", 512, 7),
+        ("contributions/f001", 2, 7),
+        ("staleness_mean/f001", 1.0, 7),  # (0 + 2) / 2
+        ("staleness_max/f001", 2.0, 7),
+        ("weight_mean/f001", 0.5, 7),  # (0.25 + 0.75) / 2
+        ("latency_s_mean/f001", 2.5, 7),  # merged at 10: (1 + 4) / 2
+        ("latency_s_max/f001", 4.0, 7),
+    ]
 
 
 def test_event_file_names_sort_in_time_order_and_reject_bad_runs():

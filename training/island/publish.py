@@ -206,12 +206,12 @@ class Publisher:
         and the closing heartbeat's, is no measurement and not written), and flush when due."""
         if self.tb is None:
             return
-        values = {"train/goodput": record["goodput"], "train/tokens": record["tokens"]}
+        values = {"train/goodput": record.get("goodput"), "train/tokens": record.get("tokens")}
         if loss is not None:
             values["train/loss"] = loss
-        if record["tokens_per_s"]:
+        if record.get("tokens_per_s"):
             values["train/tokens_per_s"] = record["tokens_per_s"]
-        self.tb.add_all(values, record["step"], record["time"])
+        self.tb.add_all(values, record.get("step", 0), record.get("time"))
         self.tb.maybe_flush()
 
     def flush_tb(self) -> None:

@@ -45,7 +45,7 @@ from training.protocol import broadcast, claims, rounds
 from training.store import merge_records as records
 from training.store.experiment import ExperimentStore, HeadPointer, PseudoGradRef
 from training.store.objectstore import StoreError, StoreUnreachable, TransientStoreError
-from training.store.tensorboard import ScalarWriter
+from training.store.tensorboard import ScalarWriter, merge_scalars
 
 log = logging.getLogger("diloco.merge")
 
@@ -71,41 +71,6 @@ class MergeResult:
     def version(self) -> int | None:
         """The highest fragment version this round published (None: nothing published)."""
         return max(self.versions.values()) if self.versions else None
-
-
-def merge_scalars(result: MergeResult) -> list[tuple[str, float, int]]:
-    """TensorBoard (tag, value, step) of a merge pass, per fragment ("{stat}/fFFF" at the
-    fragment's new version): contributions applied, mean and max staleness (versions), mean and
-    max publish-to-applied latency (seconds, merged_at - published_at), mean weight; and
-    "merge/tokens_merged" at the pass's highest version."""
-    out: list[tuple[str, float, int]] = []
-    if result.tokens_merged is not None and result.version is not None:
-        out.append(("merge/tokens_merged", result.tokens_merged, result.version))
-    by_fragment: dict[int, list[dict]] = {}
-    for c in result.contributions:
-        by_fragment.setdefault(c["fragment"], []).append(c)
-    for p, cs in sorted(by_fragment.items()):
-        f, step = f"f{p:03d}", result.versions.get(p)
-        if step is None:
-            continue
-        stale = [float(c["staleness"]) for c in cs]
-        late = [
-            float(c["merged_at"]) - float(c["published_at"])
-            for c in cs
-            if c.get("published_at") is not None and c.get("merged_at") is not None
-        ]
-        out += [
-            (f"contributions/{f}", len(cs), step),
-            (f"staleness_mean/{f}", sum(stale) / len(stale), step),
-            (f"staleness_max/{f}", max(stale), step),
-            (f"weight_mean/{f}", sum(float(c["weight"]) for c in cs) / len(cs), step),
-        ]
-        if late:
-            out += [
-                (f"latency_s_mean/{f}", sum(late) / len(late), step),
-                (f"latency_s_max/{f}", max(late), step),
-            ]
-    return out
 
 
 def outer_period(cfg: ExperimentConfig) -> int:

@@ -117,3 +117,38 @@ class ScalarWriter:
                 self.failures,
                 one_line(exc),
             )
+
+
+def merge_scalars(result) -> list[tuple[str, float, int]]:
+    """TensorBoard (tag, value, step) of merge pass `result` (training/merge/merger.py
+    `MergeResult`), per fragment ("{stat}/fFFF" at the fragment's new version): contributions applied, mean and max staleness (versions), mean and
+    max publish-to-applied latency (seconds, merged_at - published_at), mean weight; and
+    "merge/tokens_merged" at the pass's highest version."""
+    out: list[tuple[str, float, int]] = []
+    if result.tokens_merged is not None and result.version is not None:
+        out.append(("merge/tokens_merged", result.tokens_merged, result.version))
+    by_fragment: dict[int, list[dict]] = {}
+    for c in result.contributions:
+        by_fragment.setdefault(c["fragment"], []).append(c)
+    for p, cs in sorted(by_fragment.items()):
+        f, step = f"f{p:03d}", result.versions.get(p)
+        if step is None:
+            continue
+        stale = [float(c["staleness"]) for c in cs]
+        late = [
+            float(c["merged_at"]) - float(c["published_at"])
+            for c in cs
+            if c.get("published_at") is not None and c.get("merged_at") is not None
+        ]
+        out += [
+            (f"contributions/{f}", len(cs), step),
+            (f"staleness_mean/{f}", sum(stale) / len(stale), step),
+            (f"staleness_max/{f}", max(stale), step),
+            (f"weight_mean/{f}", sum(float(c["weight"]) for c in cs) / len(cs), step),
+        ]
+        if late:
+            out += [
+                (f"latency_s_mean/{f}", sum(late) / len(late), step),
+                (f"latency_s_max/{f}", max(late), step),
+            ]
+    return out
