@@ -38,6 +38,7 @@ from training.config.sections import (  # noqa: F401 (re-exported: import config
     OuterConfig,
     OuterMethod,
     SyncerConfig,
+    TensorBoardConfig,
     _Frozen,
 )
 
@@ -68,6 +69,9 @@ class ExperimentConfig(_Frozen):
         CheckpointConfig(), description="when islands checkpoint (training/island/checkpoint.py)"
     )
     chaos: ChaosConfig = Field(ChaosConfig(), description="fault injection (off by default)")
+    tensorboard: TensorBoardConfig = Field(
+        TensorBoardConfig(), description="TensorBoard event files under tb/ (docs/METRICS.md)"
+    )
 
     _name = field_validator("name")(lambda cls, v: validate_name("experiment", v))
 

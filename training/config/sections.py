@@ -513,3 +513,14 @@ class ChaosConfig(_Frozen):
                 "optionally with @n (n >= 1)"
             )
         return v
+
+
+class TensorBoardConfig(_Frozen):
+    """TensorBoard event files under the experiment's prefix, `tb/{run}/` (training/store/
+    tensorboard.py, docs/METRICS.md): written by the islands, the merge and the evaluator,
+    buffered and flushed as new objects; a failed write is counted and logged, never fatal."""
+
+    enabled: bool = Field(True, description="write TensorBoard event files under tb/")
+    flush_s: float = Field(
+        30.0, gt=0, description="seconds between a process's flushes (one new object each)"
+    )

@@ -489,6 +489,7 @@ class Island:
         self.goodput.charge("checkpoint_save", t)
         self.goodput.closed = True  # a clean exit: the time until a restart is not downtime
         self.heartbeat(loss, 0.0)
+        self.io.submit(self.publisher.flush_tb)
         self.io.drain()
         info = dict(
             step=state.step_count,

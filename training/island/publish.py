@@ -33,6 +33,7 @@ from training.island.state import IslandState
 from training.model.runtime import shared
 from training.store.island_records import INTERVAL_KEYS
 from training.store.layout import pseudograd_id
+from training.store.tensorboard import ScalarWriter
 
 RUN_AHEAD = 2
 """Steps the host may dispatch ahead of the device before it waits (for a step's loss)."""
@@ -61,6 +62,11 @@ class Publisher:
         self.uploads: dict[int, Any] = {}  # fragment -> future of its last upload
         self.rate = 0.0  # tokens/s of the last heartbeat (kept by the publish-round heartbeat)
         self.budget_reached = False
+        tb = cfg.tensorboard
+        # TensorBoard run island-{name}: the heartbeats' numbers, on the I/O thread only
+        self.tb = (
+            ScalarWriter(store, f"island-{name}", tb.flush_s) if writer and tb.enabled else None
+        )
 
     def reset(self, fragments, step: int) -> None:
         """Count fragments' intervals from `step` on."""
@@ -191,9 +197,27 @@ class Publisher:
 
     def write_heartbeat(self, record: dict[str, Any]) -> None:
         loss = record["loss"]
-        self.store.write_heartbeat(
-            self.name, {**record, "loss": None if loss is None else float(loss)}
-        )
+        loss = None if loss is None else float(loss)
+        self.tb_heartbeat(record, loss)
+        self.store.write_heartbeat(self.name, {**record, "loss": loss})
+
+    def tb_heartbeat(self, record: dict[str, Any], loss: float | None) -> None:
+        """Buffer a heartbeat's numbers for TensorBoard at its step (a rate of 0, the first
+        and the closing heartbeat's, is no measurement and not written), and flush when due."""
+        if self.tb is None:
+            return
+        values = {"train/goodput": record.get("goodput"), "train/tokens": record.get("tokens")}
+        if loss is not None:
+            values["train/loss"] = loss
+        if record.get("tokens_per_s"):
+            values["train/tokens_per_s"] = record["tokens_per_s"]
+        self.tb.add_all(values, record.get("step", 0), record.get("time"))
+        self.tb.maybe_flush()
+
+    def flush_tb(self) -> None:
+        """Write what TensorBoard scalars are buffered (at the island's end)."""
+        if self.tb is not None:
+            self.tb.flush()
 
     def check_budget(self, record: dict[str, Any]) -> None:
         """After a publish round: write the heartbeat `record`, then set `budget_reached` if

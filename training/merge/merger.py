@@ -45,6 +45,7 @@ from training.protocol import broadcast, claims, rounds
 from training.store import merge_records as records
 from training.store.experiment import ExperimentStore, HeadPointer, PseudoGradRef
 from training.store.objectstore import StoreError, StoreUnreachable, TransientStoreError
+from training.store.tensorboard import ScalarWriter, merge_scalars
 
 log = logging.getLogger("diloco.merge")
 
@@ -113,6 +114,8 @@ class Merger:
         self._warm: dict[int, tuple[str, dict, dict, dict | None, int]] = {}
         self.store = store
         self.clock = clock
+        # TensorBoard run "merge": one new event file per merge pass that published (flush_s=0)
+        self.tb = ScalarWriter(store, "merge", 0.0) if cfg.tensorboard.enabled else None
         self.frags = fragment_names(cfg)
         self.fragments = sorted(range(len(self.frags)) if fragments is None else set(fragments))
         bad = [p for p in self.fragments if not 0 <= p < len(self.frags)]
@@ -593,6 +596,10 @@ class Merger:
                 at=now,
             ),
         )
+        if self.tb is not None:
+            for tag, value, step in merge_scalars(result):
+                self.tb.add(tag, value, step)
+            self.tb.flush()
         if now - self._snapshot_at >= SNAPSHOT_EVERY_S:
             snapshot = self.store.current_snapshot()
             if snapshot is not None:

@@ -8,6 +8,7 @@ from training.config.experiment import ExperimentConfig
 from training.data.corpus import eval_batches
 from training.model.runtime import corpus_for, loop_for
 from training.store.layout import Snapshot, iso
+from training.store.tensorboard import ScalarWriter
 
 
 def held_out_batches(cfg: ExperimentConfig):
@@ -45,6 +46,14 @@ def evaluate_snapshot(
     if record:
         store.record_snapshot(snapshot, {"by": "eval", "loss": out["loss"]})
         store.append_metric("eval", out)
+        if cfg.tensorboard.enabled:  # one event file per evaluation (they are minutes apart)
+            tb = ScalarWriter(store, "eval", cfg.tensorboard.flush_s)
+            tb.add_all(
+                {"eval/loss": out["loss"], "eval/tokens_merged": out["tokens_merged"]},
+                out["version"],
+                at,
+            )
+            tb.flush()
         out["best"] = store.offer_best(out)
     return out
 

@@ -53,6 +53,9 @@ FINALIZED = "control/finalized.json"  # the one finalize of the experiment (same
 LEASE = re.compile(r"control/syncer/shard-(0|[1-9][0-9]{0,2})\.json", _A)
 RUN_SLUG = 80  # at most this many characters of a run id's slug
 RUN_MARKER = re.compile(r"control/runs/([A-Za-z0-9_-]{1,80})-([0-9a-f]{8})\.json", _A)
+TB_DIR = "tb"  # TensorBoard event files (training/store/tensorboard.py): tb/{run}/{file}
+TB_RUN = re.compile(r"(island-[a-z0-9][a-z0-9-]{0,62}|merge|eval)", _A)
+TB_FILE = re.compile(r"events\.out\.tfevents\.([0-9]{20})\.diloco\.([0-9a-f]{8})", _A)
 
 
 @dataclass(frozen=True)
@@ -96,6 +99,7 @@ KINDS = (
     "syncer-lease",
     "run-marker",
     "finalized",
+    "tensorboard",
 )
 
 
@@ -195,6 +199,18 @@ def run_marker_key(run_id: str) -> str:
     return f"{RUNS_DIR}/{run_slug(run_id)}.json"
 
 
+def tb_events_key(run: str, time_ns: int, uuid8: str = "00000000") -> str:
+    """ "tb/{run}/events.out.tfevents.{time_ns:020d}.diloco.{uuid8}": one flush of TensorBoard
+    run `run` (TB_RUN: "island-{island}", "merge", "eval"); the 20-digit time makes name order
+    time order (TensorBoard reads a run's files in name order); BadName if out of range."""
+    if not isinstance(run, str) or TB_RUN.fullmatch(run) is None:
+        raise BadName(f"invalid TensorBoard run {show(run)}: not island-<name>, merge or eval")
+    name = f"events.out.tfevents.{_count('time', time_ns, 10**20 - 1):020d}.diloco.{uuid8}"
+    if TB_FILE.fullmatch(name) is None:
+        raise BadName(f"invalid TensorBoard file name {show(name)}")
+    return f"{TB_DIR}/{run}/{name}"
+
+
 def _refuse(key: Any, why: str) -> NoReturn:
     raise BadName(one_line(f"object name {show(key, 120)} {why}"))
 
@@ -277,6 +293,8 @@ def parse_key(key: Any) -> ObjectName:
             )
     if top == "metrics" and n == 3 and is_name(parts[1]) and METRIC_FILE.fullmatch(parts[2]):
         return ObjectName("metric", metric=parts[1])
+    if top == TB_DIR and n == 3 and TB_RUN.fullmatch(parts[1]) and TB_FILE.fullmatch(parts[2]):
+        return ObjectName("tensorboard", dir=parts[1], file=parts[2])
     _refuse(key, "fits no name of the layout")
 
 

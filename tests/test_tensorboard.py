@@ -1,0 +1,145 @@
+"""TensorBoard event files (training/store/tensorboard.py), read back with TensorBoard's own
+reader (EventAccumulator): exact values and steps, name order, the failure rule, and what a
+short real run (two islands, a merge, an eval on file://) writes."""
+
+from pathlib import Path
+
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from tests.gcs_fixture import gcs_bucket  # noqa: F401
+from tests.helpers import new_store, small_config
+from training.island.process import Island
+from training.merge.merger import Merger, MergeResult
+from training.model.evaluate import evaluate_current
+from training.store.experiment import ExperimentStore
+from training.store.keys import BadName, parse_key, tb_events_key
+from training.store.local import LocalStore
+from training.store.registry import open_store
+from training.store.tensorboard import ScalarWriter, merge_scalars
+
+
+def _scalars(run_dir: Path | str) -> dict[str, list[tuple[int, float]]]:
+    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})  # 0: keep every event
+    acc.Reload()
+    return {t: [(e.step, e.value) for e in acc.Scalars(t)] for t in acc.Tags()["scalars"]}
+
+
+class _Estore:  # the two things ScalarWriter uses of an ExperimentStore
+    def __init__(self, root: Path):
+        self.store = LocalStore(str(root))
+
+    def object_key(self, relative: str) -> str:
+        return f"exp/{relative}"
+
+
+def test_scalars_read_back_exactly_across_two_flushes(tmp_path):
+    estore = _Estore(tmp_path)
+    tb = ScalarWriter(estore, "merge")
+    tb.add("loss", 2.5, 1)  # 2.5 and 0.125 are exact in float32 (simple_value's type)
+    tb.add("loss", 0.125, 7)
+    tb.flush()
+    tb.add("loss", 1.0, 9)
+    tb.flush()
+    tb.flush()  # nothing buffered: no object
+    keys = estore.store.list("exp/tb/")
+    assert len(keys) == 2 and {parse_key(k[len("exp/") :]).kind for k in keys} == {"tensorboard"}
+    assert _scalars(tmp_path / "exp/tb/merge") == {"loss": [(1, 2.5), (7, 0.125), (9, 1.0)]}
+
+
+def test_nonfinite_values_are_dropped_and_counted(tmp_path):
+    tb = ScalarWriter(_Estore(tmp_path), "eval")
+    tb.add_all({"a": float("nan"), "b": None, "c": float("inf"), "d": 3.0}, 5)
+    tb.flush()
+    assert tb.dropped == 3  # a, b, c
+    assert _scalars(tmp_path / "exp/tb/eval") == {"d": [(5, 3.0)]}
+
+
+def test_a_failed_write_is_counted_never_raised(tmp_path):
+    class Broken(_Estore):
+        def object_key(self, relative):
+            raise OSError("bucket gone")
+
+    tb = ScalarWriter(Broken(tmp_path), "merge")
+    tb.add("x", 1.0, 0)
+    tb.flush()  # must not raise
+    assert (tb.failures, tb.written) == (1, 0)
+
+
+def test_merge_scalars_per_fragment_at_its_new_version():
+    def c(staleness, published_at, weight):
+        return dict(
+            fragment=1,
+            staleness=staleness,
+            published_at=published_at,
+            merged_at=10.0,
+            weight=weight,
+        )
+
+    result = MergeResult(
+        versions={1: 7}, tokens_merged=512, contributions=[c(0, 9.0, 0.25), c(2, 6.0, 0.75)]
+    )
+    assert merge_scalars(result) == [
+        ("merge/tokens_merged", 512, 7),
+        ("contributions/f001", 2, 7),
+        ("staleness_mean/f001", 1.0, 7),  # (0 + 2) / 2
+        ("staleness_max/f001", 2.0, 7),
+        ("weight_mean/f001", 0.5, 7),  # (0.25 + 0.75) / 2
+        ("latency_s_mean/f001", 2.5, 7),  # merged at 10: (1 + 4) / 2
+        ("latency_s_max/f001", 4.0, 7),
+    ]
+
+
+def test_event_file_names_sort_in_time_order_and_reject_bad_runs():
+    early = tb_events_key("island-a", 999_999_999_999_999_999, "0000000f")
+    late = tb_events_key("island-a", 1_000_000_000_000_000_000, "00000000")
+    assert early < late  # 20 digits: a shorter number still sorts first
+    with pytest.raises(BadName):
+        tb_events_key("../x", 1)
+
+
+def test_a_short_run_writes_island_merge_and_eval_scalars(tmp_path):
+    """Two islands of H=4 steps, 8 steps each on file://: each publishes twice; one merge pass
+    after the first 4 steps applies both islands' contributions to the one fragment."""
+    cfg = small_config(heartbeat_s=0.001)
+    store = new_store(cfg, f"file://{tmp_path}")
+    islands = [Island(cfg, name, store, background=False) for name in ("a", "b")]
+    for island in islands:
+        island.run(max_steps=4)
+    Merger(cfg, store).merge_all()
+    evaluate_current(cfg, store)
+    tb = tmp_path / cfg.name / "tb"
+    assert sorted(p.name for p in tb.iterdir()) == ["eval", "island-a", "island-b", "merge"]
+    island_a = _scalars(tb / "island-a")
+    assert {"train/loss", "train/tokens_per_s", "train/goodput"} <= set(island_a)
+    assert max(step for step, _ in island_a["train/loss"]) == 4
+    merge = _scalars(tb / "merge")
+    assert merge["contributions/f000"] == [(1, 2.0)]  # both islands, into version 1
+    assert merge["staleness_max/f000"] == [(1, 0.0)]  # both trained from version 0
+    (eval_loss,) = _scalars(tb / "eval")["eval/loss"]
+    assert eval_loss[0] == 1  # the eval's step: the sum of fragment versions (one fragment)
+
+
+def test_the_switch_off_writes_no_event_file(tmp_path):
+    cfg = small_config(islands=("a",), heartbeat_s=0.001, tensorboard={"enabled": False})
+    store = new_store(cfg, f"file://{tmp_path}")
+    Island(cfg, "a", store, background=False).run(max_steps=2)
+    assert store.store.list(f"{cfg.name}/tb/") == []
+
+
+@pytest.mark.integration
+def test_event_files_on_fake_gcs_server_read_back(tmp_path, gcs_bucket):  # noqa: F811
+    """Two flushes into a fake-gcs-server bucket read back exactly by TensorBoard's reader
+    straight from the gs:// run directory (what `tensorboard --logdir gs://...` does)."""
+    estore = ExperimentStore(open_store(f"{gcs_bucket}/tb-{tmp_path.name}"), "exp")
+    tb = ScalarWriter(estore, "eval")
+    tb.add("eval/loss", 4.0, 0)
+    tb.flush()
+    tb.add("eval/loss", 3.5, 2)
+    tb.flush()
+    keys = estore.store.list("exp/tb/eval/")
+    assert len(keys) == 2
+    # TensorBoard reads gs:// itself (its gfile over fsspec / gcsfs, here on the emulator)
+    assert _scalars(f"{gcs_bucket}/tb-{tmp_path.name}/exp/tb/eval") == {
+        "eval/loss": [(0, 4.0), (2, 3.5)]
+    }
