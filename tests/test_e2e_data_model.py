@@ -166,8 +166,8 @@ def _train(store: str) -> None:
                 proc.wait()
 
 
-def _eval(capsys, store: str, *version: str) -> float:
-    out = _main(capsys, "eval", "--store", store, "--experiment", EXP, *version)
+def _eval(capsys, store: str, *flags: str) -> float:
+    out = _main(capsys, "eval", "--store", store, "--experiment", EXP, *flags)
     return json.loads(out.strip().splitlines()[-1])["loss"]
 
 
@@ -262,7 +262,7 @@ def test_text_in_a_trained_exported_sampled_model_out(gcs_bucket, tmp_path, caps
     _init(capsys, tmp_path, store, corpus, tokenizer)
     first = _eval(capsys, store, "--version", "0")
     _train(store)
-    last = _eval(capsys, store)
+    last = _eval(capsys, store, "--record")  # recorded: metrics/eval, BEST, TensorBoard
     # version 0 is a random model: about ln(512) = 6.24 nats per token. The tokens' unigram
     # entropy on this corpus is 5.27 nats (measured with this tokenizer), so a model that only
     # learnt their frequencies is 0.97 nats lower; 1 nat lower means it uses the context too.
@@ -289,3 +289,23 @@ def test_text_in_a_trained_exported_sampled_model_out(gcs_bucket, tmp_path, caps
     assert (tmp_path / "st" / "tokenizer.json").read_bytes() == tok.data
     argv = ["--from", str(tmp_path / "st"), "--prompt", prompt, *SAMPLING]
     assert _main(capsys, "sample", *argv) == prompt + text + "\n"
+
+    _check_tensorboard(f"{store}/{EXP}/tb", ISLANDS, last)
+
+
+def _check_tensorboard(logdir: str, islands, last_eval: float) -> None:
+    """The run's TensorBoard files, read from the bucket by TensorBoard's own reader (what
+    `tensorboard --logdir gs://.../EXP/tb` does): each island's loss, the merges, the evals
+    (init's of version 0 and the final `diloco eval --record`)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    def scalars(run: str) -> dict[str, list]:
+        acc = EventAccumulator(f"{logdir}/{run}", size_guidance={"scalars": 0})
+        acc.Reload()
+        return {t: [(e.step, e.value) for e in acc.Scalars(t)] for t in acc.Tags()["scalars"]}
+
+    for island in islands:
+        assert scalars(f"island-{island}")["train/loss"], island
+    assert scalars("merge")["merge/tokens_merged"]
+    evals = [value for _, value in scalars("eval")["eval/loss"]]
+    assert len(evals) >= 2 and any(abs(v - last_eval) < 1e-5 for v in evals), evals
