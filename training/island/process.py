@@ -176,6 +176,7 @@ class Island:
         self._stop = False
         self._stop_marker = False  # a stop marker seen by the background stop check
         self._last_step_at = 0.0
+        self._step_tokens = 0  # tokens of the last step (its batch): an interval is H of them
         self._timed = False  # the first step after a start (the compile) is not timed
         self._ckpt_rounds, self._ckpt_at = 0, 0.0  # publish rounds, clock since the last one
         self.checkpointed_step = 0  # the step of the last checkpoint taken
@@ -316,6 +317,7 @@ class Island:
         elapsed, self._last_step_at = now - self._last_step_at, now
         state.step_count += 1
         state.tokens += inputs.size
+        self._step_tokens = int(inputs.size)
         if self.faults is not None:
             self.faults.hit("island.step")
         publisher.counted(inputs.size, elapsed, self._timed)
@@ -384,12 +386,19 @@ class Island:
     def _heartbeat_record(self, loss, tokens_per_s: float | None) -> dict[str, Any]:
         return self.publisher.heartbeat_record(self.state, self.goodput.state(), loss, tokens_per_s)
 
-    def heartbeat(self, loss, tokens_per_s: float | None) -> None:
+    def heartbeat(self, loss, tokens_per_s: float | None, budget: bool = False) -> None:
         """Overwrite this island's heartbeat (`tokens_per_s` None: keep the last rate); `loss`
-        may be a device scalar (fetched by the I/O thread). Process 0's only."""
+        may be a device scalar (fetched by the I/O thread). Process 0's only. `budget` (the
+        loop's timed heartbeats): near the end of the budget, also add up every island's
+        trained tokens (`Publisher.near_budget`), so that the islands stop within a heartbeat
+        of the budget instead of at their next publish round (their last interval cut short:
+        `publish_remainder` sends it)."""
         if self.writer:
             record = self._heartbeat_record(loss, tokens_per_s)
-            self.io.submit(self.publisher.write_heartbeat, record)
+            if budget and self.publisher.near_budget(self.H * self._step_tokens):
+                self.publisher.check_budget(record)
+            else:
+                self.io.submit(self.publisher.write_heartbeat, record)
 
     def _poll_stop(self) -> None:
         if self.store.stop_requested(self.name):
@@ -456,7 +465,7 @@ class Island:
             now = time.monotonic()
             if now - last_beat >= self.cfg.heartbeat_s:
                 rate = (state.tokens - beat_tokens) / (now - last_beat) if last_beat else 0.0
-                self.heartbeat(loss, rate)
+                self.heartbeat(loss, rate, budget=True)
                 if self.writer:
                     self.io.submit(self._poll_stop)
                 last_beat, beat_tokens = now, state.tokens

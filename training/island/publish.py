@@ -16,7 +16,9 @@ needs them. A publish is the payload under a unique name, then the manifest (the
 
 The budget holds whether or not the syncer keeps up: after each publish round the island adds up
 the tokens every island has trained (heartbeats) and finishes when they reach `token_budget`
-(`budget_reached`, set by the I/O thread: seen a step or two later).
+(`budget_reached`, set by the I/O thread: seen a step or two later). Near the end
+(`near_budget`) the timed heartbeats add them up too, so the islands stop within a heartbeat of
+the budget and send their last interval cut short, not a whole interval past it.
 """
 
 from __future__ import annotations
@@ -62,6 +64,8 @@ class Publisher:
         self.uploads: dict[int, Any] = {}  # fragment -> future of its last upload
         self.rate = 0.0  # tokens/s of the last heartbeat (kept by the publish-round heartbeat)
         self.budget_reached = False
+        self.rest: int | None = None  # budget - all islands' trained tokens, at the last check
+        self.islands_seen = 1  # islands with a heartbeat at the last check (this one included)
         tb = cfg.tensorboard
         # TensorBoard run island-{name}: the heartbeats' numbers, on the I/O thread only
         self.tb = (
@@ -231,7 +235,17 @@ class Publisher:
                 for island, b in beats.items()
                 if island != self.name and isinstance(b.get("tokens", 0), int)
             )
+            self.rest = self.cfg.token_budget - trained
+            self.islands_seen = 1 + sum(1 for island in beats if island != self.name)
             if trained >= self.cfg.token_budget:
                 self.budget_reached = True
 
         self.io.submit(check)
+
+    def near_budget(self, interval_tokens: int) -> bool:
+        """Whether the budget may be reached before the islands' next publish rounds: the
+        rest at the last check is less than two whole intervals of every island seen (each
+        island's counted as this island's `interval_tokens`). Far from it, a timed heartbeat
+        only writes this island's; near it, it also adds up all islands' tokens (one listing
+        and a small read per island, every `heartbeat_s`)."""
+        return self.rest is not None and self.rest < 2 * self.islands_seen * interval_tokens
