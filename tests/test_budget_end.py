@@ -10,12 +10,11 @@ from training.island.process import Island
 PER_STEP = 4 * 32  # small_config: batch 4 x seq 32 tokens a step
 
 
-def _run(heartbeats: bool) -> int:
-    """Two islands stepping in turn, H 8, budget 21 steps' tokens; with `heartbeats`, a timed
-    heartbeat after every step (what `Island.run` does every `heartbeat_s`). Returns the
-    tokens trained by both."""
-    budget = 21 * PER_STEP
-    cfg = small_config(inner={"H": 8, "tau": 0}, token_budget=budget)
+def _run(heartbeats: bool, H: int = 8, budget_steps: int = 21) -> int:
+    """Two islands stepping in turn, no syncer; with `heartbeats`, a timed heartbeat after
+    every step (what `Island.run` does every `heartbeat_s`). Returns the tokens both trained."""
+    budget = budget_steps * PER_STEP
+    cfg = small_config(inner={"H": H, "tau": 0}, token_budget=budget)
     store = new_store(cfg)
     islands = [Island(cfg, n, store) for n in ("a", "b")]
     for isl in islands:
@@ -29,6 +28,13 @@ def _run(heartbeats: bool) -> int:
                 isl.io.drain()  # each check done before the next step
     assert all(isl.finished() for isl in islands)
     return sum(isl.tokens for isl in islands)
+
+
+def test_islands_stop_at_the_budget_without_a_syncer():
+    """No merger runs at all: the two islands still stop within one publish interval each of
+    the token budget (heartbeats after every publish round carry their trained tokens)."""
+    trained = _run(heartbeats=False, H=2, budget_steps=10)
+    assert 10 * PER_STEP <= trained <= (10 + 2 * 2) * PER_STEP
 
 
 def test_without_timed_checks_the_islands_run_a_whole_interval_past_the_budget():

@@ -102,24 +102,5 @@ def test_a_version_without_the_islands_publish_is_not_downloaded_while_it_waits(
     assert a.base_version == [2] and a.bytes_received == 2 * _model_bytes(store)
 
 
-def test_islands_stop_at_the_budget_without_a_syncer():
-    """No merger runs at all: the two islands still stop within one publish interval each of
-    the token budget (heartbeats after every publish round carry their trained tokens)."""
-    per_step = 4 * 32  # batch 4 x seq 32
-    budget = 10 * per_step
-    cfg = small_config(inner={"H": 2}, token_budget=budget)
-    store = new_store(cfg)
-    islands = [Island(cfg, n, store) for n in ("a", "b")]
-    for isl in islands:
-        isl.start()
-    for _ in range(100):
-        for isl in islands:
-            if not isl.finished():
-                isl.step()
-    assert all(isl.finished() for isl in islands)
-    trained = sum(isl.tokens for isl in islands)
-    assert budget <= trained <= budget + 2 * cfg.inner.H * per_step
-
-
 def _model_bytes(store):
     return sum(int(v.nbytes) for v in store.load_params().values())
