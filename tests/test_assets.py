@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -80,15 +81,24 @@ def test_payloads_of_reads_trigger_and_outlet_events_newest_last():
     assert got[1]["over"] is True
 
 
-def _collect(trigger, n: int, between=None, timeout_s: float = 20.0) -> list[dict]:
-    """The first `n` events of `trigger.run()`; `between()` runs after the first poll."""
+def _collect(monkeypatch, trigger, n: int, between, timeout_s: float = 20.0) -> list[dict]:
+    """The first `n` events of `trigger.run()`; `between()` runs once its first poll (the
+    baseline) has returned: an event set by that poll, not a sleep."""
+    polled = threading.Event()
+    observe = assets.observe
+
+    def observed(url):
+        out = observe(url)
+        polled.set()
+        return out
+
+    monkeypatch.setattr(assets, "observe", observed)
 
     async def go():
         out, gen = [], trigger.run()
         task = asyncio.ensure_future(gen.__anext__())
-        await asyncio.sleep(0.3)  # the first poll (the baseline) is done
-        if between:
-            await asyncio.to_thread(between)
+        assert await asyncio.to_thread(polled.wait, timeout_s), "no first poll"
+        await asyncio.to_thread(between)
         while len(out) < n:
             out.append((await asyncio.wait_for(task, timeout_s)).payload)
             task = asyncio.ensure_future(gen.__anext__())
@@ -98,17 +108,17 @@ def _collect(trigger, n: int, between=None, timeout_s: float = 20.0) -> list[dic
     return asyncio.run(go())
 
 
-def test_the_watcher_reports_a_best_recorded_after_it_started_not_before(tmp_path):
+def test_the_watcher_reports_a_best_recorded_after_it_started_not_before(tmp_path, monkeypatch):
     url = tmp_path.as_uri()
     old = new_store(small_config("old"), url)
     old.offer_best(_rec(3.0, ["v0"]))  # exists before the watcher: not news
     run = new_store(small_config("run"), url)
     trigger = assets.ModelEventTrigger(store_url=url, poll_s=0.05)
-    (event,) = _collect(trigger, 1, between=lambda: run.offer_best(_rec(2.5, ["v3"])))
+    (event,) = _collect(monkeypatch, trigger, 1, lambda: run.offer_best(_rec(2.5, ["v3"])))
     assert (event["experiment"], event["loss"], event["versions"]) == ("run", 2.5, [3])
 
 
-def test_an_unreadable_best_does_not_silence_the_others(tmp_path):
+def test_an_unreadable_best_does_not_silence_the_others(tmp_path, monkeypatch):
     url = tmp_path.as_uri()
     bad, good = new_store(small_config("bad"), url), new_store(small_config("good"), url)
     trigger = assets.ModelEventTrigger(store_url=url, poll_s=0.05)
@@ -118,7 +128,7 @@ def test_an_unreadable_best_does_not_silence_the_others(tmp_path):
         (tmp_path / "bad" / "snapshots" / "BEST.json").write_bytes(b"\x00 not json")
         good.offer_best(_rec(2.0, ["v1"]))
 
-    (event,) = _collect(trigger, 1, between=record)
+    (event,) = _collect(monkeypatch, trigger, 1, record)
     assert event["experiment"] == "good"
     assert bad.experiment == "bad"
 

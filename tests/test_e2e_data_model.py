@@ -35,6 +35,7 @@ import numpy as np
 import pytest
 
 from tests.gcs_fixture import gcs_bucket  # noqa: F401  (fixture)
+from tests.test_tokenizer import train_bpe
 from training import cli
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
@@ -76,21 +77,9 @@ def _main(capsys, *argv: str) -> str:
 
 
 def _train_tokenizer(path: Path) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     from training.data.corpus import builtin_documents
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        special_tokens=["<|endoftext|>"],
-        show_progress=False,
-    )
-    tok.train_from_iterator((text for _, text in builtin_documents()), trainer)
-    tok.save(str(path))
+    train_bpe(path, VOCAB, (text for _, text in builtin_documents()))
 
 
 def _write_corpus(raw: Path) -> int:

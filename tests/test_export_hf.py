@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from tests.helpers import new_store, small_config
+from tests.test_tokenizer import train_bpe
 from training import cli
 from training.model import definition as model
 
@@ -93,15 +94,9 @@ def test_transformers_tokenizer_from_an_hf_tokenizer_export(tmp_path):
     transformers = pytest.importorskip("transformers", reason="transformers is not installed")
     tokenizers = pytest.importorskip("tokenizers")
 
-    tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="[UNK]"))
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = tokenizers.decoders.ByteLevel()
-    trainer = tokenizers.trainers.BpeTrainer(
-        vocab_size=300, initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet()
-    )
-    tok.train_from_iterator(["the cat sat on the mat"] * 50, trainer)
     path = tmp_path / "tokenizer.json"
-    tok.save(str(path))
+    train_bpe(path, 300)
+    tok = tokenizers.Tokenizer.from_file(str(path))
     model_cfg = {**GEMMA, "vocab_size": 512}
     cfg, params, out, _ = _export(tmp_path, model_cfg=model_cfg, data={"tokenizer": str(path)})
     _write(cfg, params, out)

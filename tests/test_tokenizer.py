@@ -26,8 +26,9 @@ TEXTS = [
 ]
 
 
-def train_bpe(path, vocab_size: int = 300) -> None:
-    """A byte-level BPE tokenizer.json trained by the `tokenizers` package on TEXTS."""
+def train_bpe(path, vocab_size: int = 300, texts=None) -> None:
+    """A byte-level BPE tokenizer.json trained by the `tokenizers` package on `texts`
+    (default TEXTS)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -37,8 +38,9 @@ def train_bpe(path, vocab_size: int = 300) -> None:
         vocab_size=vocab_size,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         special_tokens=["<|endoftext|>"],
+        show_progress=False,
     )
-    tok.train_from_iterator(TEXTS, trainer)
+    tok.train_from_iterator(TEXTS if texts is None else texts, trainer)
     tok.save(str(path))
 
 

@@ -208,14 +208,14 @@ def cmd_export(args) -> int:
     cfg, estore = _load(args)
     params = estore.load_params(_pick_snapshot(cfg, estore, args.snapshot))
     out = pathlib.Path(args.out)
-    what = {"snapshot": args.snapshot, "experiment": args.experiment}
+    what, tok = {"snapshot": args.snapshot, "experiment": args.experiment}, tokenizer_for(cfg)
     if args.format == "hf":  # transformers' layout only (training/model/export_hf.py)
         from training.model.export_hf import write_hf
 
-        write_hf(out, cfg, params, tokenizer_for(cfg), what)
+        write_hf(out, cfg, params, tok, what)
         print(json.dumps({"out": str(out), "format": "hf", "tensors": len(params)}))
         return 0
-    write_export(out, cfg, params, tokenizer_for(cfg), what)
+    write_export(out, cfg, params, tok, what)
     if args.format == "orbax":  # a flat {flax path: array} tree that orbax restores as such
         import orbax.checkpoint as ocp
 

@@ -107,14 +107,11 @@ def observe(store_url: str) -> dict[str, dict]:
     """experiment -> its snapshots/BEST.json, for every experiment of the store that has one
     (blocking: the trigger runs it in a thread). A BEST that does not parse is skipped with
     one log line: the bucket is untrusted, and one bad object must not silence the others."""
-    from diloco_airflow.store import _gcsfs_emulator_guard
-
-    _gcsfs_emulator_guard()
+    from diloco_airflow.store import open_root
     from training.store.experiment import ExperimentStore
-    from training.store.registry import open_store
     from training.views.catalog import list_experiments
 
-    store = open_store(store_url)
+    store = open_root(store_url)
     out = {}
     for name in list_experiments(store):
         try:

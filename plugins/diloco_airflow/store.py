@@ -26,14 +26,20 @@ def _gcsfs_emulator_guard() -> None:
         os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
 
+def open_root(store_url: str):
+    """The `ObjectStore` at `store_url` (nothing contacted; imports the store lazily)."""
+    _gcsfs_emulator_guard()
+    from training.store.registry import open_store
+
+    return open_store(store_url)
+
+
 def open_experiment(store_url: str, experiment: str, faults=None):
     """An `ExperimentStore` for one experiment (imports the store lazily). `faults`: the
     process's fault plan, for the tasks that merge in their process (`knobs.fault_plan`)."""
-    _gcsfs_emulator_guard()
     from training.store.experiment import ExperimentStore
-    from training.store.registry import open_store
 
-    return ExperimentStore(open_store(store_url), experiment, faults=faults)
+    return ExperimentStore(open_root(store_url), experiment, faults=faults)
 
 
 class DilocoStoreHook(BaseHook):  # type: ignore[misc]
@@ -66,10 +72,7 @@ class DilocoStoreHook(BaseHook):  # type: ignore[misc]
 
     def check(self) -> None:
         """Fail at once, with the store's own message, when the store is unreachable."""
-        _gcsfs_emulator_guard()
-        from training.store.registry import open_store
-
-        store = open_store(self.get_store_url())
+        store = open_root(self.get_store_url())
         check = getattr(store, "check", None)
         if check is not None:
             check()

@@ -20,10 +20,10 @@ import numpy as np
 
 from training.config.experiment import ConfigError, ModelConfig
 from training.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
+from training.store import safejson
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
-MAX_CONFIG_BYTES = 1 << 20
 
 
 def write_export(
@@ -55,16 +55,14 @@ def _read_config(root: Path) -> dict[str, Any]:
     path = root / CONFIG
     try:
         with open(path, "rb") as f:
-            data = f.read(MAX_CONFIG_BYTES + 1)
+            data = f.read(safejson.CONFIG.max_bytes + 1)
     except OSError as exc:
         raise ConfigError(f"{root}: not an export directory ({CONFIG}: {exc.strerror})") from None
-    if len(data) > MAX_CONFIG_BYTES:
-        raise ConfigError(f"{path}: larger than {MAX_CONFIG_BYTES} bytes")
     try:
-        config = json.loads(data)
-    except ValueError as exc:
-        raise ConfigError(f"{path}: not JSON ({exc})") from None
-    if not isinstance(config, dict) or not isinstance(config.get("model"), dict):
+        config = safejson.load_json(data, safejson.CONFIG)  # bounded, strict, an object
+    except safejson.BadJSON as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+    if not isinstance(config.get("model"), dict):
         raise ConfigError(f"{path}: no model section")
     return config
 

@@ -317,6 +317,7 @@ def experiment_view(
     evals = cache.records(estore, "eval")
     tokens = snapshot.tokens_merged if snapshot else 0
     quarantine_count, quarantine = cache.quarantine(estore)
+    state = estore.run_state()  # one read of control/STOP: a marker <=> not "running"
     return dict(
         experiment=cfg.name,
         store=cfg.store_url,
@@ -342,8 +343,8 @@ def experiment_view(
         tokens=dict(
             merged=tokens, budget=cfg.token_budget, fraction=min(tokens / cfg.token_budget, 1.0)
         ),
-        stop_requested=estore.stop_requested(None),
-        state=estore.run_state(),
+        stop_requested=state != "running",
+        state=state,
         best_eval=estore.best(),
         last_eval=evals[-1] if evals else None,
         evals=eval_curve(evals),
@@ -382,6 +383,7 @@ def experiment_summary(cfg: ExperimentConfig, estore, now: float | None = None) 
     tokens = snapshot.tokens_merged if snapshot else 0
     best = estore.best()
     done = estore.done()
+    state = estore.run_state()  # one read of control/STOP: a marker <=> not "running"
     return dict(
         experiment=cfg.name,
         store=cfg.store_url,
@@ -392,8 +394,8 @@ def experiment_summary(cfg: ExperimentConfig, estore, now: float | None = None) 
         token_budget=cfg.token_budget,
         islands=len(cfg.islands),
         islands_done=sum(1 for i in cfg.islands if i.name in done),
-        stop_requested=estore.stop_requested(None),
-        state=estore.run_state(),
+        stop_requested=state != "running",
+        state=state,
         best_loss=best.get("loss") if best else None,
         chaos=chaos_mode(cfg),
     )
