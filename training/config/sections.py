@@ -297,6 +297,14 @@ class OuterConfig(_Frozen):
     )
     max_grace_s: float = Field(30.0, ge=0, description="the grace window's cap, seconds")
     max_staleness: int = Field(16, gt=0, description="drop contributions older than this")
+    end_max_staleness: int | None = Field(
+        2,
+        ge=0,
+        description="once the run ends (control/STOP: the budget merged, or a user's stop), "
+        "hold back a contribution staler than this many fragment versions (quarantined with "
+        "the reason) instead of merging it: no later merge and no eval follow a step taken "
+        "from an old base at the end; null: merge them as during the run",
+    )
     rda: bool = Field(
         True, description="radial-directional averaging of non-embedding tensors (not sync)"
     )
@@ -388,6 +396,14 @@ class SyncerConfig(_Frozen):
         gt=0,
         description="evaluate the current global model at most this often while it changes "
         "(a task of its own: never delays a merge); a final eval ends the run",
+    )
+    final_evals: int = Field(
+        4,
+        ge=0,
+        le=64,
+        description="at the end of a run, finalize also evaluates up to this many of the last "
+        "models the merges made since the last eval (one per merge), so that a worse final "
+        "model is replaced by the best merge, not by an older eval's snapshot",
     )
     fetch_concurrency: int = Field(
         1,

@@ -205,10 +205,21 @@ class Merger:
         self.store.hit_fault("merge.after-read")  # the store's fault plan (faults/points.py)
         active = self._active_islands()
         beats = claims.beats(self.store.heartbeats()) if any(pending.values()) else {}
+        ending = (
+            self.cfg.outer.end_max_staleness is not None
+            and any(pending.values())
+            and self.store.stop_requested()
+        )
         for head in heads:
             if pending[head.fragment]:
                 self._merge_fragment(
-                    head, *versions[head.fragment], pending[head.fragment], active, result, beats
+                    head,
+                    *versions[head.fragment],
+                    pending[head.fragment],
+                    active,
+                    result,
+                    beats,
+                    ending,
                 )
         result.skipped = self.store.skipped.count - skipped_before
         if result.versions:
@@ -240,7 +251,10 @@ class Merger:
         active: set[str],
         result: MergeResult,
         beats: dict[str, claims.Beat],
+        ending: bool = False,
     ) -> None:
+        """One fragment's merge. `ending` (control/STOP exists): contributions staler than
+        `outer.end_max_staleness` are held back (rules.held_back_at_end)."""
         started = time.monotonic()
         p = head.fragment
         base_times, previous = claims.history(ms)
@@ -262,6 +276,8 @@ class Merger:
             )
             if isinstance(checked, str):
                 rejected[ref.id] = checked
+            elif ending and (held := rules.held_back_at_end(self.cfg.outer, checked.staleness)):
+                rejected[ref.id] = held
             else:
                 candidates.append(checked)
         if rejected:

@@ -281,6 +281,19 @@ def check_manifest(
     )
 
 
+def held_back_at_end(outer: OuterConfig, staleness: int) -> str | None:
+    """Once the run ends (control/STOP), the reason to hold back a contribution `staleness`
+    fragment versions old, or None to merge it. At the end no later merge dilutes a step taken
+    from an old base and no eval precedes the final one (issue 24: a lone contribution of a
+    just-rejoined island at staleness 4 was the last merge and raised the eval loss 13%)."""
+    bound = outer.end_max_staleness
+    if bound is None or staleness <= bound:
+        return None
+    return (
+        f"held back at the end of the run: staleness {staleness} > outer.end_max_staleness {bound}"
+    )
+
+
 def vote_weight(outer: OuterConfig, tokens: int, steps: int, staleness: int) -> float:
     """Quantity x quality (tokens^2 / steps), divided by 1 + staleness (fragment versions)."""
     weight = float(tokens) ** 2 / float(steps) if outer.token_weighting else 1.0
