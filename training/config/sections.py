@@ -8,7 +8,7 @@ error, not a default. Every field carries a description: the trigger form and `f
 
 from __future__ import annotations
 
-from typing import Any, Literal, get_args
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -279,7 +279,14 @@ class OuterConfig(_Frozen):
     momentum: float = Field(0.9, ge=0, lt=1, description="outer momentum (0: plain SGD)")
     nesterov: bool = Field(True, description="Nesterov momentum in the outer step")
     delay_period: int | None = Field(None, gt=0, description="Delayed Nesterov N; default M")
-    quorum: int = Field(1, gt=0, description="K: minimum islands per fragment merge")
+    quorum: Annotated[int, Field(gt=0)] | Literal["auto"] = Field(
+        1,
+        description='K: minimum islands per fragment merge; "auto": the syncer chooses K per '
+        "fragment merge from the islands' heartbeats (live islands, download time per "
+        "version) and the round period, so that the new versions fit half a round of the "
+        "slowest downlink, never waiting for a dead island nor more than a round "
+        "(training/merge/quorum.py)",
+    )
     grace_gamma: float = Field(
         0.5,
         ge=0,
