@@ -112,3 +112,15 @@ def test_a_dead_island_is_not_waited_for():
     cfg, store, delta = _setup(download_s=2.0, b_time=-100.0)
     publish_delta(store, cfg, "a", 0, delta)
     assert Merger(cfg, store, clock=FakeClock(1.0)).merge_once().applied == ["a/00000000-f000"]
+
+
+def test_on_the_virtual_clock_auto_is_k_1_to_the_bit():
+    """Reads take no virtual time, so every island's download_s is 0: K = 1 on every
+    virtual-clock bench (quality, science, chaos, scavenging): the same bits as quorum 1."""
+    from training.bench.sim import run_islands
+
+    def run(q):
+        cfg = small_config(islands=("a", "b", "c"), outer={"quorum": q}, token_budget=12 * 512)
+        return run_islands(cfg, eval_dt=1e9)["params_sha256"]
+
+    assert run("auto") == run(1)
