@@ -281,6 +281,9 @@ def check_manifest(
     )
 
 
+HELD_BACK = "held back at the end of the run"  # how such a quarantine reason starts
+
+
 def held_back_at_end(outer: OuterConfig, staleness: int) -> str | None:
     """Once the run ends (control/STOP), the reason to hold back a contribution `staleness`
     fragment versions old, or None to merge it. At the end no later merge dilutes a step taken
@@ -289,9 +292,7 @@ def held_back_at_end(outer: OuterConfig, staleness: int) -> str | None:
     bound = outer.end_max_staleness
     if bound is None or staleness <= bound:
         return None
-    return (
-        f"held back at the end of the run: staleness {staleness} > outer.end_max_staleness {bound}"
-    )
+    return f"{HELD_BACK}: staleness {staleness} > outer.end_max_staleness {bound}"
 
 
 def vote_weight(outer: OuterConfig, tokens: int, steps: int, staleness: int) -> float:
