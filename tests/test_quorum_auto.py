@@ -64,12 +64,13 @@ def _cand(island, published_at):
     return Candidate(f"{island}/0", island, 0, 0, 512, 4, 0, published_at, 1.0, "fp32", False, {})
 
 
-def test_a_merge_short_of_k_waits_at_most_quorum_wait_s_from_the_first_publish():
+def test_a_merge_short_of_k_waits_at_most_quorum_wait_s_from_when_the_merger_saw_it():
     cfg = small_config(outer={"grace_gamma": 0.0, "grace_min_steps": 0.0})
     one = [_cand("a", 10.0)]
-    # K = 2 of {a, b}: only a came; wait until 10 + 24
-    assert select(cfg, one, {"a", "b"}, 20.0, 0.0, None, 2, 24.0) == ([], 34.0)
-    groups, wait = select(cfg, one, {"a", "b"}, 34.0, 0.0, None, 2, 24.0)
+    # K = 2 of {a, b}: only a came, published at 10, seen at 13 (its upload took 3 s): wait
+    # until 13 + 24 (b's upload takes as long as a's)
+    assert select(cfg, one, {"a", "b"}, 20.0, 0.0, 13.0, 2, 24.0) == ([], 37.0)
+    groups, wait = select(cfg, one, {"a", "b"}, 37.0, 0.0, 13.0, 2, 24.0)
     assert (groups, wait) == ([one], None)  # a round passed: merged alone
     # a fixed quorum (no wait bound) keeps waiting, as before
     assert select(cfg, one, {"a", "b"}, 1e9, 0.0, None, 2, None) == ([], None)
@@ -94,7 +95,7 @@ def test_a_thin_downlink_makes_one_version_of_both_islands():
     merger = Merger(cfg, store, clock=FakeClock(1.0))
     publish_delta(store, cfg, "a", 0, delta)
     alone = merger.merge_once()
-    assert alone.versions == {} and alone.waiting_until == 4.0  # a's publish (0) + one round
+    assert alone.versions == {} and alone.waiting_until == 5.0  # first seen (1) + one round
     publish_delta(store, cfg, "b", 0, delta)
     assert sorted(merger.merge_once().applied) == ["a/00000000-f000", "b/00000000-f000"]
     assert store.head(0).version == 1

@@ -20,8 +20,9 @@ The rule (`auto_quorum`), per fragment merge:
 - K = 1 when the downlink carries one version per island (`fit >= live`) or nothing is known
   yet (no round, no download time): the configured grace window then gathers what arrives
   together. Else K = ceil(live / max(fit, 1)): the fewest versions per round that fit.
-- A merge that waits for K islands waits at most `quorum_wait_s` = one round from the first
-  contribution; then it merges what it has (an island that dies mid-round costs one round of
+- A merge that waits for K islands waits at most `quorum_wait_s` = one round from when the
+  merger first saw a contribution of it (not from its publish: over a thin link the upload
+  takes most of a round, and the others' as long); then it merges what it has (an island that dies mid-round costs one round of
   that fragment, never the run).
 
 Each change of a fragment's K is logged by the merger with the facts that made it.

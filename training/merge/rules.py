@@ -369,8 +369,8 @@ def select(
     and when to look again if the grace window holds them back (else None). `seen_at`: when
     the merger first saw any of them (default: now); the grace floor counts from there.
     `quorum`: K (default `outer.quorum`, which must then be a number); `quorum_wait_s`: how
-    long after the first contribution's publish a merge short of K waits at most (None: until
-    K arrive, as a fixed quorum does)."""
+    long after `seen_at` a merge short of K waits at most (None: until K arrive, as a fixed
+    quorum does)."""
     cands = sorted(candidates, key=lambda c: (c.published_at, c.island, c.seq))
     if not cands:
         return [], None
@@ -391,7 +391,9 @@ def select(
     if len(islands) < min(k, max(len(active), 1)):
         if quorum_wait_s is None:
             return [], None
-        until = cands[0].published_at + quorum_wait_s
+        # from when the merger first saw them (an upload over a thin link can take most of
+        # a round: the others' take as long)
+        until = (now if seen_at is None else seen_at) + quorum_wait_s
         if now < until:
             return [], until
         return [g for g in _by_finality(cands) if g], None  # waited a round: merge what came
