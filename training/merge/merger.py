@@ -20,14 +20,15 @@ So a contribution is applied at most once (only a version that won the CAS count
 cursors and `applied` list are what the next attempt reads) and at least once (it stays pending
 until a version of its fragment names it). Fragments are independent: two shards never contend.
 
-Length: about 590 lines, on purpose: the decisions are in rules.py and stream.py, what is left
-is the I/O of one merge round in the order above, which reads best unbroken.
+The arithmetic of step 5 (votes, combination, outer step) is training/merge/apply.py, shared
+with `diloco replay`. Length: about 500 lines, on purpose: the decisions are in rules.py, the
+arithmetic in apply.py and stream.py; what is left is the I/O of one merge round in the order
+above, which reads best unbroken.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -36,8 +37,7 @@ import numpy as np
 
 from training.codecs import host as codecs
 from training.config.experiment import ExperimentConfig
-from training.merge import quorum, rules
-from training.merge import stream as merge_stream
+from training.merge import apply, quorum, rules
 from training.merge.fetch import Prefetch
 from training.model import definition as model
 from training.model.runtime import fragment_names
@@ -71,10 +71,6 @@ class MergeResult:
     def version(self) -> int | None:
         """The highest fragment version this round published (None: nothing published)."""
         return max(self.versions.values()) if self.versions else None
-
-
-def outer_period(cfg: ExperimentConfig) -> int:
-    return cfg.outer.delay_period or len(cfg.islands)
 
 
 def initial_version(cfg: ExperimentConfig, store: ExperimentStore) -> int | None:
@@ -321,84 +317,32 @@ class Merger:
             self.cfg.outer, self.shapes[p], outer_tensors, ms.steps, ms.seen
         )
         del outer_tensors
-        params_norm = merge_stream.norm_of(params)
-        norms = list(ms.norms)
         cursors = dict(ms.cursors)
         last_claim = ms.last_claim
         tokens_merged = int(manifest["tokens_merged"])
-        applied, details = [], []
-        # outer.anchor = now: stale votes re-anchored at the params as they stand (`_vote`)
-        now = (head, params, {}) if self.cfg.outer.anchor == "now" else None
         self._prefetch(groups)
-        for group in groups:
-            combiner = rules.Combiner(
-                self.shapes[p], self.cfg.outer.rda and self.cfg.outer.method != "sync"
-            )
-            voted: list[rules.Candidate] = []
-            by_island: dict[str, list[rules.Candidate]] = {}
-            for c in group:
-                by_island.setdefault(c.island, []).append(c)
-            caps = rules.capped_weights(self.cfg.outer, group)
-            for island, contribs in sorted(by_island.items()):
-                vote, kept, vote_norms, (total_sq, body_sq) = self._vote(
-                    contribs, norms, params_norm, result, combiner, now
-                )
-                if vote is None:
-                    continue
-                norm = math.sqrt(total_sq)
-                scale, _ = rules.norm_verdict(
-                    self.cfg.outer, norm, rules.clip_limit(self.cfg.outer, norms), params_norm
-                )
-                weight = (
-                    1.0
-                    if self.cfg.outer.method == "sync"
-                    else min(rules.island_weight(self.cfg.outer, kept), caps[island])
-                )
-                combiner.add(vote, weight, scale, body_sq)
-                del vote
-                voted += kept
-                norms += [records.IslandNorm(island, n) for n in vote_norms]
-                for c in kept:
-                    details.append(
-                        dict(
-                            id=c.id,
-                            island=c.island,
-                            fragment=p,
-                            weight=weight,
-                            norm=norm,
-                            staleness=c.staleness,
-                            tokens=c.tokens,
-                            steps=c.steps,
-                            published_at=c.published_at,
-                            loss=c.manifest.get("loss"),
-                            final=c.final,
-                        )
-                    )
-            if not voted:
-                continue
-            delta, gains = combiner.finish()
-            share = 1.0
-            if self.cfg.outer.method == "decoupled" and self.cfg.outer.partial_scaling:
-                share = min(1.0, len({c.island for c in voted}) / max(len(active), 1))
-                if share < 1.0:
-                    for factors in gains.values():
-                        factors.append(np.float32(share))
-            state = rules.outer_step_(
-                self.cfg.outer,
-                outer_period(self.cfg),
-                params,
-                state,
-                delta,
-                final=all(c.final for c in voted),
-                gains=gains,
-                share=share,
-            )
-            del delta, combiner
-            for c in voted:
-                applied.append(c.id)
-                cursors[c.island] = max(cursors.get(c.island, -1), c.seq)
-                tokens_merged += c.tokens
-                last_claim = claims.remember(last_claim, self._claim(c))
+        done = apply.apply_groups(
+            self.cfg,
+            self.shapes[p],
+            head.version,
+            params,
+            state,
+            ms.norms,
+            groups,
+            [rules.capped_weights(self.cfg.outer, g) for g in groups],
+            len(active),
+            apply.Io(
+                lambda c, *limits: self._fetch.get(c.id, (c, *limits)),
+                lambda pg_id, reason: self._quarantine(pg_id, reason, result),
+                self._base_params,
+            ),
+        )
+        state, norms, details = done.state, done.norms, done.details
+        applied = [c.id for c in done.applied]
+        for c in done.applied:
+            cursors[c.island] = max(cursors.get(c.island, -1), c.seq)
+            tokens_merged += c.tokens
+            last_claim = claims.remember(last_claim, self._claim(c))
         if not applied:
             return
         sync_s = 0.8 * ms.sync_s + 0.2 * (time.monotonic() - started)
@@ -508,53 +452,6 @@ class Merger:
         while sum(w[4] for w in self._warm.values()) > self.warm_bytes:
             self._warm.pop(next(iter(self._warm)))
 
-    def _vote(self, contribs, norms, params_norm, result, combiner, now=None):
-        """One island's vote on a fragment: its pending contributions, each checked and its
-        norms computed in one streaming pass, summed (they are consecutive increments: an
-        island never publishes the same progress twice). Returns (vote or None, the
-        contributions in it, their norms, the vote's (squared norm, squared body norm)).
-        One summed vote is held, and at most `syncer.fetch_concurrency` payloads beside the
-        one being summed (fetched ahead: training/merge/fetch.py).
-
-        `now` (only with `outer.anchor = "now"`) = (HEAD, its params as they stand, a cache of
-        base versions' params): a stale contribution is re-anchored at them (`_anchored_now`)."""
-        vote: merge_stream.Vote | None = None
-        kept, vote_norms, sqs = [], [], (0.0, 0.0)
-        limit = rules.clip_limit(self.cfg.outer, norms)
-        buf = combiner.scratch
-        for c in contribs:
-            shapes = self.shapes[c.fragment]
-            max_nbytes, max_header = codecs.payload_limits(shapes, c.codec)
-            try:
-                payload = self._fetch.get(c.id, (c, max_nbytes, max_header))
-            except (TransientStoreError, StoreUnreachable):
-                raise  # not the payload's fault: retry later, quarantine nothing
-            except (StoreError, ValueError, KeyError) as err:
-                self._quarantine(c.id, f"unreadable payload: {err}", result)
-                continue
-            try:
-                this = rules.check_payload(payload, c.codec, shapes, c.fragment)
-                if now is not None and c.staleness > 0:
-                    this = self._anchored_now(c, this, *now, buf)
-                total_sq, body_sq = rules.vote_sq_norms(this, shapes, combiner.body, buf)
-            except (ValueError, KeyError) as err:
-                self._quarantine(c.id, str(err).strip("'\""), result)
-                continue
-            finally:
-                del payload
-            norm = math.sqrt(total_sq)
-            _, reason = rules.norm_verdict(self.cfg.outer, norm, limit, params_norm)
-            if reason is not None:
-                self._quarantine(c.id, reason, result)
-                continue
-            vote = this if vote is None else merge_stream.add_votes(vote, this, shapes, buf)
-            sqs = (total_sq, body_sq) if not kept else None
-            kept.append(c)
-            vote_norms.append(norm)
-        if vote is not None and sqs is None:
-            sqs = merge_stream.sq_norms(vote, self.shapes[kept[0].fragment], combiner.body, buf)
-        return vote, kept, vote_norms, sqs or (0.0, 0.0)
-
     def _load_payload(self, item) -> dict[str, np.ndarray]:
         c, max_nbytes, max_header = item
         return self.store.load_pseudograd(
@@ -572,35 +469,23 @@ class Merger:
                 order.append((c.id, (c, *limits)))
         self._fetch = Prefetch(order, self._load_payload, self.cfg.syncer.fetch_concurrency)
 
-    def _anchored_now(self, c, vote, head, params, bases, buf) -> merge_stream.Vote:
-        """`outer.anchor = "now"`: the contribution's outer gradient anchored at the fragment as
-        it stands, Theta(now) - theta_m = Delta + (Theta(now) - Theta(base)), with Theta(base)
-        the committed version it was computed against (version HEAD - staleness; read once per
-        merge and held to its end: one fragment per distinct stale base, at most
-        `outer.max_staleness`). A base the store no longer holds (garbage-collected) or refuses
-        leaves the vote as published, anchored at its base, and says so in the log."""
-        version = head.version - c.staleness
-        if version not in bases:
-            try:
-                at = self.store.find_version(c.fragment, version)
-                bases[version] = self.store.load_fragment(
-                    at, max_nbytes=self._fragment_limits[c.fragment]
-                ).params
-            except (TransientStoreError, StoreUnreachable):
-                raise  # the store's fault, not the base's: retry later
-            except StoreError as err:  # collected (ObjectNotFound) or refused
-                log.warning(
-                    "%s: anchored at its base, version %d unreadable: %s", c.id, version, err
-                )
-                bases[version] = None
-        base = bases[version]
-        if base is None:
-            return vote
-        drift = merge_stream.DenseVote(
-            {n: np.subtract(params[n], base[n], dtype=np.float32) for n in self.shapes[c.fragment]},
-            owned=True,
-        )
-        return merge_stream.add_votes(drift, vote, self.shapes[c.fragment], buf)
+    def _base_params(self, fragment: int, version: int) -> dict | None:
+        """The params of fragment version `version`, for a stale vote re-anchored at the
+        fragment as it stands (apply._anchored_now). A version the store no longer holds
+        (garbage-collected) or refuses: None (the vote stays anchored at its base), logged."""
+        try:
+            at = self.store.find_version(fragment, version)
+            return self.store.load_fragment(at, max_nbytes=self._fragment_limits[fragment]).params
+        except (TransientStoreError, StoreUnreachable):
+            raise  # the store's fault, not the base's: retry later
+        except StoreError as err:  # collected (ObjectNotFound) or refused
+            log.warning(
+                "fragment %d: version %d unreadable, votes anchored at it stay so: %s",
+                fragment,
+                version,
+                err,
+            )
+            return None
 
     @staticmethod
     def _claim(c: rules.Candidate) -> claims.Claim:

@@ -1,0 +1,215 @@
+"""The arithmetic of one fragment merge, shared by the merger and `diloco replay`.
+
+`apply_groups` takes a fragment version's arrays (params, outer state, the merged-norm history)
+and the groups of contributions a merge decided to apply, and does everything that turns them
+into the next version's params and outer state: per island, its contributions summed into one
+vote as they are read (each checked, its norm judged against the clip limit; with
+`outer.anchor = "now"` a stale one re-anchored at the params as they stand), the votes weighted
+(each island's weight capped) and combined (rules.Combiner), then the outer step
+(rules.outer_step_), group after group. It reads through an `Io` of three callables, so the
+merger (training/merge/merger.py: prefetched payloads, quarantine, the store's versions) and
+the replay (training/merge/replay.py: the recorded contributions, any refusal a mismatch) run
+the same rule: the bits of a replayed version are those of the merge, or a difference to report.
+
+What a merge decides from the clock or the store's state (which candidates, in which groups,
+each island's weight cap, how many islands were active) is an input here, never re-decided.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from training.codecs import host as codecs
+from training.config.experiment import ExperimentConfig
+from training.merge import rules
+from training.merge import stream as merge_stream
+from training.store import merge_records as records
+from training.store.objectstore import StoreError, StoreUnreachable, TransientStoreError
+
+
+@dataclass(frozen=True)
+class Io:
+    """What the arithmetic reads and reports through.
+
+    payload(candidate, max_nbytes, max_header): the contribution's payload tensors (a StoreError,
+    ValueError or KeyError rejects it; TransientStoreError and StoreUnreachable propagate);
+    reject(id, reason): a contribution left out of its island's vote (the merger quarantines it);
+    base(fragment, version): the params of a committed version (anchor "now"), or None to leave
+    a vote anchored at its base."""
+
+    payload: Callable[[rules.Candidate, int, int], Mapping[str, np.ndarray]]
+    reject: Callable[[str, str], None]
+    base: Callable[[int, int], Mapping[str, np.ndarray] | None]
+
+
+@dataclass
+class Applied:
+    """What `apply_groups` did: the new outer state (the params were updated in place), the
+    contributions applied in the order applied, one record per contribution for the manifest,
+    and the merged-norm history with this merge's norms appended."""
+
+    state: rules.OuterFragmentState
+    applied: list[rules.Candidate]
+    details: list[dict]
+    norms: list
+
+
+def outer_period(cfg: ExperimentConfig) -> int:
+    return cfg.outer.delay_period or len(cfg.islands)
+
+
+def apply_groups(
+    cfg: ExperimentConfig,
+    shapes: Mapping[str, tuple[int, ...]],
+    head_version: int,
+    params: dict[str, np.ndarray],
+    state: rules.OuterFragmentState,
+    norms: Sequence,
+    groups: Sequence[Sequence[rules.Candidate]],
+    caps: Sequence[Mapping[str, float]],
+    active: int,
+    io: Io,
+) -> Applied:
+    """Apply `groups` (each with its islands' weight caps `caps`) to the fragment version
+    `head_version`'s `params` (in place) and outer `state`; `active`: the number of islands
+    active at the merge (outer.partial_scaling)."""
+    params_norm = merge_stream.norm_of(params)
+    norms = list(norms)
+    applied, details = [], []
+    # outer.anchor = now: stale votes re-anchored at the params as they stand (`_vote`)
+    now = (head_version, params, {}) if cfg.outer.anchor == "now" else None
+    for group, group_caps in zip(groups, caps, strict=True):
+        combiner = rules.Combiner(shapes, cfg.outer.rda and cfg.outer.method != "sync")
+        voted: list[rules.Candidate] = []
+        by_island: dict[str, list[rules.Candidate]] = {}
+        for c in group:
+            by_island.setdefault(c.island, []).append(c)
+        for island, contribs in sorted(by_island.items()):
+            vote, kept, vote_norms, (total_sq, body_sq) = _vote(
+                cfg, shapes, contribs, norms, params_norm, combiner, io, now
+            )
+            if vote is None:
+                continue
+            norm = math.sqrt(total_sq)
+            scale, _ = rules.norm_verdict(
+                cfg.outer, norm, rules.clip_limit(cfg.outer, norms), params_norm
+            )
+            weight = (
+                1.0
+                if cfg.outer.method == "sync"
+                else min(rules.island_weight(cfg.outer, kept), group_caps[island])
+            )
+            combiner.add(vote, weight, scale, body_sq)
+            del vote
+            voted += kept
+            norms += [records.IslandNorm(island, n) for n in vote_norms]
+            for c in kept:
+                details.append(
+                    dict(
+                        id=c.id,
+                        island=c.island,
+                        fragment=c.fragment,
+                        weight=weight,
+                        norm=norm,
+                        staleness=c.staleness,
+                        tokens=c.tokens,
+                        steps=c.steps,
+                        published_at=c.published_at,
+                        loss=c.manifest.get("loss"),
+                        final=c.final,
+                    )
+                )
+        if not voted:
+            continue
+        delta, gains = combiner.finish()
+        share = 1.0
+        if cfg.outer.method == "decoupled" and cfg.outer.partial_scaling:
+            share = min(1.0, len({c.island for c in voted}) / max(active, 1))
+            if share < 1.0:
+                for factors in gains.values():
+                    factors.append(np.float32(share))
+        state = rules.outer_step_(
+            cfg.outer,
+            outer_period(cfg),
+            params,
+            state,
+            delta,
+            final=all(c.final for c in voted),
+            gains=gains,
+            share=share,
+        )
+        del delta, combiner
+        applied += voted
+    return Applied(state, applied, details, norms)
+
+
+def _vote(cfg, shapes, contribs, norms, params_norm, combiner, io: Io, now=None):
+    """One island's vote on a fragment: its pending contributions, each checked and its
+    norms computed in one streaming pass, summed (they are consecutive increments: an
+    island never publishes the same progress twice). Returns (vote or None, the
+    contributions in it, their norms, the vote's (squared norm, squared body norm)).
+    One summed vote is held, and at most `syncer.fetch_concurrency` payloads beside the
+    one being summed (fetched ahead: training/merge/fetch.py).
+
+    `now` (only with `outer.anchor = "now"`) = (HEAD's version, its params as they stand, a
+    cache of base versions' params): a stale contribution is re-anchored at them
+    (`_anchored_now`)."""
+    vote: merge_stream.Vote | None = None
+    kept, vote_norms, sqs = [], [], (0.0, 0.0)
+    limit = rules.clip_limit(cfg.outer, norms)
+    buf = combiner.scratch
+    for c in contribs:
+        max_nbytes, max_header = codecs.payload_limits(shapes, c.codec)
+        try:
+            payload = io.payload(c, max_nbytes, max_header)
+        except (TransientStoreError, StoreUnreachable):
+            raise  # not the payload's fault: retry later, quarantine nothing
+        except (StoreError, ValueError, KeyError) as err:
+            io.reject(c.id, f"unreadable payload: {err}")
+            continue
+        try:
+            this = rules.check_payload(payload, c.codec, shapes, c.fragment)
+            if now is not None and c.staleness > 0:
+                this = _anchored_now(shapes, c, this, *now, buf, io)
+            total_sq, body_sq = rules.vote_sq_norms(this, shapes, combiner.body, buf)
+        except (ValueError, KeyError) as err:
+            io.reject(c.id, str(err).strip("'\""))
+            continue
+        finally:
+            del payload
+        norm = math.sqrt(total_sq)
+        _, reason = rules.norm_verdict(cfg.outer, norm, limit, params_norm)
+        if reason is not None:
+            io.reject(c.id, reason)
+            continue
+        vote = this if vote is None else merge_stream.add_votes(vote, this, shapes, buf)
+        sqs = (total_sq, body_sq) if not kept else None
+        kept.append(c)
+        vote_norms.append(norm)
+    if vote is not None and sqs is None:
+        sqs = merge_stream.sq_norms(vote, shapes, combiner.body, buf)
+    return vote, kept, vote_norms, sqs or (0.0, 0.0)
+
+
+def _anchored_now(shapes, c, vote, head_version, params, bases, buf, io: Io):
+    """`outer.anchor = "now"`: the contribution's outer gradient anchored at the fragment as
+    it stands, Theta(now) - theta_m = Delta + (Theta(now) - Theta(base)), with Theta(base)
+    the committed version it was computed against (version HEAD - staleness; read once per
+    merge and held to its end: one fragment per distinct stale base, at most
+    `outer.max_staleness`). A base `io.base` does not give (garbage-collected, refused) leaves
+    the vote as published, anchored at its base."""
+    version = head_version - c.staleness
+    if version not in bases:
+        bases[version] = io.base(c.fragment, version)
+    base = bases[version]
+    if base is None:
+        return vote
+    drift = merge_stream.DenseVote(
+        {n: np.subtract(params[n], base[n], dtype=np.float32) for n in shapes},
+        owned=True,
+    )
+    return merge_stream.add_votes(drift, vote, shapes, buf)
