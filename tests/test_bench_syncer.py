@@ -24,16 +24,20 @@ def test_schedule_spreads_contributions_island_major_and_counts_each_islands_seq
     ]
 
 
-def test_derive_12b_divides_the_bytes_a_shard_moved_into_a_12b_fragment_merge():
-    # 2 shards moved (1e9 + 7e9) bytes in 10 s: 4e8 B/s each. A 12B fragment with P = 24 is
-    # 5e8 parameters: 4 int4 contributions in (4 x 5e8 x 0.5 = 1e9 B) and a full version out
-    # (params, momentum, shadow, update as fp32: 4 x 5e8 x 4 = 8e9 B): 9e9 B a merge,
-    # 4e8 / 9e9 = 0.0444 merges/s per shard, so 1 merge/s needs ceil(22.5) = 23 shards
-    row = {"best": {"versions": 3, "read_bytes": 1e9, "version_bytes": 7e9, "publish_s": 10.0}}
-    d = syncer.derive_12b(row, 2)
-    assert d["bytes_per_fragment_merge"] == 9e9
-    assert d["merges_per_s_per_shard"] == pytest.approx(4e8 / 9e9)
-    assert d["shards_for_profile"] == 23
+def test_derive_12b_divides_a_12b_fragment_merge_by_the_bytes_a_shard_moved_per_cpu_second():
+    # (1e9 read + 7e9 written) in 20 CPU s: 4e8 B per CPU second. A 12B fragment with P = 24
+    # is 5e8 parameters; 4 int4 contributions in = 4 x 5e8 x 0.5 = 1e9 B.
+    # today: + a full version out (params, momentum, shadow, update: 4 x 5e8 x 4 = 8e9 B) =
+    #   9e9 B, 22.5 s a merge: one merge a second needs 23 shards;
+    # layout 3: + one int4 update (2.5e8 B) = 1.25e9 B, 3.125 s: 4 shards
+    row = {"best": {"read_bytes": 1e9, "version_bytes": 7e9, "shard_cpu_s": 20.0}}
+    d = syncer.derive_12b(row)
+    assert d["bytes_per_cpu_s"] == 4e8
+    assert d["today"]["bytes_per_fragment_merge"] == 9e9
+    assert d["today"]["seconds_per_fragment_merge"] == pytest.approx(22.5)
+    assert d["today"]["shards_for_profile"] == 23
+    assert d["layout3"]["seconds_per_fragment_merge"] == pytest.approx(3.125)
+    assert d["layout3"]["shards_for_profile"] == 4
 
 
 def test_a_small_trial_applies_every_contribution_once_within_a_round(tmp_path):
@@ -43,3 +47,4 @@ def test_a_small_trial_applies_every_contribution_once_within_a_round(tmp_path):
     t = syncer.trial(f"file://{tmp_path}/s", "tiny", 2, 2, 1, 2.0, a)
     assert (t["contributions"], t["applied"], t["applied_twice"]) == (8, 8, 0)
     assert t["passed"], t
+    assert t["shard_cpu_s"] > 0  # the shard reported what its merging cost

@@ -4,7 +4,8 @@ Synthetic islands (no training) publish real int4 contributions, with their mani
 heartbeats, at a set total rate to a store (`file://` on local disk, `gs://` on a fake-gcs-server
 started here), while S production syncer shards (`training.merge.syncer.ShardSyncer`, one
 process each, as on Airflow) merge them. Per (store, islands N, shards S) the rate doubles from
-`--rate0` until a trial fails; the row is the highest rate that passed.
+`--rate0` (at least the rate whose round is half of `--max-trial-s`) until a trial fails; the
+row is the highest rate that passed.
 
 A trial at rate r: island i publishes fragment p once a round, round = N x P / r seconds, the
 contributions spread evenly over the round (island-major: the N islands' fragment-0
@@ -12,18 +13,22 @@ contributions, then fragment 1, ...), each based on its fragment's HEAD when pub
 `max(--trial-s, 2 rounds)` seconds (at most `--max-trial-s`). Then every island is marked done
 and the shards drain and exit. It passes when every contribution was applied, none twice (the
 versions' `applied` lists), and the p95 of publish-to-applied (the version's `merged_at` minus
-the contribution's `published_at`) is under one round.
+the contribution's `published_at`) is under one round, and the publisher threads really offered
+the rate (within 10%: above some rate this machine's cores cannot publish faster, and a trial
+that did not offer its load says nothing about the syncer).
 
 The payloads are encoded once per fragment (four variants) and re-published: the bench loads
 the syncer, not the encoder. Everything runs on this machine's cores: the publisher threads, the
 shard processes and fake-gcs-server share them, so the rates are this machine's, and S > cores
 cannot scale.
 
-The 12b row is derived, not measured: the bytes a shard moves per second at the highest rate
-(contributions read + versions written, from the run's manifests) divided into what one
-fragment merge moves at 12B with P = 24 (its int4 contributions in, a full version out: the
-store layout of today, docs/STORE.md), gives fragment merges per second per shard; the paper's
-profile (M = 4 islands, a fragment of each island per ~1 s inner step) needs ~1 a second.
+The 12b columns are derived, not measured: the bytes a shard's merges moved per CPU second at
+the row's highest rate (contributions read + versions written, from the run's manifests, over
+the shard processes' CPU time after their imports) divided into what one fragment merge moves at
+12B with P = 24: its 4 int4 contributions in, and out either a full version (params, momentum,
+shadow, update in fp32: the store layout of today, docs/STORE.md) or one int4 update (layout 3,
+issue 28). The paper's profile (M = 4 islands, a fragment of each island per ~1 s inner step)
+needs about one fragment merge a second: the shards it needs are that many seconds, rounded up.
 
     diloco bench syncer --json runs/bench_syncer.json [--stores file gcs] [--islands 8 32 128]
         [--shards 1 2 4] [--preset tiny] [--fragments 4] [--rate0 4] [--trial-s 15]
@@ -109,8 +114,10 @@ def shard_worker(url: str, experiment: str, shard: int) -> int:
 
     estore = ExperimentStore(open_store(url), experiment)
     syncer = ShardSyncer(estore, shard, f"bench-{shard}-{os.getpid()}")
+    cpu = time.process_time()  # after the imports: what the merging costs
     while syncer.drain().reason != "finished":
         time.sleep(0.2)
+    print(json.dumps({"cpu_s": time.process_time() - cpu}), flush=True)
     return 0
 
 
@@ -142,7 +149,7 @@ def trial(url: str, preset: str, P: int, N: int, S: int, rate: float, a) -> dict
                 str(s),
             ],
             env=env,
-            stdout=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
         )
         for s in range(S)
@@ -179,20 +186,24 @@ def trial(url: str, preset: str, P: int, N: int, S: int, rate: float, a) -> dict
         published_until = time.time()
         for name in islands:
             store.mark_done(name, {"step": 0})
+        cpu_s = 0.0
         for proc in shards:
             try:
-                proc.wait(timeout=max(120.0, 4 * duration))
+                out, err = proc.communicate(timeout=max(120.0, 4 * duration))
             except subprocess.TimeoutExpired:
                 proc.kill()
                 raise RuntimeError("a shard did not finish its last drain") from None
             if proc.returncode:
-                tail = proc.stderr.read().decode(errors="replace")[-2000:]
+                tail = err.decode(errors="replace")[-2000:]
                 raise RuntimeError(f"a shard failed ({proc.returncode}): {tail}")
+            cpu_s += json.loads(out.decode().strip().splitlines()[-1])["cpu_s"]
     finally:
         for proc in shards:
             if proc.poll() is None:
                 proc.kill()
-    return _measure(store, P, plan, payloads, round_s, rate, duration, late, published_until - t0)
+    out = _measure(store, P, plan, payloads, round_s, rate, duration, late, published_until - t0)
+    out["shard_cpu_s"] = cpu_s
+    return out
 
 
 def _measure(store, P, plan, payloads, round_s, rate, duration, late, publish_s) -> dict:
@@ -215,7 +226,10 @@ def _measure(store, P, plan, payloads, round_s, rate, duration, late, publish_s)
                 latencies.append(float(m["merged_at"]) - float(c["published_at"]))
                 read_bytes += payloads[p][0][1]
     p50, p95 = (float(np.percentile(latencies, q)) for q in (50, 95)) if latencies else (0, 0)
-    ok = len(applied) == len(plan) and not twice and p95 < round_s
+    offered = len(plan) / publish_s if publish_s > 0 else 0.0
+    # the load was really offered (the publisher threads kept the rate within 10%), all of it
+    # applied once, and within a round
+    ok = len(applied) == len(plan) and not twice and p95 < round_s and offered >= 0.9 * rate
     return dict(
         rate=rate,
         round_s=round_s,
@@ -229,6 +243,7 @@ def _measure(store, P, plan, payloads, round_s, rate, duration, late, publish_s)
         p95_s=p95,
         publish_late_p95_s=float(np.percentile(late, 95)) if late else 0.0,
         publish_s=publish_s,
+        offered_rate=offered,
         read_bytes=read_bytes,
         version_bytes=version_bytes,
         passed=ok,
@@ -237,7 +252,8 @@ def _measure(store, P, plan, payloads, round_s, rate, duration, late, publish_s)
 
 def search(backend: str, N: int, S: int, a, url_for) -> dict:
     """Double the rate from a.rate0 until a trial fails: the highest passing one is the row."""
-    best, trials, rate = None, [], a.rate0
+    # start where a round is at most half the longest trial (two rounds fit in it)
+    best, trials, rate = None, [], max(a.rate0, N * a.fragments / (a.max_trial_s / 2))
     while rate <= a.max_rate:
         t = trial(url_for(), a.preset, a.fragments, N, S, rate, a)
         trials.append(t)
@@ -254,33 +270,44 @@ def _line(backend: str, N: int, S: int, t: dict) -> str:
     return (
         f"  {backend:4} N={N:<4d} S={S} rate {t['rate']:7.1f}/s round {t['round_s']:6.1f} s: "
         f"applied {t['applied']}/{t['contributions']} in {t['versions']} versions, "
-        f"p50 {t['p50_s']:.2f} s p95 {t['p95_s']:.2f} s, twice {t['applied_twice']} {verdict}"
+        f"p50 {t['p50_s']:.2f} s p95 {t['p95_s']:.2f} s, twice {t['applied_twice']}, "
+        f"offered {t['contributions'] / t['publish_s']:.1f}/s {verdict}"
     )
 
 
-def derive_12b(row: dict, S: int) -> dict | None:
-    """Fragment merges per second one shard would do at 12B, P = 24, from the bytes per second
-    this row's shards moved at its highest rate (module docstring)."""
+def derive_12b(row: dict) -> dict | None:
+    """Seconds one shard would take per fragment merge at 12B, P = 24, from the bytes its
+    merges moved per CPU second in this row's highest passing trial (contributions read +
+    versions written, over the shard processes' CPU time: a shard is CPU-bound on local
+    stores), for the store layout of today (a full version per merge) and for layout 3 (only
+    what must cross the wire: the contributions in, one int4 update out); the paper's profile
+    needs about one fragment merge a second, so its shards are that many seconds, rounded up."""
     best = row.get("best")
-    if not best or not best["versions"]:
+    if not best or not best.get("shard_cpu_s"):
         return None
-    moved_per_s = (best["read_bytes"] + best["version_bytes"]) / best["publish_s"] / S
+    per_cpu_s = (best["read_bytes"] + best["version_bytes"]) / best["shard_cpu_s"]
     frag = PROFILE_12B["params"] / PROFILE_12B["fragments"]
     k = PROFILE_12B["islands"]  # contributions per fragment merge (one per island and round)
-    per_merge = k * frag * 0.5 + 4 * frag * 4  # int4 in; params, momentum, shadow, update out
-    merges = moved_per_s / per_merge
-    return dict(
-        bytes_per_s_per_shard=moved_per_s,
-        bytes_per_fragment_merge=per_merge,
-        merges_per_s_per_shard=merges,
-        shards_for_profile=math.ceil(PROFILE_12B["merges_per_s"] / merges),
-    )
+    contributions = k * frag * 0.5  # int4
+    layouts = {
+        "today": contributions + 4 * frag * 4,  # params, momentum, shadow, update as fp32
+        "layout3": contributions + frag * 0.5,  # one int4 update out
+    }
+    out = {"bytes_per_cpu_s": per_cpu_s}
+    for name, nbytes in layouts.items():
+        seconds = nbytes / per_cpu_s
+        out[name] = dict(
+            bytes_per_fragment_merge=nbytes,
+            seconds_per_fragment_merge=seconds,
+            shards_for_profile=math.ceil(seconds * PROFILE_12B["merges_per_s"]),
+        )
+    return out
 
 
 def format_table(rows: list[dict]) -> str:
     out = [
         "| store | islands | shards | highest rate passed /s | round s | contributions / version "
-        "| p50 / p95 s | first miss /s (p95 s) | 12B: shards for the paper's profile |",
+        "| p50 / p95 s | first miss /s | 12B shards for the paper's profile: today / layout 3 |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -288,13 +315,23 @@ def format_table(rows: list[dict]) -> str:
         miss = next((t for t in r["trials"] if not t["passed"]), None)
         d = r.get("derived_12b")
         best = (
-            f"{b['rate']:g} | {b['round_s']:.1f} | {b['contributions_per_version']:.1f} | "
+            f"{b['rate']:g} ({b['contributions'] / b['publish_s']:.0f} offered) | "
+            f"{b['round_s']:.1f} | {b['contributions_per_version']:.1f} | "
             f"{b['p50_s']:.2f} / {b['p95_s']:.2f}"
             if b
             else "none | - | - | -"
         )
-        first_miss = "-" if miss is None else f"{miss['rate']:g} ({miss['p95_s']:.1f})"
-        shards = "-" if d is None else d["shards_for_profile"]
+        first_miss = (
+            "-"
+            if miss is None
+            else f"{miss['rate']:g} ({miss['contributions'] / miss['publish_s']:.0f} offered, "
+            f"p95 {miss['p95_s']:.2f})"
+        )
+        shards = (
+            "-"
+            if d is None
+            else f"{d['today']['shards_for_profile']} / {d['layout3']['shards_for_profile']}"
+        )
         out.append(
             f"| {r['store']} | {r['islands']} | {r['shards']} | {best} | {first_miss} | {shards} |"
         )
@@ -337,7 +374,7 @@ def main(argv: list[str]) -> int:
             for N in a.islands:
                 for S in a.shards:
                     row = search(backend, N, S, a, url_for)
-                    row["derived_12b"] = derive_12b(row, S)
+                    row["derived_12b"] = derive_12b(row)
                     rows.append(row)
                     if a.json_out:
                         _write(a, rows)
