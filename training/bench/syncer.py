@@ -315,7 +315,7 @@ def format_table(rows: list[dict]) -> str:
         miss = next((t for t in r["trials"] if not t["passed"]), None)
         d = r.get("derived_12b")
         best = (
-            f"{b['rate']:g} ({b['contributions'] / b['publish_s']:.0f} offered) | "
+            f"{b['rate']:.0f} ({b['contributions'] / b['publish_s']:.0f} offered) | "
             f"{b['round_s']:.1f} | {b['contributions_per_version']:.1f} | "
             f"{b['p50_s']:.2f} / {b['p95_s']:.2f}"
             if b
@@ -324,7 +324,7 @@ def format_table(rows: list[dict]) -> str:
         first_miss = (
             "-"
             if miss is None
-            else f"{miss['rate']:g} ({miss['contributions'] / miss['publish_s']:.0f} offered, "
+            else f"{miss['rate']:.0f} ({miss['contributions'] / miss['publish_s']:.0f} offered, "
             f"p95 {miss['p95_s']:.2f})"
         )
         shards = (
