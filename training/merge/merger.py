@@ -36,7 +36,7 @@ import numpy as np
 
 from training.codecs import host as codecs
 from training.config.experiment import ExperimentConfig
-from training.merge import rules
+from training.merge import rules, staleness
 from training.merge import stream as merge_stream
 from training.merge.fetch import Prefetch
 from training.model import definition as model
@@ -313,7 +313,7 @@ class Merger:
             caps = rules.capped_weights(self.cfg.outer, group)
             for island, contribs in sorted(by_island.items()):
                 vote, kept, vote_norms, (total_sq, body_sq) = self._vote(
-                    contribs, norms, params_norm, result, combiner, now
+                    contribs, norms, params_norm, result, combiner, now, state.momentum
                 )
                 if vote is None:
                     continue
@@ -449,7 +449,7 @@ class Merger:
         while sum(w[4] for w in self._warm.values()) > self.warm_bytes:
             self._warm.pop(next(iter(self._warm)))
 
-    def _vote(self, contribs, norms, params_norm, result, combiner, now=None):
+    def _vote(self, contribs, norms, params_norm, result, combiner, now=None, momentum=None):
         """One island's vote on a fragment: its pending contributions, each checked and its
         norms computed in one streaming pass, summed (they are consecutive increments: an
         island never publishes the same progress twice). Returns (vote or None, the
@@ -458,7 +458,10 @@ class Merger:
         one being summed (fetched ahead: training/merge/fetch.py).
 
         `now` (only with `outer.anchor = "now"`) = (HEAD, its params as they stand, a cache of
-        base versions' params): a stale contribution is re-anchored at them (`_anchored_now`)."""
+        base versions' params): a stale contribution is re-anchored at them (`_anchored_now`).
+        `momentum` (the fragment's outer momentum): a stale contribution is then corrected by
+        `outer.staleness` (training/merge/staleness.py); its norm as published is what the
+        clipping history and the quarantine judge, the corrected vote is what is folded."""
         vote: merge_stream.Vote | None = None
         kept, vote_norms, sqs = [], [], (0.0, 0.0)
         limit = rules.clip_limit(self.cfg.outer, norms)
@@ -488,6 +491,12 @@ class Merger:
             if reason is not None:
                 self._quarantine(c.id, reason, result)
                 continue
+            fixed = staleness.stale_correction(
+                self.cfg.outer, this, c.staleness, momentum or {}, shapes, buf
+            )
+            if fixed is not None:
+                this = fixed
+                total_sq, body_sq = merge_stream.sq_norms(this, shapes, combiner.body, buf)
             vote = this if vote is None else merge_stream.add_votes(vote, this, shapes, buf)
             sqs = (total_sq, body_sq) if not kept else None
             kept.append(c)
