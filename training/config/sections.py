@@ -325,7 +325,7 @@ class OuterConfig(_Frozen):
     staleness: Literal["none", "momentum", "age"] = Field(
         "none",
         description="staleness-aware outer update, applied to each stale contribution (staleness "
-        "> 0) before islands are combined (training/merge/rules.py `stale_correction`): none; "
+        "> 0) before islands are combined (training/merge/staleness.py): none; "
         "momentum, HeLoCo's correction (arXiv 2606.00271): per tensor, a contribution that "
         "conflicts with the outer momentum loses part of the conflicting component, a weakly "
         "aligned one is turned toward it; age, CGAD's scale (arXiv 2605.09126): the contribution "
