@@ -73,6 +73,17 @@ def test_unknown_finding_is_a_usage_error(capsys):
 
 
 @pytest.mark.parametrize(
+    "rows, message",
+    [("1,x", "--rows takes row indices"), ("3", "have rows 0..2"), ("-1", "have rows 0..2")],
+)
+def test_bad_rows_are_a_usage_error(capsys, rows, message):
+    # the mixed finding has three rows (0, 1, 2): 3 and -1 are outside, x is no index
+    with pytest.raises(SystemExit) as exc:
+        science.main(["--findings", "mixed", "--rows", rows])
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
     "argv, message",
     [
         (["--trace-out", "x.txt"], "--trace-out needs --trace N"),

@@ -115,7 +115,9 @@ def run(
     data: str | None = None,
     tokens: int | None = None,
     overrides: dict | None = None,
+    rows: list[int] | None = None,
 ) -> dict:
+    """`rows`: the indices of the rows to run in each finding (default all)."""
     cfg = base_config(size, data, tokens, overrides)
     eval_dt = cfg.token_budget / (cfg.data.batch_size * cfg.data.seq_len) / 20
     out: dict = dict(
@@ -128,7 +130,8 @@ def run(
     )
     for finding in findings:
         print(f"[{finding}]", flush=True)
-        out["findings"][finding] = [run_row(cfg, r, seeds, eval_dt) for r in rows_for(finding)]
+        picked = [r for i, r in enumerate(rows_for(finding)) if rows is None or i in rows]
+        out["findings"][finding] = [run_row(cfg, r, seeds, eval_dt) for r in picked]
     return out
 
 
@@ -215,6 +218,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--data", default=None)
     parser.add_argument("--tokens", type=int, default=None, help="token budget override")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument(
+        "--rows", default=None, help="comma-separated row indices (from 0) of each finding"
+    )
     parser.add_argument("--json", dest="json_out", default=None)
     parser.add_argument("--plot-dir", default=None, help="writes science_<finding>.png there")
     args = parser.parse_args(argv)
@@ -223,8 +229,16 @@ def main(argv: list[str]) -> int:
         parser.error(f"unknown findings {sorted(set(findings) - set(FINDINGS))}; known: {FINDINGS}")
     if args.seeds < 1:
         parser.error("--seeds must be >= 1")
+    try:
+        rows = [int(i) for i in args.rows.split(",")] if args.rows else None
+    except ValueError:
+        parser.error(f"--rows takes row indices, got {args.rows!r}")
+    if rows is not None:
+        fewest = min(len(rows_for(f)) for f in findings)
+        if min(rows) < 0 or max(rows) >= fewest:
+            parser.error(f"--rows {args.rows}: the findings {findings} have rows 0..{fewest - 1}")
     summary = run(
-        findings, args.size, args.seeds, args.data, args.tokens, parse_sets(args.set, parser)
+        findings, args.size, args.seeds, args.data, args.tokens, parse_sets(args.set, parser), rows
     )
     print()
     print(format_tables(summary))

@@ -337,6 +337,22 @@ class OuterConfig(_Frozen):
         "is kept); now, Theta(now) - theta_m (the paper's appendix D.2): the merger adds the "
         "fragment's change since the contribution's base version. The same at staleness 0",
     )
+    staleness: Literal["none", "momentum", "age"] = Field(
+        "none",
+        description="staleness-aware outer update, applied to each stale contribution (staleness "
+        "> 0) before islands are combined (training/merge/staleness.py): none; "
+        "momentum, HeLoCo's correction (arXiv 2606.00271): per tensor, a contribution that "
+        "conflicts with the outer momentum loses part of the conflicting component, a weakly "
+        "aligned one is turned toward it; age, CGAD's scale (arXiv 2605.09126): the contribution "
+        "x exp(-rate x staleness) x a cosine gate that reaches 0 just past max_staleness. Unlike "
+        "staleness_decay (a vote weight among the islands of one merge), both change the step",
+    )
+    staleness_rate: float = Field(
+        0.1,
+        ge=0,
+        description="outer.staleness = age: the decay rate per fragment version of staleness "
+        "(CGAD's alpha)",
+    )
     clip_multiplier: float = Field(5.0, gt=1, description="clip norms above k x running median")
     rounds: Literal["steps", "clock"] = Field(
         "clock",
@@ -358,6 +374,15 @@ class OuterConfig(_Frozen):
         "pseudo-gradient codec (training/protocol/broadcast.py: about 8x fewer bytes with int4), and "
         "the whole float32 shadow only when too far behind (with codec fp32: as fp32)",
     )
+
+    @model_validator(mode="after")
+    def _staleness_needs_momentum(self) -> OuterConfig:
+        if self.staleness == "momentum" and not self.momentum:
+            raise ValueError(
+                "outer.staleness = momentum corrects stale contributions with the outer "
+                "momentum: set outer.momentum > 0 (or outer.staleness none / age)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _fractional_needs_shares(self) -> OuterConfig:

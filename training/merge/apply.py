@@ -25,7 +25,7 @@ import numpy as np
 
 from training.codecs import host as codecs
 from training.config.experiment import ExperimentConfig
-from training.merge import rules
+from training.merge import rules, staleness
 from training.merge import stream as merge_stream
 from training.store import merge_records as records
 from training.store.objectstore import StoreError, StoreUnreachable, TransientStoreError
@@ -90,7 +90,7 @@ def apply_groups(
             by_island.setdefault(c.island, []).append(c)
         for island, contribs in sorted(by_island.items()):
             vote, kept, vote_norms, (total_sq, body_sq) = _vote(
-                cfg, shapes, contribs, norms, params_norm, combiner, io, now
+                cfg, shapes, contribs, norms, params_norm, combiner, io, now, state.momentum
             )
             if vote is None:
                 continue
@@ -147,7 +147,7 @@ def apply_groups(
     return Applied(state, applied, details, norms)
 
 
-def _vote(cfg, shapes, contribs, norms, params_norm, combiner, io: Io, now=None):
+def _vote(cfg, shapes, contribs, norms, params_norm, combiner, io: Io, now=None, momentum=None):
     """One island's vote on a fragment: its pending contributions, each checked and its
     norms computed in one streaming pass, summed (they are consecutive increments: an
     island never publishes the same progress twice). Returns (vote or None, the
@@ -157,7 +157,9 @@ def _vote(cfg, shapes, contribs, norms, params_norm, combiner, io: Io, now=None)
 
     `now` (only with `outer.anchor = "now"`) = (HEAD's version, its params as they stand, a
     cache of base versions' params): a stale contribution is re-anchored at them
-    (`_anchored_now`)."""
+    (`_anchored_now`). `momentum` (the fragment's outer momentum): a stale contribution is then
+    corrected by `outer.staleness` (training/merge/staleness.py); its norm as published is what
+    the clipping history and the quarantine judge, the corrected vote is what is folded."""
     vote: merge_stream.Vote | None = None
     kept, vote_norms, sqs = [], [], (0.0, 0.0)
     limit = rules.clip_limit(cfg.outer, norms)
@@ -186,6 +188,12 @@ def _vote(cfg, shapes, contribs, norms, params_norm, combiner, io: Io, now=None)
         if reason is not None:
             io.reject(c.id, reason)
             continue
+        fixed = staleness.stale_correction(
+            cfg.outer, this, c.staleness, momentum or {}, shapes, buf
+        )
+        if fixed is not None:
+            this = fixed
+            total_sq, body_sq = merge_stream.sq_norms(this, shapes, combiner.body, buf)
         vote = this if vote is None else merge_stream.add_votes(vote, this, shapes, buf)
         sqs = (total_sq, body_sq) if not kept else None
         kept.append(c)
