@@ -204,3 +204,30 @@ def test_the_cli_replays_a_file_store_and_exits_2_on_a_bad_fragment(tmp_path):
         2,
         "diloco replay: error: fragment 7 out of range (P = 2)",
     )
+
+
+@pytest.mark.slow
+def test_a_chaos_run_with_kills_and_a_restore_replays_to_the_same_bits(monkeypatch):
+    """The chaos benchmark's run (production Island and Merger on a virtual clock, islands
+    killed and restarted from their checkpoints), then an earlier snapshot restored."""
+    from tests.helpers import SMALL_MODEL
+    from training.bench import chaos
+    from training.store.experiment import ExperimentStore
+
+    opened = []
+    monkeypatch.setattr(
+        chaos,
+        "open_store",
+        lambda url, _open=chaos.open_store: opened.append(_open(url)) or opened[-1],
+    )
+    p = chaos.BenchParams(H=4, batch_size=4, recovery_s=20.0)
+    overrides = {"model": SMALL_MODEL, "data.seq_len": 32, "data.eval_batches": 1}
+    overrides.update({"fragments.count": 2, "codec": "int4"})
+    cfg = chaos.bench_config(True, p, tokens=4 * 24 * 4 * 32, overrides=overrides)
+    out = chaos.run_one(cfg, 20.0, p)
+    assert out["kills"] >= 2
+    store = ExperimentStore(opened[0], cfg.name)
+    snapshots = store.snapshots()
+    store.restore_snapshot(store.snapshot_of(snapshots[len(snapshots) // 2]), "test")
+    code, lines = _lines(cfg, store)
+    assert (code, lines[-1]) == (0, f"replayed {len(lines) - 1} version(s): all bit-exact"), lines
