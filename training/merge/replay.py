@@ -80,6 +80,8 @@ def replay(
     """Outcomes of versions `start`..`to` (default: HEAD) of `fragment` (default: every
     fragment, in order), one per version, oldest first."""
     names = fragment_names(cfg)
+    if start < 0 or (to is not None and to < 0):
+        raise ReplayInputError(f"versions are >= 0 (from {start}, to {to})")
     if fragment is not None and not 0 <= fragment < len(names):
         raise ReplayInputError(f"fragment {fragment} out of range (P = {len(names)})")
     shapes = {k: tuple(v.shape) for k, v in model.abstract_params(cfg.model).items()}
@@ -121,7 +123,7 @@ def _replay_version(cfg, store, shapes, chain, v: int) -> Outcome:
         return Outcome(base.fragment, v, base.applied, stop.status, stop.detail, base.restored_from)
     except ObjectNotFound as err:
         return Outcome(base.fragment, v, base.applied, CANNOT, f"collected: {err}")
-    except StoreError as err:
+    except (StoreError, ValueError, KeyError) as err:  # a record or payload of v - 1 refused
         return Outcome(base.fragment, v, base.applied, CANNOT, f"unreadable: {err}")
     return base
 
