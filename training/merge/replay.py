@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -120,11 +120,11 @@ def _replay_version(cfg, store, shapes, chain, v: int) -> Outcome:
         else:
             _check_merge(cfg, store, shapes, chain, v)
     except _Stop as stop:
-        return Outcome(base.fragment, v, base.applied, stop.status, stop.detail, base.restored_from)
+        return replace(base, status=stop.status, detail=stop.detail)
     except ObjectNotFound as err:
-        return Outcome(base.fragment, v, base.applied, CANNOT, f"collected: {err}")
+        return replace(base, status=CANNOT, detail=f"collected: {err}")
     except (StoreError, ValueError, KeyError) as err:  # a record or payload of v - 1 refused
-        return Outcome(base.fragment, v, base.applied, CANNOT, f"unreadable: {err}")
+        return replace(base, status=CANNOT, detail=f"unreadable: {err}")
     return base
 
 
