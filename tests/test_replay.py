@@ -162,6 +162,18 @@ def test_a_tampered_version_is_reported_at_exactly_that_version():
     )
 
 
+def test_a_restore_that_is_not_the_version_it_names_is_reported():
+    cfg = _cfg()
+    store = _run(cfg)
+    name, index = _tamper_params(store, 0, 4)  # version 4 restored version 1
+    code, lines = _lines(cfg, store, fragment=0)
+    assert (code, lines[-2]) == (
+        1,
+        f"fragment 0 version 4 (restored from v1): DIFFERS: params/{name}: max abs diff 1, "
+        f"first at index {index}",
+    )
+
+
 def test_a_tampered_contribution_is_reported_at_the_version_that_applied_it():
     cfg = _cfg()
     store = _run(cfg)

@@ -116,7 +116,9 @@ def _replay_version(cfg, store, shapes, chain, v: int) -> Outcome:
             if not is_int(version) or not 0 <= version < v:
                 raise _Stop(CANNOT, f"restored_from {restored!r} names no earlier version")
             base = Outcome(pointer.fragment, v, 0, OK, restored_from=version)
-            _check_restore(store, chain, v, version)
+            if restored.get("dir") != chain[version][0].dir:
+                raise _Stop(CANNOT, f"restored_from {restored!r} is not on the version chain")
+            _check_restore(store, shapes, chain, v, version)
         else:
             _check_merge(cfg, store, shapes, chain, v)
     except _Stop as stop:
@@ -128,16 +130,19 @@ def _replay_version(cfg, store, shapes, chain, v: int) -> Outcome:
     return base
 
 
-def _check_restore(store, chain, v: int, version: int) -> None:
+def _check_restore(store, shapes, chain, v: int, version: int) -> None:
     """A restore of BEST: v's params and outer state are those of the version it restores."""
-    pointer, manifest = chain[v]
-    got = store.load_fragment(pointer, outer_state=True, manifest=manifest)
-    was = store.load_fragment(chain[version][0], outer_state=True, manifest=chain[version][1])
+    limits = apply.fragment_limits(shapes)
+    got = store.load_fragment(
+        chain[v][0], outer_state=True, manifest=chain[v][1], max_nbytes=limits
+    )
+    was_at, was_manifest = chain[version]
+    was = store.load_fragment(was_at, outer_state=True, manifest=was_manifest, max_nbytes=limits)
     _compare("params", got.params, was.params)
     _compare("outer_state", got.outer_state, was.outer_state)
 
 
-def _records(manifest: Mapping, v: int) -> list[dict]:
+def _records(manifest: Mapping) -> list[dict]:
     """v's `contributions` records of its `applied` ids, checked: each with its group index,
     weight cap and active count (apply.REPLAY_FIELDS), the ids exactly those applied."""
     found = manifest.get("contributions")
@@ -170,7 +175,7 @@ def _records(manifest: Mapping, v: int) -> list[dict]:
 def _check_merge(cfg, store, shapes, chain, v: int) -> None:
     pointer, manifest = chain[v]
     parent, parent_manifest = chain[v - 1]
-    recs = _records(manifest, v)
+    recs = _records(manifest)
     candidates = {}
     for r in recs:
         ref = store.pseudograd(r["id"])
