@@ -12,7 +12,8 @@ islands, `tiny` preset) twice, one run after the other:
    task's retry repairs the ledger), and 5% of storage calls fail transiently.
 
 Then the bucket is read with google-cloud-storage alone: zero lost (every committed
-pseudo-gradient is applied; nothing quarantined), zero double-applied (no id twice over HEAD's
+pseudo-gradient is applied or, a stale last interval at the end, held back with its reason;
+nothing quarantined), zero double-applied (no id twice over HEAD's
 chain; the ledger names exactly the version that applied each id, and nothing else), the chaos
 metrics hold the injected events, and the final eval loss of the chaos run is within 3% of the
 fault-free run's.
@@ -32,6 +33,7 @@ from devtools.demo import demo_conf
 from tests.airflow_fixture import running_airflow
 from tests.gcs_fixture import gcs_bucket  # noqa: F401
 from tests.test_e2e_airflow import DAG, ISLANDS, Bucket
+from training.merge.rules import HELD_BACK
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(720)]
 
@@ -114,8 +116,11 @@ def check_exactly_once(bucket: Bucket, islands=ISLANDS) -> dict:
     quarantined = {
         n[len("quarantine/") : -len(".json")]: bucket.json(n) for n in bucket.names("quarantine/")
     }
-    assert not quarantined, f"quarantined: {quarantined}"
-    lost = sorted(set(committed) - set(applied))
+    # held back at the end (outer.end_max_staleness: a stalled island's stale last interval)
+    # is accounted for; anything else in quarantine is a fault of the run
+    held = {pg for pg, q in quarantined.items() if q.get("reason", "").startswith(HELD_BACK)}
+    assert set(quarantined) == held, f"quarantined: {quarantined}"
+    lost = sorted(set(committed) - set(applied) - held)
     assert not lost, f"committed but never applied: {lost}"
     assert set(bucket.names("done/")) == {f"done/{i}.json" for i in islands}
     evals = sorted(bucket.records("metrics/eval/"), key=lambda r: r["at"])

@@ -17,7 +17,7 @@ its argument parser per subcommand, kept together so each command reads in one p
     diloco report  --store URL --experiment NAME --out DIR
     diloco prepare --data SRC --tokenizer T --out URL [--workers N] [--text-field F]
     diloco bench   quality | goodput-sim | chaos | merge | fetch | wan | science | island | scavenge
-                   | stream | device  [...]
+                   | stream | device | syncer  [...]
 
 Every error a user can cause (a bad config, name or URL, an unreachable store, a corrupt object)
 ends with one line on stderr and exit status 2.
@@ -375,6 +375,10 @@ def cmd_bench(args, rest: list[str]) -> int:
         from training.bench import scavenge
 
         return scavenge.main(rest)
+    if args.bench == "syncer":
+        from training.bench import syncer
+
+        return syncer.main(rest)
     if args.bench == "science":
         from training.bench import science
 
@@ -565,7 +569,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser(
         "bench",
         help="benchmarks: quality, goodput-sim, chaos, merge, fetch, wan, science, island, scavenge, "
-        "device",
+        "stream, device, syncer",
         add_help=False,
     )
     sp.add_argument("bench", nargs="?", choices=BENCHES)
@@ -585,6 +589,7 @@ BENCHES = [
     "scavenge",
     "stream",
     "device",
+    "syncer",
 ]
 
 

@@ -71,7 +71,12 @@ def finalize_experiment(store_url: str, experiment: str, run_id: str | None = No
     later run) then evaluates and restores nothing."""
     from training.config.experiment import parse_config
     from training.merge.syncer import claim_finalize
-    from training.model.evaluate import end_of_run_report, evaluate_current, finish_at_best
+    from training.model.evaluate import (
+        end_of_run_report,
+        evaluate_current,
+        evaluate_recent_merges,
+        finish_at_best,
+    )
 
     merged = merge_experiments([{"store_url": store_url, "experiment": experiment}])
     estore = store.open_experiment(store_url, experiment)
@@ -83,11 +88,20 @@ def finalize_experiment(store_url: str, experiment: str, run_id: str | None = No
     if holder is not None:
         log.info("%s: already finalized by run %s: no second eval or restore", experiment, holder)
         return {"merged": merged, "finalized_by": holder, "done": sorted(estore.done())}
+    if over:  # the last merges no eval saw, before the final eval (which stays the last one)
+        recent = evaluate_recent_merges(cfg, estore)
+        if recent:
+            log.info(
+                "%s: evaluated the last merges %s",
+                experiment,
+                [(r["versions"], round(r["loss"], 4)) for r in recent],
+            )
     record = evaluate_current(cfg, estore)
     log.info("%s: final eval %s", experiment, record)
     restored = False
     if over:
-        # nobody trains or merges any more: the run ends on its best evaluated snapshot
+        # nobody trains or merges any more: the run ends on the best of its evaluated snapshots,
+        # the last merges included
         finish = finish_at_best(cfg, estore, record)
         restored = finish["restored"]
         if restored:

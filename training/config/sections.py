@@ -8,7 +8,7 @@ error, not a default. Every field carries a description: the trigger form and `f
 
 from __future__ import annotations
 
-from typing import Any, Literal, get_args
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -279,7 +279,14 @@ class OuterConfig(_Frozen):
     momentum: float = Field(0.9, ge=0, lt=1, description="outer momentum (0: plain SGD)")
     nesterov: bool = Field(True, description="Nesterov momentum in the outer step")
     delay_period: int | None = Field(None, gt=0, description="Delayed Nesterov N; default M")
-    quorum: int = Field(1, gt=0, description="K: minimum islands per fragment merge")
+    quorum: Annotated[int, Field(gt=0)] | Literal["auto"] = Field(
+        1,
+        description='K: minimum islands per fragment merge; "auto": the syncer chooses K per '
+        "fragment merge from the islands' heartbeats (live islands, download time per "
+        "version) and the round period, so that the new versions fit half a round of the "
+        "slowest downlink, never waiting for a dead island nor more than a round "
+        "(training/merge/quorum.py)",
+    )
     grace_gamma: float = Field(
         0.5,
         ge=0,
@@ -297,6 +304,14 @@ class OuterConfig(_Frozen):
     )
     max_grace_s: float = Field(30.0, ge=0, description="the grace window's cap, seconds")
     max_staleness: int = Field(16, gt=0, description="drop contributions older than this")
+    end_max_staleness: int | None = Field(
+        2,
+        ge=0,
+        description="once the run ends (control/STOP: the budget merged, or a user's stop), "
+        "hold back a contribution staler than this many fragment versions (quarantined with "
+        "the reason) instead of merging it: no later merge and no eval follow a step taken "
+        "from an old base at the end; null: merge them as during the run",
+    )
     rda: bool = Field(
         True, description="radial-directional averaging of non-embedding tensors (not sync)"
     )
@@ -388,6 +403,14 @@ class SyncerConfig(_Frozen):
         gt=0,
         description="evaluate the current global model at most this often while it changes "
         "(a task of its own: never delays a merge); a final eval ends the run",
+    )
+    final_evals: int = Field(
+        4,
+        ge=0,
+        le=64,
+        description="at the end of a run, finalize also evaluates up to this many of the last "
+        "models the merges made since the last eval (one per merge), so that a worse final "
+        "model is replaced by the best merge, not by an older eval's snapshot",
     )
     fetch_concurrency: int = Field(
         1,

@@ -19,6 +19,7 @@ every process, each with its own read of those immutable versions.
 
 from __future__ import annotations
 
+import time
 from functools import partial
 from typing import Any
 
@@ -41,8 +42,12 @@ class Adopter:
     merge the island waits for; `fetches`: adopts whose store reads are in flight, in order.
     """
 
-    def __init__(self, cfg, name: str, store, group, loop, frags, H: int):
+    def __init__(self, cfg, name: str, store, group, loop, frags, H: int, clock=time.time):
         self.cfg = cfg
+        self.clock = clock
+        # seconds per fragment version read (a moving average of the fetch thread's reads):
+        # what the syncer's automatic quorum weighs against the round (training/merge/quorum.py)
+        self.download_s: float | None = None
         self.name = name
         self.store = store
         self.group = group
@@ -115,14 +120,21 @@ class Adopter:
             if wants[p] is not None and merged_seq(manifest, self.name) < wants[p]:
                 out.append((p, head, None))
                 continue
+            started = self.clock()
             if broadcast.enabled(self.cfg):
                 got = broadcast.fetch(
                     self.store, head, manifest, state.shadows.get(p), self.cfg.codec, self.shapes(p)
                 )
             else:
                 got = broadcast.read_full(self.store, head, manifest, self.shapes(p))
+            self._timed(self.clock() - started, head.version - state.base_version[p])
             out.append((p, head, got))
         return out
+
+    def _timed(self, seconds: float, versions: int) -> None:
+        """Fold one read of `versions` newer versions of a fragment into `download_s`."""
+        each = max(0.0, seconds) / max(1, versions)
+        self.download_s = each if self.download_s is None else 0.7 * self.download_s + 0.3 * each
 
     def agreed(self, fetched: list) -> list:
         """`fetch`'s result as process 0 fetched it: the same (fragment, version or None) list

@@ -164,7 +164,7 @@ class Island:
         self.fetch_io = Background(f"island-{name}-fetch", background)
         self.ckpt_io = Background(f"island-{name}-ckpt", background)
         self.backgrounds = (self.io, self.fetch_io, self.ckpt_io)
-        self.adopter = Adopter(cfg, name, store, self.group, self.loop, self.frags, self.H)
+        self.adopter = Adopter(cfg, name, store, self.group, self.loop, self.frags, self.H, clock)
         self.publisher = Publisher(
             cfg, name, store, self.loop, self.frags, self.writer, self.io, clock
         )
@@ -384,7 +384,12 @@ class Island:
         )
 
     def _heartbeat_record(self, loss, tokens_per_s: float | None) -> dict[str, Any]:
-        return self.publisher.heartbeat_record(self.state, self.goodput.state(), loss, tokens_per_s)
+        record = self.publisher.heartbeat_record(
+            self.state, self.goodput.state(), loss, tokens_per_s
+        )
+        if self.adopter.download_s is not None:  # seconds per fragment version read
+            record["download_s"] = self.adopter.download_s
+        return record
 
     def heartbeat(self, loss, tokens_per_s: float | None, budget: bool = False) -> None:
         """Overwrite this island's heartbeat (`tokens_per_s` None: keep the last rate); `loss`

@@ -37,7 +37,7 @@ import numpy as np
 
 from training.codecs import host as codecs
 from training.config.experiment import ExperimentConfig
-from training.merge import apply, rules
+from training.merge import apply, quorum, rules
 from training.merge.fetch import Prefetch
 from training.model import definition as model
 from training.model.runtime import fragment_names
@@ -129,6 +129,9 @@ class Merger:
         # fragment -> {candidate id: when this merger first saw it} (the grace floor's start;
         # rebuilt every pass from the pending candidates, so it holds no applied ones)
         self._seen: dict[int, dict[str, float]] = {}
+        self._heartbeats: dict[str, dict] = {}  # this pass's (read when something is pending)
+        self._k: dict[int, int] = {}  # outer.quorum = "auto": fragment -> its K last merge
+        self._period: float | None = None  # the shared round clock's period, once known
 
     def _version(self, head: HeadPointer) -> tuple[dict, records.MergeState]:
         """The manifest of a committed version and its merge state, read and parsed once per
@@ -190,11 +193,23 @@ class Merger:
                 self._quarantine(ref.id, reason, result)
         self.store.hit_fault("merge.after-read")  # the store's fault plan (faults/points.py)
         active = self._active_islands()
-        beats = claims.beats(self.store.heartbeats()) if any(pending.values()) else {}
+        self._heartbeats = self.store.heartbeats() if any(pending.values()) else {}
+        beats = claims.beats(self._heartbeats)
+        ending = (
+            self.cfg.outer.end_max_staleness is not None
+            and any(pending.values())
+            and self.store.stop_requested()
+        )
         for head in heads:
             if pending[head.fragment]:
                 self._merge_fragment(
-                    head, *versions[head.fragment], pending[head.fragment], active, result, beats
+                    head,
+                    *versions[head.fragment],
+                    pending[head.fragment],
+                    active,
+                    result,
+                    beats,
+                    ending,
                 )
         result.skipped = self.store.skipped.count - skipped_before
         if result.versions:
@@ -226,7 +241,10 @@ class Merger:
         active: set[str],
         result: MergeResult,
         beats: dict[str, claims.Beat],
+        ending: bool = False,
     ) -> None:
+        """One fragment's merge. `ending` (control/STOP exists): contributions staler than
+        `outer.end_max_staleness` are held back (rules.held_back_at_end)."""
         started = time.monotonic()
         p = head.fragment
         base_times, previous = claims.history(ms)
@@ -248,6 +266,8 @@ class Merger:
             )
             if isinstance(checked, str):
                 rejected[ref.id] = checked
+            elif ending and (held := rules.held_back_at_end(self.cfg.outer, checked.staleness)):
+                rejected[ref.id] = held
             else:
                 candidates.append(checked)
         if rejected:
@@ -264,8 +284,16 @@ class Merger:
         now = self.clock()
         seen = self._seen.get(p, {})
         self._seen[p] = seen = {c.id: seen.get(c.id, now) for c in candidates}
+        k, k_wait_s = self._quorum(p, candidates, active, now)
         groups, wait = rules.select(
-            self.cfg, candidates, active, now, ms.sync_s, min(seen.values(), default=now)
+            self.cfg,
+            candidates,
+            active,
+            now,
+            ms.sync_s,
+            min(seen.values(), default=now),
+            k,
+            k_wait_s,
         )
         if wait is not None:
             result.waiting_until = min(result.waiting_until or wait, wait)
@@ -348,6 +376,37 @@ class Merger:
         result.contributions += details
         for d in details:
             d["merged_at"] = merged_at
+
+    def _quorum(
+        self, p: int, candidates: Sequence[rules.Candidate], active: set[str], now: float
+    ) -> tuple[int | None, float | None]:
+        """(K, the longest wait for it) of fragment p's merge now: `outer.quorum` as configured
+        (None, None), or with "auto" the K of training/merge/quorum.auto_quorum from the live
+        islands' heartbeats and the round period, waiting at most one round. Logs each change."""
+        if self.cfg.outer.quorum != "auto" or not candidates:
+            return None, None
+        round_s = self._round_period(candidates)
+        window = quorum.live_window(self.cfg.heartbeat_s, round_s)
+        live = quorum.live_islands(self._heartbeats, active, now, window)
+        facts = quorum.QuorumFacts(
+            len(live), round_s, quorum.slowest_download_s(live), len(self.frags)
+        )
+        k = quorum.auto_quorum(facts)
+        if self._k.get(p) != k:
+            log.info("fragment %d: quorum K %s -> %d (%s)", p, self._k.get(p), k, facts)
+            self._k[p] = k
+        return k, round_s
+
+    def _round_period(self, candidates: Sequence[rules.Candidate]) -> float | None:
+        """The round period: the shared round clock's (read once: it is create-only), else H
+        times the candidates' median step time (None when no step time is known)."""
+        if self._period is None and rounds.clock_rounds(self.cfg):
+            clock = self.store.round_clock()
+            self._period = None if clock is None else clock[1]
+        if self._period is not None:
+            return self._period
+        step_s = rules.median_step_s(candidates)
+        return self.cfg.inner.H * step_s if step_s > 0 else None
 
     def _fragment_arrays(self, head: HeadPointer, manifest: dict):
         """(params, outer-state tensors, broadcast shadow) of the version `head` names,

@@ -281,6 +281,20 @@ def check_manifest(
     )
 
 
+HELD_BACK = "held back at the end of the run"  # how such a quarantine reason starts
+
+
+def held_back_at_end(outer: OuterConfig, staleness: int) -> str | None:
+    """Once the run ends (control/STOP), the reason to hold back a contribution `staleness`
+    fragment versions old, or None to merge it. At the end no later merge dilutes a step taken
+    from an old base and no eval precedes the final one (issue 24: a lone contribution of a
+    just-rejoined island at staleness 4 was the last merge and raised the eval loss 13%)."""
+    bound = outer.end_max_staleness
+    if bound is None or staleness <= bound:
+        return None
+    return f"{HELD_BACK}: staleness {staleness} > outer.end_max_staleness {bound}"
+
+
 def vote_weight(outer: OuterConfig, tokens: int, steps: int, staleness: int) -> float:
     """Quantity x quality (tokens^2 / steps), divided by 1 + staleness (fragment versions)."""
     weight = float(tokens) ** 2 / float(steps) if outer.token_weighting else 1.0
@@ -314,12 +328,14 @@ def median_step_s(group: Sequence[Candidate]) -> float:
     return float(np.median([c.step_time_s for c in group]))
 
 
-def grace_seconds(cfg: ExperimentConfig, group: Sequence[Candidate], sync_s: float) -> float:
+def grace_seconds(
+    cfg: ExperimentConfig, group: Sequence[Candidate], sync_s: float, quorum: int = 1
+) -> float:
     """The paper's adaptive window: gamma * (tau * step_time - time to quorum - sync time),
     capped at max_grace_s, >= 0, counted from the first publish (step_time: median_step_s)."""
     o = cfg.outer
     step_s = median_step_s(group)
-    quorum_at = group[min(o.quorum, len(group)) - 1].published_at
+    quorum_at = group[min(quorum, len(group)) - 1].published_at
     slack = cfg.inner.tau * step_s - (quorum_at - group[0].published_at) - sync_s
     return float(min(o.max_grace_s, max(0.0, o.grace_gamma * slack)))
 
@@ -346,10 +362,15 @@ def select(
     now: float,
     sync_s: float,
     seen_at: float | None = None,
+    quorum: int | None = None,
+    quorum_wait_s: float | None = None,
 ) -> tuple[list[list[Candidate]], float | None]:
     """The groups of one fragment's candidates to apply now (one outer step each, in order),
     and when to look again if the grace window holds them back (else None). `seen_at`: when
-    the merger first saw any of them (default: now); the grace floor counts from there."""
+    the merger first saw any of them (default: now); the grace floor counts from there.
+    `quorum`: K (default `outer.quorum`, which must then be a number); `quorum_wait_s`: how
+    long after `seen_at` a merge short of K waits at most (None: until K arrive, as a fixed
+    quorum does)."""
     cands = sorted(candidates, key=lambda c: (c.published_at, c.island, c.seq))
     if not cands:
         return [], None
@@ -363,18 +384,31 @@ def select(
         if active and active <= set(first):
             return [[first[i] for i in sorted(first)]], None
         return [], None
+    k = cfg.outer.quorum if quorum is None else quorum
+    if not isinstance(k, int):
+        raise ValueError(f"outer.quorum {k!r}: the merger passes the K it chose")
     islands = {c.island for c in cands}
-    if len(islands) < min(cfg.outer.quorum, max(len(active), 1)):
-        return [], None
+    if len(islands) < min(k, max(len(active), 1)):
+        if quorum_wait_s is None:
+            return [], None
+        # from when the merger first saw them (an upload over a thin link can take most of
+        # a round: the others' take as long)
+        until = (now if seen_at is None else seen_at) + quorum_wait_s
+        if now < until:
+            return [], until
+        return [g for g in _by_finality(cands) if g], None  # waited a round: merge what came
     deadline = max(
-        cands[0].published_at + grace_seconds(cfg, cands, sync_s),
+        cands[0].published_at + grace_seconds(cfg, cands, sync_s, k),
         (now if seen_at is None else seen_at) + grace_floor_seconds(cfg, cands),
     )
     if not active <= islands and now < deadline:
         return [], deadline
-    regular = [c for c in cands if not c.final]
-    final = [c for c in cands if c.final]
-    return [g for g in (regular, final) if g], None
+    return [g for g in _by_finality(cands) if g], None
+
+
+def _by_finality(cands: Sequence[Candidate]) -> tuple[list[Candidate], list[Candidate]]:
+    """(regular contributions, islands' last partial ones): one outer step each."""
+    return [c for c in cands if not c.final], [c for c in cands if c.final]
 
 
 # -- payloads ------------------------------------------------------------------------------------

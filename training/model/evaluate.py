@@ -8,6 +8,7 @@ from training.config.experiment import ExperimentConfig
 from training.data.corpus import eval_batches
 from training.model.runtime import corpus_for, loop_for
 from training.store.layout import Snapshot, iso
+from training.store.objectstore import ObjectNotFound
 from training.store.tensorboard import ScalarWriter
 
 
@@ -24,24 +25,32 @@ def eval_loss(cfg: ExperimentConfig, params) -> float:
 
 
 def evaluate_snapshot(
-    cfg: ExperimentConfig, store, snapshot: Snapshot | None = None, record: bool = True
+    cfg: ExperimentConfig,
+    store,
+    snapshot: Snapshot | None = None,
+    record: bool = True,
+    late: bool = False,
 ) -> dict:
     """Evaluate the model at `snapshot` (default: every fragment's HEAD now).
 
     With `record`, the snapshot is written to snapshots/, the result to metrics/eval, and it
     becomes snapshots/BEST.json if its loss is the lowest so far. Returns the eval record:
-    `loss`, `tokens_merged`, `versions` and `dirs` (the snapshot), `at` and `at_iso`.
+    `loss`, `tokens_merged`, `versions` and `dirs` (the snapshot), `at` and `at_iso`. `late`:
+    an older model evaluated now; `at` is when the model was made (snapshot.at, so curves stay
+    in model order) and `evaluated_at` when it was evaluated.
     """
     snapshot = snapshot or store.current_snapshot()
     if snapshot is None:
         raise RuntimeError(f"experiment {cfg.name!r} has no global version: run init")
-    at = time.time()
+    now = time.time()
+    at = snapshot.at if late else now
     out = {
         **snapshot.to_dict(),
         "loss": eval_loss(cfg, store.load_params(snapshot)),
         "at": at,
         "at_iso": iso(at),
         "version": sum(snapshot.versions),  # a scalar that grows with every merge
+        **({"evaluated_at": now} if late else {}),
     }
     if record:
         store.record_snapshot(snapshot, {"by": "eval", "loss": out["loss"]})
@@ -61,6 +70,38 @@ def evaluate_snapshot(
 def evaluate_current(cfg: ExperimentConfig, store) -> dict:
     """Evaluate and record the model as it is now (see evaluate_snapshot)."""
     return evaluate_snapshot(cfg, store)
+
+
+def last_unevaluated(history: list[Snapshot], evaluated: set[tuple[int, ...]], limit: int):
+    """The models of `history` (store.snapshot_history: one per merge, oldest first) made after
+    the last evaluated one (`evaluated`: versions vectors), the newest excluded (the final eval
+    covers it): at most `limit` of them, the newest first."""
+    last = history[:-1]
+    start = max((i for i, s in enumerate(last) if s.versions in evaluated), default=-1)
+    return last[start + 1 :][::-1][:limit]
+
+
+def evaluate_recent_merges(cfg: ExperimentConfig, store) -> list[dict]:
+    """At the end of a run (no island trains, no merger runs), before the final eval: evaluate
+    and record the models the last merges made that no eval saw (`syncer.final_evals` at most, `last_unevaluated`), so
+    that `finish_at_best` chooses among every recent merge, not only among the evaluator's
+    periodic snapshots (issue 24: a bad last merge made finalize restore an eval 4 merges
+    older, discarding three healthy merges never evaluated). Returns their eval records."""
+    limit = cfg.syncer.final_evals
+    if limit == 0:
+        return []
+    evaluated = {
+        tuple(e["versions"])
+        for e in store.read_metrics("eval")
+        if isinstance(e.get("versions"), list)
+    }
+    out = []
+    for snapshot in last_unevaluated(store.snapshot_history(), evaluated, limit):
+        try:
+            out.append(evaluate_snapshot(cfg, store, snapshot, late=True))
+        except ObjectNotFound:  # collected since: the others are still worth a look
+            continue
+    return out
 
 
 def end_of_run_report(store) -> dict:

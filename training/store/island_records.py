@@ -177,7 +177,8 @@ def _versions_ok(base: Any) -> bool:
 
 def parse_heartbeat(data: Any, island: str) -> dict[str, Any]:
     """heartbeats/{island}.json: names `island`; "at" a number; if present: step, tokens, seq,
-    bytes_sent, pid (ints >= 0), base_version (a version or one per fragment), tokens_per_s, time (numbers), loss, goodput
+    bytes_sent, pid (ints >= 0), base_version (a version or one per fragment), tokens_per_s,
+    download_s (numbers >= 0), time (a number), loss, goodput
     (numbers or null), goodput_state (a goodput snapshot). BadHeartbeat."""
     m = load_object(data, safejson.HEARTBEAT, BadHeartbeat, f"heartbeat of {island}")
     f = Fields(m, BadHeartbeat, f"heartbeat of {island}")
@@ -188,6 +189,7 @@ def parse_heartbeat(data: Any, island: str) -> dict[str, Any]:
         f.int(key, optional=True)
     f.get("base_version", _versions_ok, "a version or a list of versions", optional=True)
     f.real("tokens_per_s", 0.0, optional=True)
+    f.real("download_s", 0.0, optional=True)
     f.real("time", optional=True)
     f.real("loss", optional=True, nullable=True)
     f.real("goodput", optional=True, nullable=True)

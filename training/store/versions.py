@@ -297,6 +297,42 @@ class FragmentVersions:
             directory = manifest.get("parent_dir")
         return chain[::-1]
 
+    def snapshot_history(self) -> list[Snapshot]:
+        """The models the merges made, oldest first: one Snapshot per committed fragment version
+        the store still holds (versions of all fragments in the order of their `created_at`,
+        ties by fragment), each the HEADs as they stood right after that version. It starts
+        with the oldest state every fragment's kept chain reaches. [] before the first version."""
+        chains = []
+        for p in range(self.num_fragments()):
+            head = self.head(p)
+            manifests = self.list_fragment_versions(p)
+            if head is None or not manifests:
+                return []
+            dirs = [m.get("parent_dir") for m in manifests[1:]] + [head.dir]
+            chains.append(list(zip(manifests, dirs, strict=True)))
+        events = sorted(
+            (float(chain[i][0].get("created_at", 0.0)), p, i)
+            for p, chain in enumerate(chains)
+            for i in range(1, len(chain))
+        )
+        at = [0] * len(chains)  # the index each fragment's chain has reached
+
+        def state(t: float) -> Snapshot:
+            parts = [chain[i] for chain, i in zip(chains, at, strict=True)]
+            tokens = [int(m.get("tokens_merged", 0)) for m, _ in parts]
+            return Snapshot(
+                versions=tuple(int(m["version"]) for m, _ in parts),
+                dirs=tuple(str(d) for _, d in parts),
+                tokens_merged=sum(tokens) // len(tokens),
+                at=t,
+            )
+
+        out = [state(max(float(c[0][0].get("created_at", 0.0)) for c in chains))]
+        for t, p, i in events:
+            at[p] = i
+            out.append(state(t))
+        return out
+
     def find_version(self, fragment: int, version: int) -> HeadPointer:
         """A pointer to committed version `version` of `fragment` (HEAD or an ancestor)."""
         head = self.head(fragment)
@@ -445,22 +481,33 @@ class FragmentVersions:
     def restore_snapshot(self, snapshot: Snapshot, reason: str) -> Snapshot | None:
         """Make `snapshot`'s model the current one: each fragment whose HEAD is not already at
         the snapshot's version gets a new version (HEAD + 1) holding that version's parameters
-        and outer state, and HEAD's manifest fields (tokens_merged, merge_state with its cursors:
-        nothing applied becomes unapplied, nothing is applied again) plus `restored_from`
-        ({"version", "dir", "reason"}). Returns the new current snapshot, or None if a fragment's
+        and outer state, and HEAD's manifest fields (merge_state with its cursors: nothing
+        applied becomes unapplied, nothing is applied again) but the restored version's
+        `tokens_merged` (the tokens in the model), plus `restored_from` ({"version", "dir",
+        "reason", "tokens_discarded": HEAD's tokens_merged minus the restored version's}). Returns the new current snapshot, or None if a fragment's
         HEAD moved meanwhile (a merger is still at work: restore nothing more, retry later)."""
         for p, (v, d) in enumerate(zip(snapshot.versions, snapshot.dirs, strict=True)):
             head = self.head(p)
             if head is None or head.dir == d:
                 continue
-            old = self.load_fragment(HeadPointer(p, v, d, 0), outer_state=True)
+            pointer = HeadPointer(p, v, d, 0)
+            old = self.load_fragment(pointer, outer_state=True)
             current = self.fragment_manifest(head)
             extra = {
                 k: val
                 for k, val in current.items()
                 if k not in FRAGMENT_RESERVED and k != "update_codec"  # no update: S = params
             }
-            extra["restored_from"] = {"version": v, "dir": d, "reason": reason}
+            # the tokens in the model are the restored version's; the discarded ones are said
+            tokens = int(self.fragment_manifest(pointer).get("tokens_merged", 0))
+            discarded = int(current.get("tokens_merged", 0)) - tokens
+            extra["tokens_merged"] = tokens
+            extra["restored_from"] = {
+                "version": v,
+                "dir": d,
+                "reason": reason,
+                "tokens_discarded": discarded,
+            }
             new = self.publish_fragment(
                 p, head.version + 1, old.params, old.outer_state, extra, expected=head
             )
