@@ -286,6 +286,13 @@ def cmd_history(args) -> int:
     return 0
 
 
+def cmd_replay(args) -> int:
+    from training.merge import replay
+
+    cfg, estore = _load(args)
+    return replay.run(cfg, estore, args.fragment, args.to, args.start, args.keep_going, emit=print)
+
+
 def cmd_report(args) -> int:
     from training.views.dashboard import experiment_view
     from training.views.progress import Progress
@@ -529,6 +536,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sp.add_argument("--json", action="store_true")
     sp.set_defaults(fn=cmd_history)
+
+    sp = with_store(
+        sub.add_parser("replay", help="re-derive versions from their contributions, bit for bit")
+    )
+    sp.add_argument("--fragment", type=int, help="only this fragment (default: all)")
+    sp.add_argument("--to", type=int, help="up to this version (default: HEAD)")
+    sp.add_argument("--from", dest="start", type=int, default=1, help="from this version on")
+    sp.add_argument("--keep-going", action="store_true", help="go on past a mismatch")
+    sp.set_defaults(fn=cmd_replay)
 
     sp = with_store(
         sub.add_parser("report", help="charts (PNG, or SVG without matplotlib) and one HTML file")

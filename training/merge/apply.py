@@ -27,6 +27,7 @@ from training.codecs import host as codecs
 from training.config.experiment import ExperimentConfig
 from training.merge import rules, staleness
 from training.merge import stream as merge_stream
+from training.protocol import broadcast
 from training.store import merge_records as records
 from training.store.objectstore import StoreError, StoreUnreachable, TransientStoreError
 
@@ -58,6 +59,39 @@ class Applied:
     norms: list
 
 
+# The fields of a manifest's `contributions` records that replay re-applies a merge from (with
+# `reanchored` under outer.anchor = "now", for a stale contribution): the group a contribution
+# was merged in (an index into the merge's groups, in order), its island's weight cap in that
+# group and the number of islands active at the merge (outer.partial_scaling).
+REPLAY_FIELDS = ("group", "cap", "active")
+
+
+def fragment_limits(shapes: Mapping[str, tuple[int, ...]]) -> dict[str, int]:
+    """The largest payloads of a fragment version: its fp32 size (params; outer state: the
+    momentum and Delayed Nesterov buffers, "momentum/<name>", "buffer/<name>")."""
+    return {
+        "params": codecs.payload_limits(shapes, "fp32")[0],
+        "outer_state": codecs.payload_limits(
+            {f"{k}/{n}": v for k in ("momentum", "buffer") for n, v in shapes.items()}, "fp32"
+        )[0],
+    }
+
+
+def load_arrays(cfg: ExperimentConfig, store, head, manifest: dict, shapes) -> tuple:
+    """(params, outer-state tensors, broadcast shadow) of the version `head` names, read and
+    verified from the store, writable. The shadow is None when broadcast is off or the version
+    has none (then S = its params)."""
+    fv = store.load_fragment(
+        head, outer_state=True, manifest=manifest, max_nbytes=fragment_limits(shapes)
+    )
+    shadow = None
+    if broadcast.enabled(cfg) and broadcast.adoptable(manifest) == broadcast.SHADOW:
+        shadow = broadcast.read_full(store, head, manifest, shapes).tensors
+        # the new shadow is made in place (broadcast.encode_update)
+        shadow = {n: v if v.flags.writeable else v.copy() for n, v in shadow.items()}
+    return fv.params, fv.outer_state, shadow
+
+
 def outer_period(cfg: ExperimentConfig) -> int:
     return cfg.outer.delay_period or len(cfg.islands)
 
@@ -82,7 +116,7 @@ def apply_groups(
     applied, details = [], []
     # outer.anchor = now: stale votes re-anchored at the params as they stand (`_vote`)
     now = (head_version, params, {}) if cfg.outer.anchor == "now" else None
-    for group, group_caps in zip(groups, caps, strict=True):
+    for index, (group, group_caps) in enumerate(zip(groups, caps, strict=True)):
         combiner = rules.Combiner(shapes, cfg.outer.rda and cfg.outer.method != "sync")
         voted: list[rules.Candidate] = []
         by_island: dict[str, list[rules.Candidate]] = {}
@@ -121,6 +155,10 @@ def apply_groups(
                         published_at=c.published_at,
                         loss=c.manifest.get("loss"),
                         final=c.final,
+                        # what replay needs to re-apply the merge (REPLAY_FIELDS)
+                        group=index,
+                        cap=group_caps[island],
+                        active=active,
                     )
                 )
         if not voted:
@@ -144,6 +182,10 @@ def apply_groups(
         )
         del delta, combiner
         applied += voted
+    if now is not None:  # whether each stale vote was re-anchored (its base was readable)
+        for d in details:
+            if d["staleness"] > 0:
+                d["reanchored"] = now[2][head_version - d["staleness"]] is not None
     return Applied(state, applied, details, norms)
 
 

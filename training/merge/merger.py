@@ -119,17 +119,7 @@ class Merger:
             raise ValueError(f"fragments {bad} out of range (P = {len(self.frags)})")
         shapes = {k: tuple(v.shape) for k, v in model.abstract_params(cfg.model).items()}
         self.shapes = [{n: shapes[n] for n in names} for names in self.frags]
-        # a fragment version's payloads are at most its fp32 size (params; outer state: the
-        # momentum and Delayed Nesterov buffers, "momentum/<name>", "buffer/<name>")
-        self._fragment_limits = [
-            {
-                "params": codecs.payload_limits(s, "fp32")[0],
-                "outer_state": codecs.payload_limits(
-                    {f"{k}/{n}": v for k in ("momentum", "buffer") for n, v in s.items()}, "fp32"
-                )[0],
-            }
-            for s in self.shapes
-        ]
+        self._fragment_limits = [apply.fragment_limits(s) for s in self.shapes]
         self._snapshot_at = 0.0
         # version dir -> (manifest, its merge state) (immutable once committed)
         self._manifests: dict[str, tuple[dict, records.MergeState]] = {}
@@ -428,14 +418,7 @@ class Merger:
         warm = self._warm.pop(head.fragment, None)
         if warm is not None and warm[0] == head.dir:
             return warm[1], warm[2], warm[3] if broadcast.enabled(self.cfg) else None
-        p, limits = head.fragment, self._fragment_limits[head.fragment]
-        fv = self.store.load_fragment(head, outer_state=True, manifest=manifest, max_nbytes=limits)
-        shadow = None
-        if broadcast.enabled(self.cfg) and broadcast.adoptable(manifest) == broadcast.SHADOW:
-            shadow = broadcast.read_full(self.store, head, manifest, self.shapes[p]).tensors
-            # the new shadow is made in place (broadcast.encode_update)
-            shadow = {n: v if v.flags.writeable else v.copy() for n, v in shadow.items()}
-        return fv.params, fv.outer_state, shadow
+        return apply.load_arrays(self.cfg, self.store, head, manifest, self.shapes[head.fragment])
 
     def _keep_warm(
         self,

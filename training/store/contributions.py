@@ -150,6 +150,23 @@ class Contributions:
             refs.append(ref if error is None else replace(ref, error=error))
         return refs
 
+    def pseudograd(self, pg_id: str) -> PseudoGradRef | None:
+        """The committed pseudo-gradient `pg_id` (its marker read as list_pseudograds reads
+        it: an unreadable one gives a ref with `error`), or None when it has no marker (never
+        committed, or garbage-collected)."""
+        island, seq, fragment = parse_pseudograd_id(pg_id)
+        (data,) = self.read_many([f"pseudograds/{pg_id}.json"], safejson.MANIFEST.max_bytes)
+        if data is None:
+            return None
+        try:
+            if isinstance(data, CorruptObject):
+                raise data
+            return self._pg_ref(island, seq, fragment, safejson.load_json(data, safejson.MANIFEST))
+        except CorruptObject as exc:
+            return replace(
+                self._pg_ref(island, seq, fragment, {}), error=f"unreadable manifest: {exc}"
+            )
+
     def load_pseudograd(
         self,
         ref: PseudoGradRef,

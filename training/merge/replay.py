@@ -1,0 +1,339 @@
+"""`diloco replay`: re-derive a fragment's version history from its recorded contributions.
+
+The event tape of a run (docs/DESIGN.md, "Replay"). For each version v >= 1 of a fragment (or
+from `start` on: every committed version is a full one), replay loads version v - 1 (params,
+outer state, merge state, broadcast shadow), reads exactly the contributions v's manifest
+lists as applied, in the groups and order its `contributions` records give (with each island's
+weight cap and the active-island count: apply.REPLAY_FIELDS), runs the merge's own arithmetic
+on them (training/merge/apply.py: the very code the merger ran) and compares what comes out
+with what v holds, bit for bit: params, outer state, the optimizer's counters, the contributions'
+weights, and under update broadcast the codec update and the new shadow. A version that
+restored BEST (`restored_from`) is checked against the version it restores. Nothing the merger
+decided from its clock or the store's state (grace, selection, quorum, quarantine) is decided
+again: replay re-applies the recorded decision, and reports what the arithmetic made of it.
+
+Everything read is untrusted and read through the store's strict readers; a record replay
+needs that is missing or malformed makes that version "CANNOT" (so does a contribution or a
+parent version whose payloads were garbage-collected), never a crash.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from training.codecs import host as codecs
+from training.config.experiment import ExperimentConfig
+from training.merge import apply, rules
+from training.model import definition as model
+from training.model.runtime import fragment_names
+from training.protocol import broadcast
+from training.store import merge_records as records
+from training.store.experiment import ExperimentStore, HeadPointer
+from training.store.objectstore import CorruptObject, ObjectNotFound, StoreError
+from training.store.record_fields import is_int, is_real
+
+OK, DIFFERS, CANNOT = "ok", "DIFFERS", "CANNOT"
+
+
+class ReplayInputError(ValueError):
+    """Replay cannot start (no such fragment, no version chain): one line, exit 2."""
+
+
+class _Stop(Exception):  # noqa: N818 - a version's replay stops here with this verdict
+    def __init__(self, status: str, detail: str):
+        super().__init__(detail)
+        self.status, self.detail = status, detail
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """The verdict on one version: OK, DIFFERS (what differs) or CANNOT (why not)."""
+
+    fragment: int
+    version: int
+    applied: int
+    status: str
+    detail: str = ""
+    restored_from: int | None = None
+
+    def line(self) -> str:
+        what = (
+            f"restored from v{self.restored_from}"
+            if self.restored_from is not None
+            else f"{self.applied} applied"
+        )
+        tail = self.status if not self.detail else f"{self.status}: {self.detail}"
+        return f"fragment {self.fragment} version {self.version} ({what}): {tail}"
+
+
+def replay(
+    cfg: ExperimentConfig,
+    store: ExperimentStore,
+    fragment: int | None = None,
+    to: int | None = None,
+    start: int = 1,
+) -> Iterator[Outcome]:
+    """Outcomes of versions `start`..`to` (default: HEAD) of `fragment` (default: every
+    fragment, in order), one per version, oldest first."""
+    names = fragment_names(cfg)
+    if start < 0 or (to is not None and to < 0):
+        raise ReplayInputError(f"versions are >= 0 (from {start}, to {to})")
+    if fragment is not None and not 0 <= fragment < len(names):
+        raise ReplayInputError(f"fragment {fragment} out of range (P = {len(names)})")
+    shapes = {k: tuple(v.shape) for k, v in model.abstract_params(cfg.model).items()}
+    for p in range(len(names)) if fragment is None else [fragment]:
+        frag_shapes = {n: shapes[n] for n in names[p]}
+        chain = _chain(store, p)
+        last = len(chain) - 1 if to is None else min(to, len(chain) - 1)
+        for v in range(max(start, 1), last + 1):
+            yield _replay_version(cfg, store, frag_shapes, chain, v)
+
+
+def _chain(store: ExperimentStore, p: int) -> list[tuple[HeadPointer, dict]]:
+    """(pointer, manifest) of fragment p's committed versions, index = version."""
+    head = store.head(p)
+    if head is None:
+        raise ReplayInputError(f"fragment {p} has no version: nothing to replay")
+    manifests = store.list_fragment_versions(p)
+    if not manifests or manifests[0]["version"] != 0 or manifests[-1]["version"] != head.version:
+        raise ReplayInputError(f"fragment {p}: its version chain does not reach version 0")
+    dirs = [m["parent_dir"] for m in manifests[1:]] + [head.dir]
+    return [(HeadPointer(p, m["version"], d, 0), m) for m, d in zip(manifests, dirs, strict=True)]
+
+
+def _replay_version(cfg, store, shapes, chain, v: int) -> Outcome:
+    pointer, manifest = chain[v]
+    restored = manifest.get("restored_from")
+    applied = manifest.get("applied") or []
+    base = Outcome(pointer.fragment, v, len(applied), OK)
+    try:
+        if restored is not None:
+            version = restored.get("version") if isinstance(restored, dict) else None
+            if not is_int(version) or not 0 <= version < v:
+                raise _Stop(CANNOT, f"restored_from {restored!r} names no earlier version")
+            base = Outcome(pointer.fragment, v, 0, OK, restored_from=version)
+            if restored.get("dir") != chain[version][0].dir:
+                raise _Stop(CANNOT, f"restored_from {restored!r} is not on the version chain")
+            _check_restore(store, shapes, chain, v, version)
+        else:
+            _check_merge(cfg, store, shapes, chain, v)
+    except _Stop as stop:
+        return replace(base, status=stop.status, detail=stop.detail)
+    except ObjectNotFound as err:
+        return replace(base, status=CANNOT, detail=f"collected: {err}")
+    except (StoreError, ValueError, KeyError) as err:  # a record or payload of v - 1 refused
+        return replace(base, status=CANNOT, detail=f"unreadable: {err}")
+    return base
+
+
+def _check_restore(store, shapes, chain, v: int, version: int) -> None:
+    """A restore of BEST: v's params and outer state are those of the version it restores."""
+    limits = apply.fragment_limits(shapes)
+    got = store.load_fragment(
+        chain[v][0], outer_state=True, manifest=chain[v][1], max_nbytes=limits
+    )
+    was_at, was_manifest = chain[version]
+    was = store.load_fragment(was_at, outer_state=True, manifest=was_manifest, max_nbytes=limits)
+    _compare("params", got.params, was.params)
+    _compare("outer_state", got.outer_state, was.outer_state)
+
+
+def _records(manifest: Mapping) -> list[dict]:
+    """v's `contributions` records of its `applied` ids, checked: each with its group index,
+    weight cap and active count (apply.REPLAY_FIELDS), the ids exactly those applied."""
+    found = manifest.get("contributions")
+    if not isinstance(found, list) or not all(isinstance(r, dict) for r in found):
+        raise _Stop(CANNOT, "its manifest has no contributions records")
+    for r in found:
+        if not all(k in r for k in apply.REPLAY_FIELDS):
+            raise _Stop(CANNOT, "its contributions lack group/cap/active (written before replay)")
+        ok = (
+            isinstance(r.get("id"), str)
+            and is_int(r["group"])
+            and r["group"] >= 0
+            and is_real(r["cap"])
+            and math.isfinite(r["cap"])
+            and r["cap"] > 0
+            and is_int(r["active"])
+            and r["active"] >= 0
+            and isinstance(r.get("reanchored", False), bool)
+        )
+        if not ok:
+            raise _Stop(CANNOT, f"malformed contributions record {str(r)[:200]}")
+    ids = [r["id"] for r in found]
+    if sorted(ids) != sorted(manifest.get("applied") or []) or len(set(ids)) != len(ids):
+        raise _Stop(CANNOT, "its contributions records do not list exactly its applied ids")
+    if [r["group"] for r in found] != sorted(r["group"] for r in found):
+        raise _Stop(CANNOT, "its contributions records are not in group order")
+    return found
+
+
+def _check_merge(cfg, store, shapes, chain, v: int) -> None:
+    pointer, manifest = chain[v]
+    parent, parent_manifest = chain[v - 1]
+    recs = _records(manifest)
+    candidates = {}
+    for r in recs:
+        ref = store.pseudograd(r["id"])
+        if ref is None:
+            raise _Stop(CANNOT, f"contribution {r['id']} was collected")
+        island, seq, frag = records.parse_pseudograd_id(r["id"])
+        got = rules.check_manifest(
+            cfg, r["id"], island, seq, frag, ref.manifest, parent.version, None, ref.error
+        )
+        if isinstance(got, str):
+            raise _Stop(DIFFERS, f"contribution {r['id']}: {got}")
+        candidates[r["id"]] = (got, ref)
+    groups: dict[int, list] = {}
+    caps: dict[int, dict[str, float]] = {}
+    for r in recs:
+        groups.setdefault(r["group"], []).append(candidates[r["id"]][0])
+        caps.setdefault(r["group"], {})[candidates[r["id"]][0].island] = float(r["cap"])
+    order = sorted(groups)
+
+    try:
+        params, outer_tensors, shadow = apply.load_arrays(
+            cfg, store, parent, parent_manifest, shapes
+        )
+    except ObjectNotFound:
+        raise _Stop(CANNOT, f"version {v - 1} was collected") from None
+    if broadcast.enabled(cfg) and shadow is None:
+        shadow = {n: val.copy() for n, val in params.items()}
+    ms = records.merge_state_of(parent_manifest)
+    state = rules.state_from_tensors(cfg.outer, shapes, outer_tensors, ms.steps, ms.seen)
+    reanchored = {r["id"]: r.get("reanchored") for r in recs}
+
+    def payload(c, max_nbytes, max_header):
+        try:
+            return store.load_pseudograd(candidates[c.id][1], max_nbytes, max_header)
+        except ObjectNotFound:
+            raise _Stop(CANNOT, f"contribution {c.id}'s payload was collected") from None
+
+    def reject(pg_id, reason):
+        raise _Stop(DIFFERS, f"contribution {pg_id} left out of its vote now: {reason}")
+
+    def base(frag, version):
+        # the merge's verdict on this base (one per base version: it read it once)
+        flags = {
+            reanchored[c.id]
+            for g in groups.values()
+            for c in g
+            if parent.version - c.staleness == version
+        }
+        if False in flags:
+            return None  # the merge could not read it: the votes stayed anchored at it
+        try:
+            return store.load_fragment(
+                chain[version][0], max_nbytes=apply.fragment_limits(shapes)
+            ).params
+        except ObjectNotFound:
+            if True in flags:
+                raise _Stop(CANNOT, f"base version {version} was collected") from None
+            return None
+
+    done = apply.apply_groups(
+        cfg,
+        shapes,
+        parent.version,
+        params,
+        state,
+        ms.norms,
+        [groups[g] for g in order],
+        [caps[g] for g in order],
+        recs[0]["active"],
+        apply.Io(payload, reject, base),
+    )
+    ids = [c.id for c in done.applied]
+    if ids != [r["id"] for r in recs]:
+        raise _Stop(DIFFERS, f"applied {ids}, the manifest records {[r['id'] for r in recs]}")
+    for r, d in zip(recs, done.details, strict=True):
+        if d["weight"] != r.get("weight") or d["norm"] != r.get("norm"):
+            raise _Stop(
+                DIFFERS,
+                f"contribution {r['id']}: weight {d['weight']!r} norm {d['norm']!r}, "
+                f"recorded {r.get('weight')!r} {r.get('norm')!r}",
+            )
+    try:
+        stored = store.load_fragment(
+            pointer, outer_state=True, manifest=manifest, max_nbytes=apply.fragment_limits(shapes)
+        )
+    except CorruptObject as err:
+        raise _Stop(DIFFERS, f"its stored payloads do not match its manifest: {err}") from None
+    _compare("params", params, stored.params)
+    _compare("outer_state", rules.state_tensors(done.state), stored.outer_state)
+    now = records.merge_state_of(manifest)
+    if (now.steps, now.seen) != (done.state.steps, done.state.seen):
+        raise _Stop(
+            DIFFERS,
+            f"merge_state steps/seen {now.steps}/{now.seen}, replayed "
+            f"{done.state.steps}/{done.state.seen}",
+        )
+    extra: dict = {}
+    payloads, _ = broadcast.version_payloads(params, shadow, cfg.codec, extra)
+    sizes = manifest.get("nbytes") or {}
+    stored_names = sorted(n for n in (broadcast.UPDATE, broadcast.SHADOW) if n in sizes)
+    if sorted(payloads or {}) != stored_names:
+        raise _Stop(DIFFERS, f"payloads {stored_names}, replayed {sorted(payloads or {})}")
+    for name, tensors in sorted((payloads or {}).items()):
+        limit, header = codecs.payload_limits(shapes, cfg.codec if name == "update" else "fp32")
+        got = store.load_payload(pointer, name, manifest, max_nbytes=limit, max_header=header)
+        _compare(name, tensors, got)
+
+
+def _compare(what: str, replayed: Mapping[str, np.ndarray], stored: Mapping[str, np.ndarray]):
+    """Raise DIFFERS at the first tensor whose bits differ: its name, max |diff|, first index."""
+    if sorted(replayed) != sorted(stored):
+        raise _Stop(DIFFERS, f"{what}: tensors {sorted(stored)}, replayed {sorted(replayed)}")
+    for name in sorted(replayed):
+        a, b = np.asarray(replayed[name]), np.asarray(stored[name])
+        if a.shape != b.shape or a.dtype != b.dtype:
+            raise _Stop(
+                DIFFERS,
+                f"{what}/{name}: stored {b.dtype}{list(b.shape)}, replayed {a.dtype}{list(a.shape)}",
+            )
+        if a.tobytes() == b.tobytes():
+            continue
+        flat_a, flat_b = a.reshape(-1), b.reshape(-1)
+        width = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[a.dtype.itemsize]
+        first = int(np.flatnonzero(flat_a.view(width) != flat_b.view(width))[0])
+        with np.errstate(invalid="ignore", over="ignore"):
+            diff = np.abs(flat_a.astype(np.float64) - flat_b.astype(np.float64))
+        index = tuple(int(i) for i in np.unravel_index(first, a.shape))
+        raise _Stop(
+            DIFFERS,
+            f"{what}/{name}: max abs diff {float(np.nanmax(diff)):.3g}, first at index "
+            f"{list(index)}",
+        )
+
+
+def exit_code(outcomes: list[Outcome]) -> int:
+    """0 when every version replayed to the same bits, else 1."""
+    return 0 if all(o.status == OK for o in outcomes) else 1
+
+
+def run(
+    cfg: ExperimentConfig,
+    store: ExperimentStore,
+    fragment: int | None,
+    to: int | None,
+    start: int,
+    keep_going: bool,
+    emit,
+) -> int:
+    """The command's body: `emit` one line per version; stop at the first version that is not
+    OK unless `keep_going`. 0 / 1 (exit_code); ReplayInputError for bad input."""
+    outcomes = []
+    for outcome in replay(cfg, store, fragment, to, start):
+        outcomes.append(outcome)
+        emit(outcome.line())
+        if outcome.status != OK and not keep_going:
+            break
+    emit(
+        f"replayed {len(outcomes)} version(s): "
+        + ("all bit-exact" if exit_code(outcomes) == 0 else "NOT all bit-exact")
+    )
+    return exit_code(outcomes)
