@@ -245,3 +245,18 @@ def test_a_chaos_run_with_kills_and_a_restore_replays_to_the_same_bits(monkeypat
     store.restore_snapshot(store.snapshot_of(snapshots[len(snapshots) // 2]), "test")
     code, lines = _lines(cfg, store)
     assert (code, lines[-1]) == (0, f"replayed {len(lines) - 1} version(s): all bit-exact"), lines
+
+
+@pytest.mark.parametrize("rule", ["momentum", "age"])
+def test_a_run_with_a_staleness_correction_replays_to_the_same_bits(rule):
+    # outer.staleness corrects stale votes with the fragment's momentum (or its age) inside
+    # apply_groups: replay runs the same code on the recorded state, so the bits must match
+    cfg = small_config(
+        islands=("a", "b", "c"),
+        codec="int4",
+        fragments={"count": 2},
+        outer={"anchor": "now", "max_grace_s": 5.0, "staleness": rule},
+    )
+    store = _run(cfg)
+    code, lines = _lines(cfg, store)
+    assert (code, lines[-1]) == (0, f"replayed {len(lines) - 1} version(s): all bit-exact"), lines
