@@ -284,8 +284,7 @@ class OuterConfig(_Frozen):
         description='K: minimum islands per fragment merge; "auto": the syncer chooses K per '
         "fragment merge from the islands' heartbeats (live islands, download time per "
         "version) and the round period, so that the new versions fit half a round of the "
-        "slowest downlink, never waiting for a dead island nor more than a round "
-        "(training/merge/quorum.py)",
+        "slowest downlink, never waiting for a dead island nor more than a round",
     )
     grace_gamma: float = Field(
         0.5,
