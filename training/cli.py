@@ -156,20 +156,18 @@ def cmd_eval(args) -> int:
     with Progress("eval", total=2) as bar:
         bar.step("reading the snapshot")
         cfg, estore = _load(args)
-        snapshot = None
-        if args.version is not None:
-            snapshot = estore.snapshot_of(
-                {
-                    "versions": [args.version] * cfg.fragments.count,
-                    "dirs": [
-                        estore.find_version(p, args.version).dir for p in range(cfg.fragments.count)
-                    ],
-                }
-            )
+        snapshot = None if args.version is None else _at_version(cfg, estore, args.version)
         bar.step(f"evaluating {cfg.data.eval_batches} batches")
         out = evaluate_snapshot(cfg, estore, snapshot, record=args.record)
     print(json.dumps(out))
     return 0
+
+
+def _at_version(cfg, estore, n: int):
+    """The snapshot of every fragment at its committed version `n`."""
+    count = cfg.fragments.count
+    dirs = [estore.find_version(p, n).dir for p in range(count)]
+    return estore.snapshot_of({"versions": [n] * count, "dirs": dirs})
 
 
 def _pick_snapshot(cfg, estore, which: str):
@@ -191,9 +189,7 @@ def _pick_snapshot(cfg, estore, which: str):
             raise ConfigError("--snapshot final: the run has not ended (no snapshots/FINAL.json)")
         return estore.snapshot_of(record)
     if which.isdigit():
-        n, count = int(which), cfg.fragments.count
-        dirs = [estore.find_version(p, n).dir for p in range(count)]
-        return estore.snapshot_of({"versions": [n] * count, "dirs": dirs})
+        return _at_version(cfg, estore, int(which))
     raise ConfigError(f"--snapshot {which!r}: use head, best, final or a version number")
 
 
@@ -339,55 +335,12 @@ def cmd_prepare(args) -> int:
 
 
 def cmd_bench(args, rest: list[str]) -> int:
-    if args.bench == "quality":
-        from training.bench import quality
+    """`diloco bench NAME ...`: the benchmark's own `main` (training/bench/, BENCHES)."""
+    import importlib
 
-        return quality.main(rest)
-    if args.bench == "goodput-sim":
-        from training.bench import goodput_sim
-
-        return goodput_sim.main(rest)
-    if args.bench == "merge":
-        from training.bench import merge
-
-        return merge.main(rest)
-    if args.bench == "fetch":
-        from training.bench import fetch
-
-        return fetch.main(rest)
-    if args.bench == "chaos":
-        from training.bench import chaos
-
-        return chaos.main(rest)
-    if args.bench == "wan":
-        from training.bench.wan import bench
-
-        return bench.main(rest)
-    if args.bench == "island":
-        from training.bench import island
-
-        return island.main(rest)
-    if args.bench == "stream":
-        from training.bench import stream
-
-        return stream.main(rest)
-    if args.bench == "scavenge":
-        from training.bench import scavenge
-
-        return scavenge.main(rest)
-    if args.bench == "syncer":
-        from training.bench import syncer
-
-        return syncer.main(rest)
-    if args.bench == "science":
-        from training.bench import science
-
-        return science.main(rest)
-    if args.bench == "device":
-        from training.bench import device
-
-        return device.main(rest)
-    raise ConfigError(f"unknown benchmark {args.bench!r}")
+    if args.bench not in BENCHES:
+        raise ConfigError(f"unknown benchmark {args.bench!r}")
+    return importlib.import_module(BENCHES[args.bench]).main(rest)
 
 
 def _int_at_least(what: str, low: int):
@@ -568,8 +521,7 @@ def build_parser() -> argparse.ArgumentParser:
     # no help of its own: `diloco bench NAME --help` reaches the benchmark's parser
     sp = sub.add_parser(
         "bench",
-        help="benchmarks: quality, goodput-sim, chaos, merge, fetch, wan, science, island, scavenge, "
-        "stream, device, syncer",
+        help="benchmarks: " + ", ".join(BENCHES),
         add_help=False,
     )
     sp.add_argument("bench", nargs="?", choices=BENCHES)
@@ -577,20 +529,20 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-BENCHES = [
-    "quality",
-    "goodput-sim",
-    "chaos",
-    "merge",
-    "fetch",
-    "wan",
-    "science",
-    "island",
-    "scavenge",
-    "stream",
-    "device",
-    "syncer",
-]
+BENCHES = {  # name -> the module whose main(argv) runs it
+    "quality": "training.bench.quality",
+    "goodput-sim": "training.bench.goodput_sim",
+    "chaos": "training.bench.chaos",
+    "merge": "training.bench.merge",
+    "fetch": "training.bench.fetch",
+    "wan": "training.bench.wan.bench",
+    "science": "training.bench.science",
+    "island": "training.bench.island",
+    "scavenge": "training.bench.scavenge",
+    "stream": "training.bench.stream",
+    "device": "training.bench.device",
+    "syncer": "training.bench.syncer",
+}
 
 
 def main(argv: list[str] | None = None) -> int:

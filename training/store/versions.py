@@ -311,7 +311,7 @@ class FragmentVersions:
             dirs = [m.get("parent_dir") for m in manifests[1:]] + [head.dir]
             chains.append(list(zip(manifests, dirs, strict=True)))
         events = sorted(
-            (float(chain[i][0].get("created_at", 0.0)), p, i)
+            (_created(chain[i][0]), p, i)
             for p, chain in enumerate(chains)
             for i in range(1, len(chain))
         )
@@ -319,15 +319,9 @@ class FragmentVersions:
 
         def state(t: float) -> Snapshot:
             parts = [chain[i] for chain, i in zip(chains, at, strict=True)]
-            tokens = [int(m.get("tokens_merged", 0)) for m, _ in parts]
-            return Snapshot(
-                versions=tuple(int(m["version"]) for m, _ in parts),
-                dirs=tuple(str(d) for _, d in parts),
-                tokens_merged=sum(tokens) // len(tokens),
-                at=t,
-            )
+            return _snapshot([m for m, _ in parts], [str(d) for _, d in parts], t)
 
-        out = [state(max(float(c[0][0].get("created_at", 0.0)) for c in chains))]
+        out = [state(max(_created(c[0][0]) for c in chains))]
         for t, p, i in events:
             at[p] = i
             out.append(state(t))
@@ -412,13 +406,7 @@ class FragmentVersions:
         if any(h is None for h in heads):
             return None
         manifests = self.parallel(self.fragment_manifest, heads)
-        tokens = [int(m.get("tokens_merged", 0)) for m in manifests]
-        return Snapshot(
-            versions=tuple(h.version for h in heads),
-            dirs=tuple(h.dir for h in heads),
-            tokens_merged=sum(tokens) // len(tokens),
-            at=max(float(m.get("created_at", 0.0)) for m in manifests),
-        )
+        return _snapshot(manifests, [h.dir for h in heads], max(_created(m) for m in manifests))
 
     def record_snapshot(self, snapshot: Snapshot, extra: Mapping[str, Any] | None = None) -> str:
         """Write `snapshot` as snapshots/{time_ns:020d}-{uuid8}.json; returns its name."""
@@ -484,14 +472,15 @@ class FragmentVersions:
         and outer state, and HEAD's manifest fields (merge_state with its cursors: nothing
         applied becomes unapplied, nothing is applied again) but the restored version's
         `tokens_merged` (the tokens in the model), plus `restored_from` ({"version", "dir",
-        "reason", "tokens_discarded": HEAD's tokens_merged minus the restored version's}). Returns the new current snapshot, or None if a fragment's
-        HEAD moved meanwhile (a merger is still at work: restore nothing more, retry later)."""
+        "reason", "tokens_discarded": HEAD's tokens_merged minus the restored version's}).
+        Returns the new current snapshot, or None if a fragment's HEAD moved meanwhile (a merger is still at work: restore nothing more, retry later)."""
         for p, (v, d) in enumerate(zip(snapshot.versions, snapshot.dirs, strict=True)):
             head = self.head(p)
             if head is None or head.dir == d:
                 continue
             pointer = HeadPointer(p, v, d, 0)
-            old = self.load_fragment(pointer, outer_state=True)
+            restored = self.fragment_manifest(pointer)
+            old = self.load_fragment(pointer, outer_state=True, manifest=restored)
             current = self.fragment_manifest(head)
             extra = {
                 k: val
@@ -499,7 +488,7 @@ class FragmentVersions:
                 if k not in FRAGMENT_RESERVED and k != "update_codec"  # no update: S = params
             }
             # the tokens in the model are the restored version's; the discarded ones are said
-            tokens = int(self.fragment_manifest(pointer).get("tokens_merged", 0))
+            tokens = int(restored.get("tokens_merged", 0))
             discarded = int(current.get("tokens_merged", 0)) - tokens
             extra["tokens_merged"] = tokens
             extra["restored_from"] = {
@@ -546,3 +535,21 @@ class FragmentVersions:
             if self.store.compare_and_swap(key, dump_json(dict(record)), got and got[1]):
                 return True
         return False
+
+
+def _created(manifest: Mapping[str, Any]) -> float:
+    """A committed version's `created_at` (0 when a manifest lacks it)."""
+    return float(manifest.get("created_at", 0.0))
+
+
+def _snapshot(manifests: Sequence[Mapping[str, Any]], dirs: Sequence[str], at: float) -> Snapshot:
+    """The model made of these fragment versions (one manifest and dir per fragment). Its
+    `tokens_merged` is the mean over fragments: each fragment's contributions count the tokens
+    trained since that fragment's last publish, so the model holds the mean."""
+    tokens = [int(m.get("tokens_merged", 0)) for m in manifests]
+    return Snapshot(
+        versions=tuple(int(m["version"]) for m in manifests),
+        dirs=tuple(dirs),
+        tokens_merged=sum(tokens) // len(tokens),
+        at=at,
+    )
