@@ -132,6 +132,20 @@ def _until(what: str, timeout_s: float, probe):
     raise AssertionError(f"{what}: not within {timeout_s:.0f} s")
 
 
+def _discarded(store_url: str, experiment: str) -> int:
+    """The tokens a restore of BEST discarded (0 when finalize restored nothing): the mean over
+    fragments of the HEAD manifests' `restored_from.tokens_discarded`, as tokens_merged is."""
+    from training.store.registry import open_store
+    from training.store.versions import ExperimentStore
+
+    estore = ExperimentStore(open_store(store_url), experiment)
+    found = [
+        estore.fragment_manifest(estore.head(p)).get("restored_from", {}).get("tokens_discarded", 0)
+        for p in range(estore.num_fragments())
+    ]
+    return sum(found) // len(found)
+
+
 def _models_asset(af, store_url: str) -> dict | None:
     """The store's models asset as the REST API shows it, once its watcher runs."""
     query = urllib.parse.urlencode({"uri_pattern": Path(store_url[len("file://") :]).name})
@@ -179,10 +193,14 @@ def test_a_short_run_succeeds_and_the_page_answers_for_it(installed, tmp_path):
         assert state == "success", f"run ended {state}"
         query = urllib.parse.urlencode({"store": store_url, "experiment": name})
         page = af.request("GET", f"/diloco/api/experiment?{query}")
-        assert page["experiment"] == name and page["tokens"]["merged"] >= BUDGET
         # finalize recorded the model the run ends with (`diloco export --snapshot final`)
         final = json.loads((tmp_path / "store" / name / "snapshots" / "FINAL.json").read_text())
         assert final["run_id"] == run_id and final["loss"] > 0
+        # the page reports the tokens in that model: the budget's, unless finalize restored an
+        # earlier best (then fewer, and the restored version says how many it discarded)
+        assert page["experiment"] == name
+        assert page["tokens"]["merged"] == final["tokens_merged"]
+        assert page["tokens"]["merged"] + _discarded(store_url, name) >= BUDGET
 
         def ours(kind: str):
             for ev in _events(af, asset["id"]):
