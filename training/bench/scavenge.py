@@ -45,7 +45,7 @@ from pathlib import Path
 import numpy as np
 
 from training.bench.goodput_model import CALIBRATED_RECOVERY_S, SECONDS_PER_YEAR
-from training.bench.quality import base_config
+from training.bench.quality import base_config, parse_sets
 from training.bench.sim import VirtualClock, eval_set
 from training.config.experiment import ExperimentConfig, with_overrides
 from training.island.process import Island
@@ -100,10 +100,13 @@ def slots_for(burst: float) -> tuple[int, float]:
 SCAVENGE_SETTINGS = {"outer.fractional_momentum": True}
 
 
-def bench_config(quick: bool, a: Assumptions, burst: float, shards: int) -> ExperimentConfig:
+def bench_config(
+    quick: bool, a: Assumptions, burst: float, shards: int, sets: dict | None = None
+) -> ExperimentConfig:
     """The base islands and `burst`'s slots; `shards` data shards in every run, so the base
     islands train on the same data in all of them. With SCAVENGE_SETTINGS (all runs, the base
-    too: its two islands always merge together, share 1, so it does not change there)."""
+    too: its two islands always merge together, share 1, so it does not change there), then
+    `sets` (`--set`, every run)."""
     cfg = base_config(quick, None, None)
     slots, speed = slots_for(burst) if burst else (0, 1.0)
     islands = [{"name": f"island-{i}", "speed": 1.0} for i in range(N_BASE)]
@@ -120,6 +123,7 @@ def bench_config(quick: bool, a: Assumptions, burst: float, shards: int) -> Expe
             "token_budget": budget,
             "seed": a.seed,
             **SCAVENGE_SETTINGS,
+            **(sets or {}),
         },
     )
 
@@ -289,12 +293,14 @@ def run_dp(
 
 
 # -- the table ------------------------------------------------------------------------------------
-def run(quick: bool, a: Assumptions, bursts=BURSTS, progress=print) -> dict:
+def run(
+    quick: bool, a: Assumptions, bursts=BURSTS, progress=print, sets: dict | None = None
+) -> dict:
     started = time.perf_counter()
     shards = N_BASE + max(slots_for(b)[0] for b in bursts)
     steps = STEPS_PER_ISLAND[quick]
     eval_dt = max(1.0, steps / 48)
-    base = run_decoupled(bench_config(quick, a, 0.0, shards), None, 0.0, [], eval_dt, None)
+    base = run_decoupled(bench_config(quick, a, 0.0, shards, sets), None, 0.0, [], eval_dt, None)
     target = base["final_loss"]
     t_base = base["curve"].time_to(target)
     scale = a.base_hours * 3600.0 / t_base  # real seconds per virtual second
@@ -308,7 +314,7 @@ def run(quick: bool, a: Assumptions, bursts=BURSTS, progress=print) -> dict:
     for b in bursts:
         slots = slots_for(b)[0]
         reclaims = reclaim_offsets(slots, a)
-        cfg = bench_config(quick, a, b, shards)
+        cfg = bench_config(quick, a, b, shards, sets)
         r = run_decoupled(
             cfg, window_v, a.join_s / scale, [x / scale for x in reclaims], eval_dt, target
         )
@@ -344,6 +350,7 @@ def run(quick: bool, a: Assumptions, bursts=BURSTS, progress=print) -> dict:
             )
     return dict(
         assumptions=asdict(a),
+        sets=sets or {},
         quick=quick,
         base=dict(
             islands=N_BASE,
@@ -434,7 +441,15 @@ def main(argv: list[str]) -> int:
     for f in ("base_hours", "window_open", "window_len", "join_s", "reclaim_mtbi_h"):
         p.add_argument(f"--{f.replace('_', '-')}", type=float, default=getattr(d, f))
     p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="config override for every Decoupled run, e.g. outer.staleness=age",
+    )
     args = p.parse_args(argv)
+    sets = parse_sets(args.set, p)
     a = Assumptions(
         base_hours=args.base_hours,
         window_open=args.window_open,
@@ -447,7 +462,7 @@ def main(argv: list[str]) -> int:
     unknown = [b for b in bursts if b not in PAPER["decoupled"]]
     if unknown:
         p.error(f"--bursts: the paper has {list(BURSTS)}, not {unknown}")
-    out = run(args.quick, a, bursts)
+    out = run(args.quick, a, bursts, sets=sets)
     print()
     print(format_table(out))
     print(f"\n{out['seconds']:.0f} s; assumptions: {out['assumptions']}")
