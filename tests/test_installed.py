@@ -135,8 +135,8 @@ def _until(what: str, timeout_s: float, probe):
 def _discarded(store_url: str, experiment: str) -> int:
     """The tokens a restore of BEST discarded (0 when finalize restored nothing): the mean over
     fragments of the HEAD manifests' `restored_from.tokens_discarded`, as tokens_merged is."""
+    from training.store.experiment import ExperimentStore
     from training.store.registry import open_store
-    from training.store.versions import ExperimentStore
 
     estore = ExperimentStore(open_store(store_url), experiment)
     found = [
