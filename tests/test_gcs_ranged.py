@@ -151,3 +151,15 @@ def test_verified_tensors_read_in_parts_check_their_crc32c(store):
     wrong = f"{int(crc, 16) ^ 1:08x}"
     with pytest.raises(CorruptObject, match="fails its crc32c checksum"):
         exp.read_verified_tensors("p.safetensors", ("crc32c", wrong), len(data), "test")
+
+
+def test_fetch_bench_large_rows_time_whole_and_ranged_reads(gcs_bucket):  # noqa: F811
+    from training.bench.fetch import large_rows
+
+    rows = large_rows(gcs_bucket, 3.0, [1.0], [1, 2], repeats=1)
+    # the whole GET, then 1 MiB parts 1 and 2 at a time; each read's crc32c was checked
+    assert [(r["mode"], r["part_mb"], r["parallel"]) for r in rows] == [
+        ("whole GET", None, 1),
+        ("ranged", 1.0, 1),
+        ("ranged", 1.0, 2),
+    ]
