@@ -82,6 +82,13 @@ def test_ranged_read_without_limit_of_a_small_object_is_one_part(store):
     assert parts.starts == [0]
 
 
+def test_ranged_read_without_limit_of_an_empty_object_is_no_part(store):
+    store.write("empty", b"")
+    parts = Parts(store)
+    assert bytes(store.read_buffer("empty")) == b""
+    assert parts.starts == []  # 0 bytes: ceil(0 / PART) = 0 GETs
+
+
 def test_a_part_failing_once_is_retried_alone(store, payload):
     def fail_third_part_once(n, start):
         if start == 2 * PART and not failed:
@@ -157,9 +164,11 @@ def test_fetch_bench_large_rows_time_whole_and_ranged_reads(gcs_bucket):  # noqa
     from training.bench.fetch import large_rows
 
     rows = large_rows(gcs_bucket, 3.0, [1.0], [1, 2], repeats=1)
-    # the whole GET, then 1 MiB parts 1 and 2 at a time; each read's crc32c was checked
+    # the whole GET, 1 MiB parts 1 and 2 at a time, the last with the crc32c after the read;
+    # each read's crc32c was checked
     assert [(r["mode"], r["part_mb"], r["parallel"]) for r in rows] == [
         ("whole GET", None, 1),
         ("ranged", 1.0, 1),
         ("ranged", 1.0, 2),
+        ("ranged, crc after", 1.0, 2),
     ]

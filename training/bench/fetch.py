@@ -12,7 +12,8 @@ With `--large-mb`, instead: one float32 payload of that size (a large fragment's
 island joining or a syncer shard starting reads them) read and checked as a payload read does
 (read into one buffer, crc32c), once as one whole-object GET (the read before ranged reads) and
 once per `--part-mb` x `--parallel` as ranged GETs (training/store/gcs.py, `read_buffer`);
-best of `--repeats`, MB/s and the ratio to the whole GET.
+the last of them once more with the checksum computed after the read instead of as the parts
+arrive; best of `--repeats`, MB/s and the ratio to the whole GET.
 """
 
 from __future__ import annotations
@@ -103,12 +104,14 @@ def large_rows(
     base.write_stream(key, lambda c=chunks: c)
     del chunks, tensors
 
-    def timed(read) -> float:
+    def timed(read, after: bool = False) -> float:
         best = math.inf
         for _ in range(repeats):
             digest = Checksum()
             started = time.perf_counter()
-            buf = read(digest.update)
+            buf = read(None if after else digest.update)
+            if after:
+                digest.update(buf)
             seconds = time.perf_counter() - started
             if len(buf) != nbytes or digest.hexdigest() != crc:
                 raise RuntimeError("a read returned other bytes than written")
@@ -127,6 +130,9 @@ def large_rows(
             )
             seconds = timed(lambda c, s=store: s.read_buffer(key, max_bytes=nbytes, consume=c))
             rows.append(dict(mode="ranged", part_mb=part, parallel=k, seconds=seconds))
+    # the last setting again with the crc32c computed after the read, not as parts arrive
+    seconds = timed(lambda c, s=store: s.read_buffer(key, max_bytes=nbytes, consume=c), True)
+    rows.append(dict(mode="ranged, crc after", part_mb=part, parallel=k, seconds=seconds))
     for r in rows:
         r.update(
             payload_mb=nbytes / 1e6,
@@ -161,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
                 how = (
                     "whole GET"
                     if r["part_mb"] is None
-                    else f"{r['parallel']} x {r['part_mb']:g} MiB"
+                    else f"{r['mode']} {r['parallel']} x {r['part_mb']:g} MiB"
                 )
                 print(
                     f"{r['payload_mb']:.1f} MB, {how}: {r['seconds']:.3f} s, "
