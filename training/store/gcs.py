@@ -315,7 +315,13 @@ class GCSStore(ObjectStore):
         return size, generation
 
     def _part(
-        self, key: str, generation: int, view: memoryview, start: int, size: int, stop
+        self,
+        key: str,
+        generation: int,
+        view: memoryview,
+        start: int,
+        size: int,
+        stop: threading.Event,
     ) -> None:
         """Bytes [start, start + len(view)) of `generation` into `view`, with retries."""
         if not stop.is_set():
