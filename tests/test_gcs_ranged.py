@@ -16,7 +16,12 @@ import requests
 
 from tests.gcs_fixture import BUCKET, gcs_bucket  # noqa: F401
 from training.store.gcs import GCSStore
-from training.store.objectstore import ObjectChanged, ObjectNotFound, ObjectTooLarge
+from training.store.objectstore import (
+    CorruptObject,
+    ObjectChanged,
+    ObjectNotFound,
+    ObjectTooLarge,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -123,6 +128,19 @@ def test_object_deleted_mid_read_raises_object_not_found(store, payload):
         store.read_buffer(KEY, max_bytes=SIZE)
 
 
+def test_a_range_answered_with_the_whole_object_is_refused(store, payload, monkeypatch):
+    """A server that ignores Range answers 200 with all SIZE bytes: not the part asked for."""
+    real_get = requests.Session.get
+
+    def get_ignoring_range(self, url, **kwargs):
+        headers = {k: v for k, v in (kwargs.pop("headers", None) or {}).items() if k != "Range"}
+        return real_get(self, url, headers=headers, **kwargs)
+
+    monkeypatch.setattr(requests.Session, "get", get_ignoring_range)
+    with pytest.raises(CorruptObject, match="answered HTTP 200"):
+        store.read_buffer(KEY, max_bytes=SIZE)
+
+
 def test_object_over_max_bytes_is_refused_before_any_part(store, payload):
     parts = Parts(store)
     with pytest.raises(ObjectTooLarge, match=f"{SIZE} bytes, over the {SIZE - 1}-byte limit"):
@@ -144,7 +162,6 @@ def test_read_only_buffer_when_not_writable(store, payload):
 
 def test_verified_tensors_read_in_parts_check_their_crc32c(store):
     from training.store.experiment import ExperimentStore
-    from training.store.objectstore import CorruptObject
     from training.store.tensors import checksum, encode_tensors
 
     # 1.5M float32 = 6,000,000 bytes (+ a header of tens of bytes) = 5.7 MiB: 6 parts
