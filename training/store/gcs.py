@@ -6,9 +6,11 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
 from typing import Any, TypeVar
 
+import numpy as np
 import requests
 import urllib3.exceptions
 from google.api_core import exceptions as gexc
@@ -16,7 +18,10 @@ from google.auth import exceptions as auth_exc
 
 from training.store.objectstore import (
     Chunk,
+    Consume,
+    CorruptObject,
     Generation,
+    ObjectChanged,
     ObjectNotFound,
     ObjectStore,
     StoreConnectionError,
@@ -35,6 +40,10 @@ from training.store.objectstore import (
 T = TypeVar("T")
 
 
+class _GenerationGone(StoreError):
+    """A ranged GET of a pinned generation answered 404 (`read_buffer` says why: _changed)."""
+
+
 register_transient(
     gexc.ServiceUnavailable,
     gexc.TooManyRequests,
@@ -51,6 +60,14 @@ register_transient(
 _DEFAULT_TIMEOUT = (10.0, 120.0)  # (connect, read) seconds per HTTP request
 _CHECK_TIMEOUT = (3.0, 5.0)
 STREAM_CHUNK = 16 * 2**20  # bytes per request of a streamed (resumable) upload
+RANGE_PART = 32 * 2**20
+"""Bytes per ranged GET of a large object's read (`GCSStore.read_buffer`); an object of at
+most one part is one GET. 32 MiB is google-cloud-storage's transfer_manager default chunk:
+at a stream's ~200 MiB/s a part is ~160 ms, against tens of ms to the first byte."""
+RANGE_PARALLEL = 8
+"""Ranged GETs in flight per store (transfer_manager's default worker count): one stream
+reaches ~200 MiB/s, parallel streams many times that (docs/BENCHMARKS.md, "Merge fetch")."""
+_RANGE_READ = 2**20  # bytes per socket read of a part into the buffer
 _GCS_SCOPES = ("https://www.googleapis.com/auth/devstorage.read_write",)
 
 
@@ -90,13 +107,25 @@ class GCSStore(ObjectStore):
       object now holds exactly our bytes, our earlier attempt landed and it counts as a success.
     - Credentials are resolved once per store (lazily, on first use) and shared; each thread
       gets its own client built from them (a client's HTTP session is not shared by threads).
+    - `read_buffer` of an object larger than one part (`part_bytes`) reads it as ranged GETs,
+      `parallel_parts` in flight per store, straight into one buffer, every range pinned to
+      the generation its size was read with (docs/STORE.md, "Large reads").
     """
 
     def __init__(
-        self, bucket: str, prefix: str = "", timeout: tuple[float, float] = _DEFAULT_TIMEOUT
+        self,
+        bucket: str,
+        prefix: str = "",
+        timeout: tuple[float, float] = _DEFAULT_TIMEOUT,
+        part_bytes: int = RANGE_PART,
+        parallel_parts: int = RANGE_PARALLEL,
     ):
         if not bucket or "/" in bucket or bucket != bucket.lower():
             raise ValueError(f"invalid GCS bucket name {bucket!r}")
+        if part_bytes < 1 or parallel_parts < 1:
+            raise ValueError(
+                f"part_bytes and parallel_parts must be >= 1: {part_bytes}, {parallel_parts}"
+            )
         prefix = prefix.strip("/")
         if prefix:
             validate_key(prefix)
@@ -107,6 +136,10 @@ class GCSStore(ObjectStore):
         self._local = threading.local()
         self._credentials_lock = threading.Lock()
         self._credentials: tuple[Any, str | None] | None = None
+        self.part_bytes = part_bytes
+        self.parallel_parts = parallel_parts
+        self._parts: ThreadPoolExecutor | None = None  # ranged GETs (read_buffer)
+        self._parts_pid = 0
 
     # helpers -------------------------------------------------------------------------------
     def _client(self):
@@ -214,6 +247,153 @@ class GCSStore(ObjectStore):
             return got[0]
 
         return self._run("read", key, attempt, not_found=ObjectNotFound)
+
+    def read_buffer(
+        self,
+        key: str,
+        max_bytes: int | None = None,
+        writable: bool = True,
+        consume: Consume | None = None,
+    ) -> memoryview:
+        """The object in one new buffer. Under a limit of at most one part it is one GET, as
+        `read`. Otherwise its size and generation come first (one metadata request: over
+        `max_bytes` is refused before any byte is read), then ceil(size / part_bytes) ranged
+        GETs of that generation, `parallel_parts` in flight, each written into its slice of
+        the buffer and retried alone; `consume` gets the slices in order as the prefix before
+        them completes. A generation gone mid-read raises ObjectChanged (or ObjectNotFound
+        if the object was deleted): never bytes of two generations."""
+        _check_limit(max_bytes)
+        if max_bytes is not None and max_bytes <= self.part_bytes:
+            return super().read_buffer(key, max_bytes, writable, consume)
+        size, generation = self._run(
+            "read", key, lambda: self._metadata(key), not_found=ObjectNotFound
+        )
+        if max_bytes is not None and size > max_bytes:
+            raise _too_large(self._where(key), size, max_bytes)
+        buf = memoryview(np.empty(size, np.uint8))  # large numpy buffers: huge-page backed
+        bounds = [(a, min(a + self.part_bytes, size)) for a in range(0, size, self.part_bytes)]
+        stop = threading.Event()
+        pool = self._part_pool()
+        futures = [
+            pool.submit(self._part, key, generation, buf[a:b], a, size, stop) for a, b in bounds
+        ]
+        try:
+            for (a, b), future in zip(bounds, futures, strict=True):
+                future.result()
+                if consume is not None:
+                    consume(buf[a:b])
+        except _GenerationGone:
+            stop.set()
+            raise self._changed(key, generation) from None
+        finally:
+            stop.set()  # after an error: parts not started yet stay unread
+            for future in futures:
+                future.cancel()
+        return buf if writable else buf.toreadonly()
+
+    def _part_pool(self) -> ThreadPoolExecutor:
+        """The store's pool of ranged GETs: kept between reads (its threads keep their clients
+        and connections), never across a fork (a child has the object, not its threads)."""
+        with self._credentials_lock:
+            if self._parts is None or self._parts_pid != os.getpid():
+                self._parts = ThreadPoolExecutor(self.parallel_parts, thread_name_prefix="gcs-part")
+                self._parts_pid = os.getpid()
+            return self._parts
+
+    def _metadata(self, key: str) -> tuple[int, int]:
+        """One attempt: (size, generation) of the live object; ObjectNotFound if absent."""
+        blob = (
+            self._client()
+            .bucket(self.bucket)
+            .get_blob(self._name(key), retry=None, timeout=self.timeout)
+        )
+        if blob is None:
+            raise ObjectNotFound(f"{self._where(key)} not found")
+        size, generation = blob.size, blob.generation
+        if not (isinstance(size, int) and size >= 0 and isinstance(generation, int)):
+            raise CorruptObject(f"{self._where(key)}: metadata without a valid size or generation")
+        return size, generation
+
+    def _part(
+        self,
+        key: str,
+        generation: int,
+        view: memoryview,
+        start: int,
+        size: int,
+        stop: threading.Event,
+    ) -> None:
+        """Bytes [start, start + len(view)) of `generation` into `view`, with retries."""
+        if not stop.is_set():
+            self._run("read", key, lambda: self._read_part(key, generation, view, start, size))
+
+    def _read_part(
+        self, key: str, generation: int, view: memoryview, start: int, size: int
+    ) -> None:
+        """One attempt, one ranged GET of `generation` (the request's `generation` parameter:
+        a replaced object answers 404, never another generation's bytes). The answer must be
+        exactly that range of an object of `size` bytes, of that generation; its bytes go
+        into `view` as they arrive."""
+        client = self._client()
+        blob = client.bucket(self.bucket).blob(self._name(key), generation=generation)
+        # The library's own URL rule (endpoint, emulator, quoting; `generation` pins it).
+        url = blob._get_download_url(client)
+        end = start + len(view) - 1
+        response = client._http.get(
+            url,
+            headers={"Range": f"bytes={start}-{end}", "Accept-Encoding": "identity"},
+            stream=True,
+            timeout=self.timeout,
+        )
+        try:
+            if response.status_code == 404:
+                raise _GenerationGone(f"{self._where(key)} generation {generation} is gone")
+            if response.status_code >= 400:
+                raise gexc.from_http_response(response)
+            where = f"{self._where(key)} bytes {start}-{end}"
+            served = response.headers.get("X-Goog-Generation")
+            if served is not None and served != str(generation):
+                raise ObjectChanged(f"{where}: generation {served} served for {generation}")
+            whole = start == 0 and end == size - 1 and response.status_code == 200
+            ranged = f"bytes {start}-{end}/{size}"
+            if not whole and (
+                response.status_code != 206 or response.headers.get("Content-Range") != ranged
+            ):
+                raise CorruptObject(
+                    f"{where}: answered HTTP {response.status_code} with range "
+                    f"{response.headers.get('Content-Range')!r}, not {ranged!r}"
+                )
+            if response.headers.get("Content-Encoding", "identity") != "identity":
+                raise CorruptObject(f"{where}: answered an encoded body")
+            filled = 0
+            while filled < len(view):
+                chunk = response.raw.read(
+                    min(_RANGE_READ, len(view) - filled), decode_content=False
+                )
+                if not chunk:
+                    raise ConnectionError(f"{where}: the answer ended after {filled} bytes")
+                view[filled : filled + len(chunk)] = chunk
+                filled += len(chunk)
+            if response.raw.read(1, decode_content=False):
+                raise CorruptObject(f"{where}: the answer runs past the range")
+        finally:
+            response.close()
+
+    def _changed(self, key: str, generation: int) -> StoreError:
+        """What a read of `generation` that met a 404 raises: ObjectNotFound (deleted),
+        ObjectChanged (replaced)."""
+        try:
+            _, now = self._run("read", key, lambda: self._metadata(key), not_found=ObjectNotFound)
+        except ObjectNotFound:
+            return ObjectNotFound(f"{self._where(key)} was deleted while being read")
+        if now == generation:
+            return StoreError(
+                f"{self._where(key)}: generation {generation} answered 404 yet exists"
+            )
+        return ObjectChanged(
+            f"{self._where(key)} changed while being read (generation {generation}, now {now}); "
+            "nothing of it is returned"
+        )
 
     def write(self, key: str, data: bytes) -> None:
         self._run("write", key, lambda: self._upload(key, data, None))

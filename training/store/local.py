@@ -16,6 +16,7 @@ import numpy as np
 
 from training.store.objectstore import (
     Chunk,
+    Consume,
     CorruptObject,
     Generation,
     ObjectNotFound,
@@ -220,7 +221,11 @@ class LocalStore(ObjectStore):
         return self._run("create", key, attempt)
 
     def read_buffer(
-        self, key: str, max_bytes: int | None = None, writable: bool = True
+        self,
+        key: str,
+        max_bytes: int | None = None,
+        writable: bool = True,
+        consume: Consume | None = None,
     ) -> memoryview:
         """The file read straight into a new writable buffer (one copy from the page cache,
         whether or not `writable` is asked); the size is checked on the open file first, as
@@ -250,7 +255,10 @@ class LocalStore(ObjectStore):
                 return memoryview(bytearray(self._read_file(key, path, max_bytes)))
             return buf[:got]
 
-        return self._run("read", key, attempt)
+        view = self._run("read", key, attempt)
+        if consume is not None:
+            consume(view)
+        return view
 
     def read_versioned(
         self, key: str, max_bytes: int | None = None

@@ -24,6 +24,8 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 Chunk = bytes | bytearray | memoryview
 """One piece of a streamed write."""
+Consume = Callable[[memoryview], None]
+"""What `read_buffer` hands consecutive pieces of the buffer to, in order, as they arrive."""
 Generation = int | str
 """Opaque token naming one version of one object: compare it, pass it back to compare_and_swap."""
 
@@ -55,6 +57,11 @@ class CorruptObject(StoreError):
 
 class ObjectTooLarge(CorruptObject):
     """An object is larger than its reader's `max_bytes`; refused without reading it whole."""
+
+
+class ObjectChanged(CorruptObject):
+    """An object read in parts was replaced (a new generation) before its last part arrived:
+    nothing of it is returned, never bytes stitched from two generations."""
 
 
 def _too_large(where: str, size: int | None, max_bytes: int) -> ObjectTooLarge:
@@ -200,13 +207,26 @@ class ObjectStore(ABC):
         self.write(key, b"".join(memoryview(p).cast("B") for p in parts))
 
     def read_buffer(
-        self, key: str, max_bytes: int | None = None, writable: bool = True
+        self,
+        key: str,
+        max_bytes: int | None = None,
+        writable: bool = True,
+        consume: Consume | None = None,
     ) -> memoryview:
         """`read` into a buffer, writable if asked: arrays decoded from it without a copy are
-        then writable (file:// reads straight into a writable buffer; other backends copy the
-        bytes once for a writable one, never for a read-only one)."""
+        then writable (file:// reads straight into a writable buffer; gs:// reads a large
+        object in parallel ranges into one buffer; other backends copy the bytes once for a
+        writable one, never for a read-only one).
+
+        `consume`, if given, is called with consecutive pieces of the returned buffer, in
+        order, covering it exactly once, before this returns: a checksum over them overlaps
+        the rest of the download where the backend reads in parts (gs://), and is one call
+        with the whole buffer elsewhere. If the read raises, what was consumed is void."""
         data = self.read(key, max_bytes)
-        return memoryview(bytearray(data)) if writable else memoryview(data)
+        view = memoryview(bytearray(data)) if writable else memoryview(data)
+        if consume is not None:
+            consume(view)
+        return view
 
     def write_stream(self, key: str, chunks: Callable[[], Iterable[Chunk]]) -> None:
         """Create or overwrite the object with the concatenation of `chunks()`, streamed: the

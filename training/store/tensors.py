@@ -20,6 +20,7 @@ from training.store.safejson import JSONLimits, load_json, show
 __all__ = [
     "BadTensors",
     "CHECKSUMS",
+    "Checksum",
     "CorruptObject",
     "checksum",
     "decode_tensors",
@@ -80,20 +81,37 @@ def _readonly_bytes(part: Any) -> np.ndarray:
     return view
 
 
+class Checksum:
+    """A checksum fed part by part (`update`), in order: `hexdigest` is `checksum` of the
+    parts given so far. A payload read hands it the buffer's pieces as they arrive
+    (`ObjectStore.read_buffer`'s `consume`)."""
+
+    def __init__(self, algorithm: str = "crc32c"):
+        if algorithm not in CHECKSUMS:
+            raise ValueError(f"unknown checksum {algorithm!r}; expected one of {CHECKSUMS}")
+        self.algorithm = algorithm
+        self._sha = hashlib.sha256() if algorithm == "sha256" else None
+        self._crc = 0
+
+    def update(self, part: Any) -> None:
+        """Add the bytes of `part` (bytes-like or a C-contiguous array), without a copy."""
+        if self._sha is not None:
+            self._sha.update(_readonly_bytes(part))
+        else:
+            self._crc = google_crc32c.extend(self._crc, _readonly_bytes(part))
+
+    def hexdigest(self) -> str:
+        """crc32c as 8 hex digits, sha256 as 64."""
+        return self._sha.hexdigest() if self._sha is not None else f"{self._crc:08x}"
+
+
 def checksum(parts: Iterable[Any], algorithm: str = "crc32c") -> str:
     """Hex checksum of the concatenation of `parts` (bytes-like objects or C-contiguous
     arrays), without joining them: crc32c as 8 hex digits, sha256 as 64."""
-    if algorithm == "sha256":
-        h = hashlib.sha256()
-        for part in parts:
-            h.update(_readonly_bytes(part))
-        return h.hexdigest()
-    if algorithm != "crc32c":
-        raise ValueError(f"unknown checksum {algorithm!r}; expected one of {CHECKSUMS}")
-    crc = 0
+    digest = Checksum(algorithm)
     for part in parts:
-        crc = google_crc32c.extend(crc, _readonly_bytes(part))
-    return f"{crc:08x}"
+        digest.update(part)
+    return digest.hexdigest()
 
 
 # ---------------------------------------------------------------------------------------------
