@@ -6,10 +6,15 @@ shadow at a light version is the merger's, bit for bit."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
 from tests.helpers import new_store, publish_delta, random_delta, small_config
+from training import cli
 from training.config.experiment import parse_config
 from training.merge import replay
 from training.merge.merger import Merger
@@ -18,6 +23,7 @@ from training.store import merge_records as records
 from training.store.layout import dump_json
 from training.store.objectstore import CorruptObject
 from training.store.tensors import checksum, tensor_parts
+from training.store.versions import LightVersion
 
 
 def _cfg(k: int, name: str = "light", **outer):
@@ -196,3 +202,64 @@ def test_full_every_is_a_described_config_field_defaulting_to_every_version():
     assert (cfg.syncer.full_every, cfg.syncer.full_every_s) == (1, 600.0)
     with pytest.raises(ValueError):
         parse_config({**cfg.model_dump(mode="json"), "syncer": {"full_every": 0}})
+
+
+def test_a_restore_of_a_light_version_replays_its_outer_state_and_is_full():
+    # BEST at light version 5: the restore (version 7) holds version 5's params and the outer
+    # momentum a k = 1 run of the same inputs stored at version 5
+    cfg, store, _ = _run(4, 6, "restore")
+    _, ref, _ = _run(1, 6, "ref")
+    five = store.find_version(0, 5)
+    snapshot = store.snapshot_of({"versions": [5], "dirs": [five.dir], "tokens_merged": 0})
+    with pytest.raises(LightVersion):
+        store.restore_snapshot(snapshot, "test")  # no way to its outer state: refused
+    store.restore_snapshot(snapshot, "test", lambda at, m: replay.outer_state_at(cfg, store, at, m))
+    head = store.head(0)
+    restored = store.load_fragment(head, outer_state=True)
+    want = ref.load_fragment(ref.find_version(0, 5), outer_state=True)
+    assert head.version == 7 and "full" not in restored.manifest
+    assert {n: v.tobytes() for n, v in restored.outer_state.items()} == {
+        n: v.tobytes() for n, v in want.outer_state.items()
+    }
+    lines = []
+    assert replay.run(cfg, store, 0, None, 1, False, lines.append) == 0, lines
+
+
+def test_gc_keeps_what_the_kept_light_head_replays_from():
+    # HEAD 7 is light, its full ancestor 4. keep_last 1 keeps HEAD and version 0; HEAD's
+    # replay needs 4 (full state), 5 and 6 (params, updates) and the contributions of 5-7
+    # (a, b seqs 4-6); those of versions 1-4 (seqs 0-3) go, with versions 1-3's payloads
+    cfg, store, _ = _run(4, 7, "gc")
+    plan = store.plan_gc(keep_last=1)
+    assert plan.protected == {0: [0, 4, 5, 6, 7]}
+    assert sorted(plan.pseudograds) == sorted(f"{i}/{s:08d}-f000" for i in "ab" for s in range(4))
+    store.collect_garbage(plan)
+    _round(store, cfg, Merger(cfg, store), 7)  # a cold merger still starts (from full 4)
+    assert store.head(0).version == 8
+
+
+def test_a_cold_start_killed_mid_replay_then_rerun_applies_each_contribution_once(tmp_path):
+    # HEAD 3 light (full 0); a `diloco merge` process starts cold, replays version 1, dies at
+    # the second replayed version; the rerun replays 1-3 again and merges round 3 once
+    cfg = _cfg(4, "kill")
+    url = f"file://{tmp_path}/store"
+    store = new_store(cfg, url)
+    merger = Merger(cfg, store)
+    for r in range(3):
+        _round(store, cfg, merger, r)
+    head = store.head(0)
+    theta = store.load_fragment(head).params
+    for i, island in enumerate(("a", "b")):
+        publish_delta(store, cfg, island, 3, random_delta(theta, 300 + i), base_version=3)
+    env = dict(os.environ, DILOCO_FAULTS="merge.cold-replay@2", JAX_PLATFORMS="cpu")
+    cmd = [sys.executable, "-m", "training.cli", "merge", "--store", url, "--experiment", "kill"]
+    done = subprocess.run(cmd, env=env, capture_output=True, timeout=120)
+    assert done.returncode == -9, done.stderr.decode()[-2000:]
+    assert store.head(0).version == 3  # killed before it merged anything
+    assert cli.main(["merge", "--store", url, "--experiment", "kill"]) == 0
+    chain = store.list_fragment_versions(0)
+    assert [m["version"] for m in chain] == [0, 1, 2, 3, 4]
+    flat = [pg for m in chain for pg in m["applied"]]
+    assert sorted(flat) == sorted(f"{i}/{s:08d}-f000" for i in "ab" for s in range(4))
+    assert store.applied() == {pg: m["version"] for m in chain for pg in m["applied"]}
+    assert "full" not in chain[-1]  # version 4: full

@@ -137,6 +137,17 @@ def state_at(
         ) from None
 
 
+def outer_state_at(
+    cfg: ExperimentConfig, store: ExperimentStore, head: HeadPointer, manifest: dict
+) -> dict:
+    """The outer-state tensors of the version `head` names (a light one's replayed forward
+    from its full ancestor, checked: state_at): what a restore of BEST writes
+    (ExperimentStore.restore_snapshot's `outer_of`)."""
+    names = fragment_names(cfg)[head.fragment]
+    shapes = {k: tuple(v.shape) for k, v in model.abstract_params(cfg.model).items()}
+    return state_at(cfg, store, {n: shapes[n] for n in names}, head, manifest).outer
+
+
 def _state_at(cfg, store, shapes, chain, v: int, tick=lambda version: None) -> State:
     """Version v's arrays: loaded when full, else replayed forward from its full ancestor."""
     pointer, manifest = chain[v]

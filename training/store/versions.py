@@ -519,21 +519,28 @@ class FragmentVersions:
             params.update(fv.params)
         return params
 
-    def restore_snapshot(self, snapshot: Snapshot, reason: str) -> Snapshot | None:
+    def restore_snapshot(self, snapshot: Snapshot, reason: str, outer_of=None) -> Snapshot | None:
         """Make `snapshot`'s model the current one: each fragment whose HEAD is not already at
         the snapshot's version gets a new version (HEAD + 1) holding that version's parameters
         and outer state, and HEAD's manifest fields (merge_state with its cursors: nothing
         applied becomes unapplied, nothing is applied again) but the restored version's
         `tokens_merged` (the tokens in the model), plus `restored_from` ({"version", "dir",
         "reason", "tokens_discarded": HEAD's tokens_merged minus the restored version's}).
-        Returns the new current snapshot, or None if a fragment's HEAD moved meanwhile (a merger is still at work: restore nothing more, retry later)."""
+        Returns the new current snapshot, or None if a fragment's HEAD moved meanwhile (a merger is still at work: restore nothing more, retry later).
+        A light version holds no outer state: `outer_of(pointer, manifest)` gives it
+        (training/merge/replay.py `outer_state_at`: replayed forward from its full ancestor;
+        without one, LightVersion); the restore is a full version either way."""
         for p, (v, d) in enumerate(zip(snapshot.versions, snapshot.dirs, strict=True)):
             head = self.head(p)
             if head is None or head.dir == d:
                 continue
             pointer = HeadPointer(p, v, d, 0)
             restored = self.fragment_manifest(pointer)
-            old = self.load_fragment(pointer, outer_state=True, manifest=restored)
+            light = records.light_ancestor(restored) is not None
+            old = self.load_fragment(
+                pointer, outer_state=not light or outer_of is None, manifest=restored
+            )
+            outer = outer_of(pointer, restored) if light else old.outer_state
             current = self.fragment_manifest(head)
             extra = {
                 k: val
@@ -551,7 +558,7 @@ class FragmentVersions:
                 "tokens_discarded": discarded,
             }
             new = self.publish_fragment(
-                p, head.version + 1, old.params, old.outer_state, extra, expected=head
+                p, head.version + 1, old.params, outer, extra, expected=head
             )
             if new is None:
                 return None
