@@ -10,11 +10,13 @@ makes, for each owned fragment with work, at most one new version:
 3. admit each by its manifest (training/merge_rules.check_manifest), quarantining the bad ones;
 4. let the method decide what to apply now (quorum, grace window, sync);
 5. stream: load the fragment's params and outer state once (or keep the arrays of the version
-   this merger published last, if HEAD still names it: `warm_bytes`), read each contribution
+   this merger published last, if HEAD still names it: `warm_bytes`; a light HEAD with
+   nothing warm is replayed forward from its full ancestor: replay.state_at), read each contribution
    chunk by chunk from its codes (checked as decoded, its norms in the same pass), fold each
    island's vote into one float32 accumulator, apply the outer step in place, chunk by chunk;
 6. write the new version (payloads, manifest, then HEAD by compare-and-swap from the head read
-   in step 1) and the ledger entries. Losing the race publishes nothing: the next attempt starts
+   in step 1; a light one without outer state and shadow unless full is due:
+   `syncer.full_every`) and the ledger entries. Losing the race publishes nothing: the next attempt starts
    again at 1.
 So a contribution is applied at most once (only a version that won the CAS counts, and its
 cursors and `applied` list are what the next attempt reads) and at least once (it stays pending

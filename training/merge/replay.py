@@ -1,8 +1,10 @@
 """`diloco replay`: re-derive a fragment's version history from its recorded contributions.
 
 The event tape of a run (docs/DESIGN.md, "Replay"). For each version v >= 1 of a fragment (or
-from `start` on: every committed version is a full one), replay loads version v - 1 (params,
-outer state, merge state, broadcast shadow), reads exactly the contributions v's manifest
+from `start` on), replay takes version v - 1's state (params, outer state, merge state,
+broadcast shadow: carried from v - 1's replay, loaded when v - 1 is full, else replayed forward
+from its full ancestor: `state_at`, also what a cold merger and a restore of a light version
+use; docs/STORE.md "Light versions"), reads exactly the contributions v's manifest
 lists as applied, in the groups and order its `contributions` records give (with each island's
 weight cap and the active-island count: apply.REPLAY_FIELDS), runs the merge's own arithmetic
 on them (training/merge/apply.py: the very code the merger ran) and compares what comes out
