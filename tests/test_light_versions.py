@@ -263,3 +263,37 @@ def test_a_cold_start_killed_mid_replay_then_rerun_applies_each_contribution_onc
     assert sorted(flat) == sorted(f"{i}/{s:08d}-f000" for i in "ab" for s in range(4))
     assert store.applied() == {pg: m["version"] for m in chain for pg in m["applied"]}
     assert "full" not in chain[-1]  # version 4: full
+
+
+def _is_full(store) -> bool:
+    return "full" not in store.fragment_manifest(store.head(0))
+
+
+def test_a_merge_after_stop_is_full():
+    # k = 4: version 1 would be light; control/STOP (the end of a run) makes it full
+    cfg, store, merger = _run(4, 1, "stop")
+    assert not _is_full(store)
+    store.request_stop(reason="user")
+    _round(store, cfg, merger, 1)
+    assert _is_full(store)
+
+
+def test_the_syncers_last_drain_writes_full_versions():
+    cfg, store, merger = _run(4, 0, "drain")
+    merger.full_always = True  # what ShardSyncer._last_drain sets
+    _round(store, cfg, merger, 0)
+    assert _is_full(store)
+
+
+def test_full_every_s_makes_a_version_full_once_that_long_passed():
+    # k = 100 (by count, version 100 would be the first full one); full_every_s = 1e-6: by the
+    # second merge more than a microsecond passed since version 0 was written
+    cfg = small_config(
+        "timed",
+        codec="int4",
+        outer={"method": "nesterov"},
+        syncer={"full_every": 100, "full_every_s": 1e-6},
+    )
+    store = new_store(cfg)
+    _round(store, cfg, Merger(cfg, store), 0)
+    assert _is_full(store)
