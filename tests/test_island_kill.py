@@ -34,8 +34,15 @@ def _island(url, name, faults="", max_steps=None):
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
 
 
-def test_island_survives_sigkill_mid_publish_and_mid_training(tmp_path):
-    cfg = small_config("kill", islands=("a", "b"), outer={"method": "nesterov"})
+# full_every 4: the versions the island resumes from are light ones (docs/STORE.md)
+@pytest.mark.parametrize("full_every", [1, 4])
+def test_island_survives_sigkill_mid_publish_and_mid_training(tmp_path, full_every):
+    cfg = small_config(
+        "kill",
+        islands=("a", "b"),
+        outer={"method": "nesterov"},
+        syncer={"full_every": full_every, "full_every_s": 0},
+    )
     url = f"file://{tmp_path}/store"
     store = ExperimentStore(open_store(url), "kill")
     store.write_config(json.loads(cfg.to_json()))

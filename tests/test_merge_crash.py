@@ -34,13 +34,19 @@ def _state_at_kill(store) -> dict:
     )
 
 
-# point -> what the store must look like right after the kill (proves where it landed)
-EXPECTED = {
+# (syncer.full_every, point) -> what the store must look like right after the kill (proves
+# where it landed); with full_every 4 version 1 is a light one (docs/STORE.md "Light versions")
+EXPECTED_K1 = {
     "merge.after-read": dict(head=0, ledger=[], without_manifest=0, off_chain=0),
     "global.payload-written": dict(head=0, ledger=[], without_manifest=1, off_chain=0),
     "global.before-cas": dict(head=0, ledger=[], without_manifest=0, off_chain=1),
     "global.after-cas": dict(head=1, ledger=[], without_manifest=0, off_chain=0),
     "ledger.partial": dict(head=1, ledger=[IDS[0]], without_manifest=0, off_chain=0),
+}
+EXPECTED = {
+    **{(1, point): state for point, state in EXPECTED_K1.items()},
+    **{(4, point): state for point, state in EXPECTED_K1.items() if point != "merge.after-read"},
+    (4, "light.before-manifest"): dict(head=0, ledger=[], without_manifest=1, off_chain=0),
 }
 
 
@@ -49,8 +55,10 @@ def killed(tmp_path_factory):
     """Per fault point: a store with three committed pseudo-gradients and a merge subprocess set
     to SIGKILL itself there (all started at once: the subprocesses' start-up dominates)."""
     runs = {}
-    for point in EXPECTED:
-        cfg = small_config(EXP, outer={"method": "nesterov"})
+    for k, point in EXPECTED:
+        cfg = small_config(
+            EXP, outer={"method": "nesterov"}, syncer={"full_every": k, "full_every_s": 0}
+        )
         url = f"file://{tmp_path_factory.mktemp(point)}/store"
         store = new_store(cfg, url)
         theta = store.load_params()
@@ -59,7 +67,7 @@ def killed(tmp_path_factory):
         env = dict(os.environ, DILOCO_FAULTS=f"{point}@1", JAX_PLATFORMS="cpu")
         cmd = [sys.executable, "-m", "training.cli", "merge", "--store", url, "--experiment", EXP]
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        runs[point] = (url, store, proc)
+        runs[k, point] = (url, store, proc)
     yield runs
     for _, _, proc in runs.values():
         if proc.poll() is None:
@@ -67,12 +75,12 @@ def killed(tmp_path_factory):
         proc.wait()
 
 
-@pytest.mark.parametrize("point", list(EXPECTED))
-def test_merge_killed_at_every_step_then_rerun_applies_each_pseudo_gradient_once(killed, point):
-    url, store, proc = killed[point]
+@pytest.mark.parametrize("k, point", list(EXPECTED))
+def test_merge_killed_at_every_step_then_rerun_applies_each_pseudo_gradient_once(killed, k, point):
+    url, store, proc = killed[k, point]
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == -9, stderr.decode()[-2000:]
-    assert _state_at_kill(store) == EXPECTED[point]
+    assert _state_at_kill(store) == EXPECTED[k, point]
 
     assert cli.main(["merge", "--store", url, "--experiment", EXP]) == 0
     chain = store.list_fragment_versions(0)

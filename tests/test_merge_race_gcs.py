@@ -41,9 +41,17 @@ def _wait_applied(store, committed, mergers, logs, timeout=120):
         time.sleep(0.1)
 
 
-def test_two_merge_processes_racing_on_gcs_apply_each_once(gcs_bucket, tmp_path):  # noqa: F811
+# full_every 4: light versions between full ones; the merger that lost a race holds no warm
+# arrays of the new HEAD, so it starts cold there (replays from the full version) every time
+@pytest.mark.parametrize("full_every", [1, 4])
+def test_two_merge_processes_racing_on_gcs_apply_each_once(gcs_bucket, tmp_path, full_every):  # noqa: F811
     url = f"{gcs_bucket}/race-{uuid.uuid4().hex[:8]}"
-    cfg = small_config(EXP, islands=ISLANDS, outer={"method": "decoupled", "quorum": 1})
+    cfg = small_config(
+        EXP,
+        islands=ISLANDS,
+        outer={"method": "decoupled", "quorum": 1},
+        syncer={"full_every": full_every, "full_every_s": 0},
+    )
     store = new_store(cfg, url)
     theta = store.load_params()
 

@@ -70,6 +70,7 @@ def finalize_experiment(store_url: str, experiment: str, run_id: str | None = No
     and restore; a finalize of another run (two runs of one experiment ending together, or a
     later run) then evaluates and restores nothing."""
     from training.config.experiment import parse_config
+    from training.merge.replay import outer_state_at
     from training.merge.syncer import claim_finalize
     from training.model.evaluate import (
         end_of_run_report,
@@ -102,7 +103,9 @@ def finalize_experiment(store_url: str, experiment: str, run_id: str | None = No
     if over:
         # nobody trains or merges any more: the run ends on the best of its evaluated snapshots,
         # the last merges included
-        finish = finish_at_best(cfg, estore, record)
+        finish = finish_at_best(
+            cfg, estore, record, lambda at, m: outer_state_at(cfg, estore, at, m)
+        )
         restored = finish["restored"]
         if restored:
             best = finish["restored_from"]

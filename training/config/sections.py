@@ -451,6 +451,23 @@ class SyncerConfig(_Frozen):
         description="a shard's lease in the store lasts this long past its last renewal: a second run joining the experiment starts no second syncer "
         "for the shard while the lease lives",
     )
+    full_every: int = Field(
+        1,
+        ge=1,
+        le=10_000,
+        description="a merge writes a full version of its fragment (parameters, outer "
+        "optimizer state, broadcast shadow) every this many versions, and a light one "
+        "(parameters and the broadcast update, no outer state or shadow) in between; a syncer "
+        "that starts cold rebuilds the state by re-applying the merges since the last full "
+        "version. 1: every version full (layout 2 as it was)",
+    )
+    full_every_s: float = Field(
+        600.0,
+        ge=0,
+        description="also write a full version when this many seconds passed since the "
+        "fragment's last full one (bounds a cold start's replay in time); 0: by count only. "
+        "Only matters when full_every is above 1",
+    )
 
 
 class CheckpointConfig(_Frozen):
@@ -524,6 +541,8 @@ MERGE_FAULT_POINTS = (
     "global.before-cas",
     "global.after-cas",
     "ledger.partial",
+    "light.before-manifest",
+    "merge.cold-replay",
 )
 
 

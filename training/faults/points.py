@@ -10,14 +10,14 @@ reaches `point`. A killed process gets no chance to clean up, exactly like a pre
     global.after-cas            HEAD swapped, ledger not yet written
     ledger.partial              one ledger entry of several written
     merge.after-read            merger read its inputs, computed nothing yet
+    light.before-manifest       a light version's params and update stored, manifest not yet
+    merge.cold-replay           a cold-starting merger re-derived one light version
 
 A process's fault points are one `FaultPlan` object, handed over by its entry point and never
-looked up on the way: the island takes it (`Island(..., faults=plan)`: `island.step`), the
-`ExperimentStore` carries it (`ExperimentStore(..., faults=plan)`: the store's points), and the
-merger uses its store's (`merge.after-read`). `FaultPlan.from_env` is the one reader of
-DILOCO_FAULTS; only the entry points call it: `diloco island` and `diloco merge`
-(training/cli.py), the WAN bench's island process, and the Airflow tasks that merge in their own
-process (the syncer's shard tasks, `finalize`'s last merge). Chaos mode's merge kill adds its
+looked up on the way: the island takes it (`Island(..., faults=plan)`), the `ExperimentStore`
+carries it (`ExperimentStore(..., faults=plan)`), the merger uses its store's. Only the entry
+points call `FaultPlan.from_env`, DILOCO_FAULTS's one reader: `diloco island`, `diloco merge`,
+the WAN bench's island process, the Airflow tasks that merge (shard tasks, `finalize`). Chaos mode's merge kill adds its
 point to that plan (`training.faults.chaos.arm_merge_kill` returns the plan to use). Simulators
 and tests build plans themselves, or none: a store or island without a plan runs no fault code.
 """

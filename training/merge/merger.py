@@ -10,11 +10,13 @@ makes, for each owned fragment with work, at most one new version:
 3. admit each by its manifest (training/merge_rules.check_manifest), quarantining the bad ones;
 4. let the method decide what to apply now (quorum, grace window, sync);
 5. stream: load the fragment's params and outer state once (or keep the arrays of the version
-   this merger published last, if HEAD still names it: `warm_bytes`), read each contribution
+   this merger published last, if HEAD still names it: `warm_bytes`; a light HEAD with
+   nothing warm is replayed forward from its full ancestor: replay.state_at), read each contribution
    chunk by chunk from its codes (checked as decoded, its norms in the same pass), fold each
    island's vote into one float32 accumulator, apply the outer step in place, chunk by chunk;
 6. write the new version (payloads, manifest, then HEAD by compare-and-swap from the head read
-   in step 1) and the ledger entries. Losing the race publishes nothing: the next attempt starts
+   in step 1; a light one without outer state and shadow unless full is due:
+   `syncer.full_every`) and the ledger entries. Losing the race publishes nothing: the next attempt starts
    again at 1.
 So a contribution is applied at most once (only a version that won the CAS counts, and its
 cursors and `applied` list are what the next attempt reads) and at least once (it stays pending
@@ -37,7 +39,7 @@ import numpy as np
 
 from training.codecs import host as codecs
 from training.config.experiment import ExperimentConfig
-from training.merge import apply, quorum, rules
+from training.merge import apply, quorum, replay, rules
 from training.merge.fetch import Prefetch
 from training.model import definition as model
 from training.model.runtime import fragment_names
@@ -132,6 +134,9 @@ class Merger:
         self._heartbeats: dict[str, dict] = {}  # this pass's (read when something is pending)
         self._k: dict[int, int] = {}  # outer.quorum = "auto": fragment -> its K last merge
         self._period: float | None = None  # the shared round clock's period, once known
+        # syncer.full_every > 1: every merge writes a full version while this is set (the
+        # syncer's last drain: a run ends on full versions)
+        self.full_always = False
 
     def _version(self, head: HeadPointer) -> tuple[dict, records.MergeState]:
         """The manifest of a committed version and its merge state, read and parsed once per
@@ -356,15 +361,20 @@ class Merger:
             merged_at=merged_at,
         )
         payloads, shadow = broadcast.version_payloads(params, shadow, self.cfg.codec, extra)
+        full_at = self._full_ancestor(head, manifest)
+        light = not self._full_due(p, head.version + 1, full_at)
+        if light and payloads is not None:
+            payloads = {n: t for n, t in payloads.items() if n != broadcast.SHADOW}
         new = self.store.publish_fragment(
             p,
             head.version + 1,
             params,
-            rules.state_tensors(state),
+            None if light else rules.state_tensors(state),
             extra,
             applied,
             expected=head,
             payloads=payloads,
+            full_at=full_at if light else None,
         )
         if new is None:
             log.info("fragment %d: lost the head race at version %d", p, head.version + 1)
@@ -376,6 +386,24 @@ class Merger:
         result.contributions += details
         for d in details:
             d["merged_at"] = merged_at
+
+    def _full_ancestor(self, head: HeadPointer, manifest: dict) -> tuple[int, str]:
+        """(version, dir) of the nearest full version at or below `head` (itself if full)."""
+        return records.light_ancestor(manifest) or (head.version, head.dir)
+
+    def _full_due(self, p: int, version: int, full_at: tuple[int, str]) -> bool:
+        """Whether the new `version` is written full (docs/STORE.md, "Light versions"): always
+        with syncer.full_every = 1; else every full_every-th version, once full_every_s passed
+        since the full ancestor was written, in the syncer's last drain, and once control/STOP
+        exists (the end of a run is full)."""
+        every, every_s = self.cfg.syncer.full_every, self.cfg.syncer.full_every_s
+        if every == 1 or version % every == 0 or self.full_always:
+            return True
+        if every_s > 0:
+            created = self._version(HeadPointer(p, *full_at, 0))[0].get("created_at", 0.0)
+            if time.time() - float(created) >= every_s:
+                return True
+        return self.store.stop_requested()
 
     def _quorum(
         self, p: int, candidates: Sequence[rules.Candidate], active: set[str], now: float
@@ -418,7 +446,28 @@ class Merger:
         warm = self._warm.pop(head.fragment, None)
         if warm is not None and warm[0] == head.dir:
             return warm[1], warm[2], warm[3] if broadcast.enabled(self.cfg) else None
-        return apply.load_arrays(self.cfg, self.store, head, manifest, self.shapes[head.fragment])
+        if records.light_ancestor(manifest) is None:
+            return apply.load_arrays(
+                self.cfg, self.store, head, manifest, self.shapes[head.fragment]
+            )
+        # a light HEAD and nothing warm (a cold start: after a crash, on another worker): its
+        # nearest full version and the merges since re-applied, each checked (replay.state_at)
+        started = time.monotonic()
+        state = replay.state_at(
+            self.cfg,
+            self.store,
+            self.shapes[head.fragment],
+            head,
+            manifest,
+            lambda version: self.store.hit_fault("merge.cold-replay"),
+        )
+        log.info(
+            "fragment %d: cold start at version %d, replayed from its full version in %.2f s",
+            head.fragment,
+            head.version,
+            time.monotonic() - started,
+        )
+        return state.params, state.outer, state.shadow
 
     def _keep_warm(
         self,

@@ -1,8 +1,10 @@
 """`diloco replay`: re-derive a fragment's version history from its recorded contributions.
 
 The event tape of a run (docs/DESIGN.md, "Replay"). For each version v >= 1 of a fragment (or
-from `start` on: every committed version is a full one), replay loads version v - 1 (params,
-outer state, merge state, broadcast shadow), reads exactly the contributions v's manifest
+from `start` on), replay takes version v - 1's state (params, outer state, merge state,
+broadcast shadow: carried from v - 1's replay, loaded when v - 1 is full, else replayed forward
+from its full ancestor: `state_at`, also what a cold merger and a restore of a light version
+use; docs/STORE.md "Light versions"), reads exactly the contributions v's manifest
 lists as applied, in the groups and order its `contributions` records give (with each island's
 weight cap and the active-island count: apply.REPLAY_FIELDS), runs the merge's own arithmetic
 on them (training/merge/apply.py: the very code the merger ran) and compares what comes out
@@ -70,6 +72,22 @@ class Outcome:
         return f"fragment {self.fragment} version {self.version} ({what}): {tail}"
 
 
+@dataclass
+class State:
+    """A version's arrays as loaded or re-derived: params, outer-state tensors, the broadcast
+    shadow (None: broadcast off). Consumed by the next merge (updated in place)."""
+
+    version: int
+    params: dict
+    outer: dict
+    shadow: dict | None
+
+
+class ColdStartMismatch(RuntimeError):
+    """A cold start re-derived a light version to other bits than stored (one line: fragment,
+    version, tensor): nondeterminism, found rather than hidden. The shard stops."""
+
+
 def replay(
     cfg: ExperimentConfig,
     store: ExperimentStore,
@@ -78,7 +96,8 @@ def replay(
     start: int = 1,
 ) -> Iterator[Outcome]:
     """Outcomes of versions `start`..`to` (default: HEAD) of `fragment` (default: every
-    fragment, in order), one per version, oldest first."""
+    fragment, in order), one per version, oldest first. The state re-derived for one version
+    is carried to the next (a light version has no outer state to load)."""
     names = fragment_names(cfg)
     if start < 0 or (to is not None and to < 0):
         raise ReplayInputError(f"versions are >= 0 (from {start}, to {to})")
@@ -87,10 +106,67 @@ def replay(
     shapes = {k: tuple(v.shape) for k, v in model.abstract_params(cfg.model).items()}
     for p in range(len(names)) if fragment is None else [fragment]:
         frag_shapes = {n: shapes[n] for n in names[p]}
-        chain = _chain(store, p)
+        chain = dict(enumerate(_chain(store, p)))
         last = len(chain) - 1 if to is None else min(to, len(chain) - 1)
+        carried: State | None = None
         for v in range(max(start, 1), last + 1):
-            yield _replay_version(cfg, store, frag_shapes, chain, v)
+            outcome, carried = _replay_version(cfg, store, frag_shapes, chain, v, carried)
+            yield outcome
+
+
+def state_at(
+    cfg: ExperimentConfig,
+    store: ExperimentStore,
+    shapes: Mapping[str, tuple[int, ...]],
+    head: HeadPointer,
+    manifest: dict,
+    tick=lambda version: None,
+) -> State:
+    """The arrays of the version `head` names, for a merger that holds none (a cold start):
+    loaded when it is full, else its nearest full ancestor's loaded and the merges after it
+    re-applied with apply.apply_groups from the contributions their manifests record, each
+    re-derived version checked against the stored one (params, update, counters). `tick(v)`
+    after each re-derived version (a fault point). ColdStartMismatch (one line) on a
+    difference or a record it cannot replay."""
+    chain = dict(
+        (pointer.version, (pointer, m)) for pointer, m in store.light_chain(head, manifest)
+    )
+    try:
+        return _state_at(cfg, store, shapes, chain, head.version, tick)
+    except _Stop as stop:
+        raise ColdStartMismatch(
+            f"fragment {head.fragment}: cold start stopped ({stop.status}): {stop.detail}"
+        ) from None
+
+
+def outer_state_at(
+    cfg: ExperimentConfig, store: ExperimentStore, head: HeadPointer, manifest: dict
+) -> dict:
+    """The outer-state tensors of the version `head` names (a light one's replayed forward
+    from its full ancestor, checked: state_at): what a restore of BEST writes
+    (ExperimentStore.restore_snapshot's `outer_of`)."""
+    names = fragment_names(cfg)[head.fragment]
+    shapes = {k: tuple(v.shape) for k, v in model.abstract_params(cfg.model).items()}
+    return state_at(cfg, store, {n: shapes[n] for n in names}, head, manifest).outer
+
+
+def _state_at(cfg, store, shapes, chain, v: int, tick=lambda version: None) -> State:
+    """Version v's arrays: loaded when full, else replayed forward from its full ancestor."""
+    pointer, manifest = chain[v]
+    full_at = records.light_ancestor(manifest)
+    if full_at is None:
+        return State(v, *apply.load_arrays(cfg, store, pointer, manifest, shapes))
+    if full_at[0] not in chain or chain[full_at[0]][0].dir != full_at[1]:
+        raise _Stop(CANNOT, f"version {v}'s full ancestor {full_at[0]} is not on its chain")
+    state = State(full_at[0], *apply.load_arrays(cfg, store, *chain[full_at[0]], shapes))
+    for u in range(full_at[0] + 1, v + 1):
+        try:
+            state = _rederive(cfg, store, shapes, chain, u, state)
+        except _Stop as stop:
+            detail = f"version {u} (light, from full {full_at[0]}): {stop.detail}"
+            raise _Stop(stop.status, detail) from None
+        tick(u)
+    return state
 
 
 def _chain(store: ExperimentStore, p: int) -> list[tuple[HeadPointer, dict]]:
@@ -105,11 +181,13 @@ def _chain(store: ExperimentStore, p: int) -> list[tuple[HeadPointer, dict]]:
     return [(HeadPointer(p, m["version"], d, 0), m) for m, d in zip(manifests, dirs, strict=True)]
 
 
-def _replay_version(cfg, store, shapes, chain, v: int) -> Outcome:
+def _replay_version(cfg, store, shapes, chain, v: int, carried: State | None):
+    """(v's Outcome, v's re-derived State to carry to v + 1, or None)."""
     pointer, manifest = chain[v]
     restored = manifest.get("restored_from")
     applied = manifest.get("applied") or []
     base = Outcome(pointer.fragment, v, len(applied), OK)
+    state = None
     try:
         if restored is not None:
             version = restored.get("version") if isinstance(restored, dict) else None
@@ -118,28 +196,34 @@ def _replay_version(cfg, store, shapes, chain, v: int) -> Outcome:
             base = Outcome(pointer.fragment, v, 0, OK, restored_from=version)
             if restored.get("dir") != chain[version][0].dir:
                 raise _Stop(CANNOT, f"restored_from {restored!r} is not on the version chain")
-            _check_restore(store, shapes, chain, v, version)
+            _check_restore(cfg, store, shapes, chain, v, version)
         else:
-            _check_merge(cfg, store, shapes, chain, v)
+            parent = carried
+            if parent is None or parent.version != v - 1:
+                try:
+                    parent = _state_at(cfg, store, shapes, chain, v - 1)
+                except ObjectNotFound:
+                    raise _Stop(CANNOT, f"version {v - 1} was collected") from None
+            state = _rederive(cfg, store, shapes, chain, v, parent)
     except _Stop as stop:
-        return replace(base, status=stop.status, detail=stop.detail)
+        return replace(base, status=stop.status, detail=stop.detail), None
     except ObjectNotFound as err:
-        return replace(base, status=CANNOT, detail=f"collected: {err}")
+        return replace(base, status=CANNOT, detail=f"collected: {err}"), None
     except (StoreError, ValueError, KeyError) as err:  # a record or payload of v - 1 refused
-        return replace(base, status=CANNOT, detail=f"unreadable: {err}")
-    return base
+        return replace(base, status=CANNOT, detail=f"unreadable: {err}"), None
+    return base, state
 
 
-def _check_restore(store, shapes, chain, v: int, version: int) -> None:
-    """A restore of BEST: v's params and outer state are those of the version it restores."""
+def _check_restore(cfg, store, shapes, chain, v: int, version: int) -> None:
+    """A restore of BEST: v's params and outer state are those of the version it restores
+    (replayed forward when that one is light)."""
     limits = apply.fragment_limits(shapes)
     got = store.load_fragment(
         chain[v][0], outer_state=True, manifest=chain[v][1], max_nbytes=limits
     )
-    was_at, was_manifest = chain[version]
-    was = store.load_fragment(was_at, outer_state=True, manifest=was_manifest, max_nbytes=limits)
+    was = _state_at(cfg, store, shapes, chain, version)
     _compare("params", got.params, was.params)
-    _compare("outer_state", got.outer_state, was.outer_state)
+    _compare("outer_state", got.outer_state, was.outer)
 
 
 def _records(manifest: Mapping) -> list[dict]:
@@ -172,9 +256,20 @@ def _records(manifest: Mapping) -> list[dict]:
     return found
 
 
-def _check_merge(cfg, store, shapes, chain, v: int) -> None:
+def _pointer(store, chain, fragment: int, version: int) -> HeadPointer:
+    """Version `version`'s pointer: from `chain` where it holds it (replay: every version; a
+    cold start: those since the full ancestor), else found on the fragment's chain."""
+    if version in chain:
+        return chain[version][0]
+    return store.find_version(fragment, version)
+
+
+def _rederive(cfg, store, shapes, chain, v: int, parent: State) -> State:
+    """Re-apply v's recorded merge to `parent` (v - 1's arrays, consumed) and compare the result
+    with what v holds, bit for bit (params; outer state and shadow where v is full; the
+    optimizer's counters; the update): v's State, or _Stop."""
     pointer, manifest = chain[v]
-    parent, parent_manifest = chain[v - 1]
+    parent_version = v - 1
     recs = _records(manifest)
     candidates = {}
     for r in recs:
@@ -183,7 +278,7 @@ def _check_merge(cfg, store, shapes, chain, v: int) -> None:
             raise _Stop(CANNOT, f"contribution {r['id']} was collected")
         island, seq, frag = records.parse_pseudograd_id(r["id"])
         got = rules.check_manifest(
-            cfg, r["id"], island, seq, frag, ref.manifest, parent.version, None, ref.error
+            cfg, r["id"], island, seq, frag, ref.manifest, parent_version, None, ref.error
         )
         if isinstance(got, str):
             raise _Stop(DIFFERS, f"contribution {r['id']}: {got}")
@@ -195,15 +290,10 @@ def _check_merge(cfg, store, shapes, chain, v: int) -> None:
         caps.setdefault(r["group"], {})[candidates[r["id"]][0].island] = float(r["cap"])
     order = sorted(groups)
 
-    try:
-        params, outer_tensors, shadow = apply.load_arrays(
-            cfg, store, parent, parent_manifest, shapes
-        )
-    except ObjectNotFound:
-        raise _Stop(CANNOT, f"version {v - 1} was collected") from None
+    params, outer_tensors, shadow = parent.params, parent.outer, parent.shadow
     if broadcast.enabled(cfg) and shadow is None:
         shadow = {n: val.copy() for n, val in params.items()}
-    ms = records.merge_state_of(parent_manifest)
+    ms = records.merge_state_of(chain[parent_version][1])
     state = rules.state_from_tensors(cfg.outer, shapes, outer_tensors, ms.steps, ms.seen)
     reanchored = {r["id"]: r.get("reanchored") for r in recs}
 
@@ -222,13 +312,13 @@ def _check_merge(cfg, store, shapes, chain, v: int) -> None:
             reanchored[c.id]
             for g in groups.values()
             for c in g
-            if parent.version - c.staleness == version
+            if parent_version - c.staleness == version
         }
         if False in flags:
             return None  # the merge could not read it: the votes stayed anchored at it
         try:
             return store.load_fragment(
-                chain[version][0], max_nbytes=apply.fragment_limits(shapes)
+                _pointer(store, chain, frag, version), max_nbytes=apply.fragment_limits(shapes)
             ).params
         except ObjectNotFound:
             if True in flags:
@@ -238,7 +328,7 @@ def _check_merge(cfg, store, shapes, chain, v: int) -> None:
     done = apply.apply_groups(
         cfg,
         shapes,
-        parent.version,
+        parent_version,
         params,
         state,
         ms.norms,
@@ -257,14 +347,17 @@ def _check_merge(cfg, store, shapes, chain, v: int) -> None:
                 f"contribution {r['id']}: weight {d['weight']!r} norm {d['norm']!r}, "
                 f"recorded {r.get('weight')!r} {r.get('norm')!r}",
             )
+    full = records.light_ancestor(manifest) is None
     try:
         stored = store.load_fragment(
-            pointer, outer_state=True, manifest=manifest, max_nbytes=apply.fragment_limits(shapes)
+            pointer, outer_state=full, manifest=manifest, max_nbytes=apply.fragment_limits(shapes)
         )
     except CorruptObject as err:
         raise _Stop(DIFFERS, f"its stored payloads do not match its manifest: {err}") from None
+    outer = rules.state_tensors(done.state)
     _compare("params", params, stored.params)
-    _compare("outer_state", rules.state_tensors(done.state), stored.outer_state)
+    if full:
+        _compare("outer_state", outer, stored.outer_state)
     now = records.merge_state_of(manifest)
     if (now.steps, now.seen) != (done.state.steps, done.state.seen):
         raise _Stop(
@@ -273,7 +366,9 @@ def _check_merge(cfg, store, shapes, chain, v: int) -> None:
             f"{done.state.steps}/{done.state.seen}",
         )
     extra: dict = {}
-    payloads, _ = broadcast.version_payloads(params, shadow, cfg.codec, extra)
+    payloads, shadow = broadcast.version_payloads(params, shadow, cfg.codec, extra)
+    if payloads is not None and not full:
+        payloads = {n: t for n, t in payloads.items() if n != broadcast.SHADOW}
     sizes = manifest.get("nbytes") or {}
     stored_names = sorted(n for n in (broadcast.UPDATE, broadcast.SHADOW) if n in sizes)
     if sorted(payloads or {}) != stored_names:
@@ -282,6 +377,7 @@ def _check_merge(cfg, store, shapes, chain, v: int) -> None:
         limit, header = codecs.payload_limits(shapes, cfg.codec if name == "update" else "fp32")
         got = store.load_payload(pointer, name, manifest, max_nbytes=limit, max_header=header)
         _compare(name, tensors, got)
+    return State(v, params, outer, shadow)
 
 
 def _compare(what: str, replayed: Mapping[str, np.ndarray], stored: Mapping[str, np.ndarray]):

@@ -408,7 +408,9 @@ class ShardSyncer:
                 merge_now = True
 
     def _last_drain(self, max_attempts: int = 50) -> None:
-        """Merge everything left (a grace window is waited out; a lost race is retried)."""
+        """Merge everything left (a grace window is waited out; a lost race is retried); with
+        syncer.full_every > 1 these merges write full versions (the run ends on them)."""
+        self.merger.full_always = True
         for _ in range(max_attempts):
             result = self._merge()
             if result.applied or result.lost_race:

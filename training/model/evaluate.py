@@ -128,19 +128,20 @@ def end_of_run_report(store) -> dict:
 RESTORE_MARGIN = 1e-3  # restore the best snapshot when the final eval is this much worse
 
 
-def finish_at_best(cfg: ExperimentConfig, store, final: dict) -> dict:
+def finish_at_best(cfg: ExperimentConfig, store, final: dict, outer_of=None) -> dict:
     """The end of a run is as good as its best: when the final eval (`final`, a record of
     evaluate_snapshot) is worse than snapshots/BEST.json by more than RESTORE_MARGIN, publish
     the best snapshot's fragments as new versions (`restore_snapshot`) and evaluate again.
     Call only when no island trains and no merger runs (finalize). Returns {"restored": bool,
-    "final": the eval of the model the run ends with, "before": `final`}."""
+    "final": the eval of the model the run ends with, "before": `final`}. `outer_of`: the
+    outer state of a light version (store.restore_snapshot)."""
     best = store.best()
     out = {"restored": False, "final": final, "before": final}
     if not best or not best["loss"] < final["loss"] * (1 - RESTORE_MARGIN):
         return out
     snapshot = store.snapshot_of(best)
     reason = f"final eval {final['loss']:.4f} worse than the best {best['loss']:.4f}"
-    if store.restore_snapshot(snapshot, reason) is None:
+    if store.restore_snapshot(snapshot, reason, outer_of) is None:
         return out
     out.update(restored=True, final=evaluate_current(cfg, store), restored_from=best)
     return out

@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from training.codecs import host as codecs
+from training.store import merge_records as records
 from training.store.layout import HeadPointer
 from training.store.objectstore import CorruptObject, ObjectNotFound
 
@@ -161,7 +162,40 @@ def read_full(
     store, head: HeadPointer, manifest: dict, shapes: Mapping[str, tuple[int, ...]]
 ) -> Fetched:
     """S_v of `head`'s version read whole (the `adoptable` payload, verified: at most the
-    fragment's float32 size, checksum, then exactly the fragment's tensors in float32)."""
+    fragment's float32 size, checksum, then exactly the fragment's tensors in float32). A
+    light version (syncer.full_every > 1) holds no shadow: its S_v is its nearest full
+    ancestor's, read whole, plus the updates after it, each checked and added with `step`
+    in order (the merger's arithmetic: the same bits)."""
+    if records.light_ancestor(manifest) is None or CODEC_FIELD not in manifest:
+        return _read_whole(store, head, manifest, shapes)
+    chain = store.light_chain(head, manifest)
+    got = _read_whole(store, *chain[0], shapes)
+    tensors, nbytes = got.tensors, got.nbytes
+    for pointer, m in chain[1:]:
+        codec = m.get(CODEC_FIELD)
+        if not isinstance(codec, str) or update_size(m, codec) is None:
+            raise CorruptObject(
+                f"fragment {head.fragment} version {pointer.version}: a light version without "
+                "an update"
+            )
+        max_nbytes, max_header = codecs.payload_limits(shapes, codec)
+        payload = store.load_payload(pointer, UPDATE, m, max_nbytes, max_header)
+        try:
+            decoded = check_update(payload, codec, shapes, head.fragment)
+        except (ValueError, KeyError) as err:
+            raise CorruptObject(
+                f"the update of fragment {head.fragment} version {pointer.version} is refused: "
+                f"{str(err).strip(chr(39))}"
+            ) from None
+        tensors = step(tensors, decoded)
+        nbytes += codecs.payload_nbytes(payload)
+    return Fetched(tensors, nbytes, "full", len(chain) - 1)
+
+
+def _read_whole(
+    store, head: HeadPointer, manifest: dict, shapes: Mapping[str, tuple[int, ...]]
+) -> Fetched:
+    """The `adoptable` payload of a version, verified (read_full's one read)."""
     name = adoptable(manifest)
     limit = codecs.payload_limits(shapes, "fp32")[0]
     tensors = store.load_payload(head, name, manifest, max_nbytes=limit)

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from training.store import merge_records as records
 from training.store import safejson
 from training.store.keys import FRAGMENT_DIR
 from training.store.layout import (
@@ -85,14 +86,22 @@ class GarbageCollection:
     def _chain(self, fragment: int) -> tuple[int | None, dict[int, str], bool, dict[str, int]]:
         """(head version, version -> directory along HEAD's chain, whether it reaches v0's root,
         pseudo-gradient id -> the version whose `applied` list names it: the truth the ledger
-        is checked against)."""
+        is checked against). Also sets self._full_of[fragment]: light version -> the version
+        of its full ancestor."""
         head = self.head(fragment)
+        if not hasattr(self, "_full_of"):
+            self._full_of: dict[int, dict[int, int]] = {}
+        full_of = self._full_of
+        full_of[fragment] = {}
         if head is None:
             return None, {}, True, {}
         dirs = {head.version: head.dir}
         complete = False
         applied_in: dict[str, int] = {}
         for manifest in self.list_fragment_versions(fragment):
+            ancestor = records.light_ancestor(manifest)
+            if ancestor is not None:
+                full_of[fragment][manifest["version"]] = ancestor[0]
             parent, parent_dir = manifest.get("parent_version"), manifest.get("parent_dir")
             if parent_dir is None:
                 complete = True
@@ -142,8 +151,15 @@ class GarbageCollection:
             for versions in named:
                 if p < len(versions) and is_int(versions[p]):
                     kept.add(versions[p])
-            keep[p] = kept
+            keep[p] = kept | self._replayed(p, kept)
         return keep
+
+    def _replayed(self, fragment: int, kept: set[int]) -> set[int]:
+        """The versions a cold start, a restore or `diloco replay` of the kept light versions
+        of `fragment` reads (docs/STORE.md, "Light versions"): from each one's full ancestor
+        to it (the full one's state, each light one's params and update)."""
+        full_of = self._full_of.get(fragment, {})
+        return {u for v in kept if v in full_of for u in range(full_of[v], v + 1)}
 
     def plan_gc(self, keep_last: int = 5, keep_first: bool = True) -> GCPlan:
         """What `collect_garbage` would delete now; reads only (see GCPlan)."""
@@ -152,6 +168,12 @@ class GarbageCollection:
         plan = GCPlan(keep_last=keep_last)
         protected = self.referenced_versions(keep_last, keep_first)
         plan.protected = {p: sorted(v) for p, v in protected.items()}
+        # the merges a kept light version is replayed through keep their contributions: the
+        # versions after its full ancestor, up to it
+        replayed = {
+            p: {u for v in kept for u in range(self._full_of[p].get(v, v) + 1, v + 1)}
+            for p, kept in protected.items()
+        }
         applied_in: dict[str, int] = {}  # what the versions' applied lists say (the truth)
         for p in range(self.num_fragments()):
             head, dirs, complete, chain_applied = self._chain(p)
@@ -199,13 +221,15 @@ class GarbageCollection:
                     f"contradicts the versions: it names version {ledger}, {said} applied it; "
                     "not collected",
                 )
-            head = plan.heads.get(parse_pseudograd_id(pg_id)[2])
+            fragment = parse_pseudograd_id(pg_id)[2]
+            head = plan.heads.get(fragment)
             window_start = None if head is None else head - keep_last + 1
             stale = (
                 ledger is not None
                 and version is not None
                 and window_start is not None
                 and version < window_start
+                and version not in replayed.get(fragment, ())
             )
             if stale and pg_id not in quarantined:
                 plan.pseudograds.append(pg_id)

@@ -47,7 +47,8 @@ LAYOUT_VERSION = 2  # recorded in config.json as "layout"; a store of another la
 # fields (the caller's) may not use them
 FRAGMENT_RESERVED = frozenset(
     {"experiment", "fragment", "version", "parent_version", "parent_dir", "created_at"}
-    | {"created_at_iso", "applied", "sha256", "crc32c", "nbytes"}
+    | {"created_at_iso", "applied", "sha256", "crc32c", "nbytes", "full", "full_version"}
+    | {"full_dir"}
 )
 PG_RESERVED = frozenset(
     {"experiment", "island", "seq", "fragment", "payload", "nbytes", "sha256", "crc32c"}

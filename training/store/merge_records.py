@@ -344,6 +344,44 @@ class FragmentManifest:
     nbytes: dict[str, int]
     merge_state: MergeState | None
     raw: dict[str, Any] = field(repr=False, compare=False)
+    # a light version (syncer.full_every > 1): no outer state and no broadcast shadow; its
+    # nearest full ancestor (version, dir), where a cold start replays forward from
+    full_at: tuple[int, str] | None = None
+
+    @property
+    def full(self) -> bool:
+        return self.full_at is None
+
+
+def light_ancestor(m: Mapping[str, Any]) -> tuple[int, str] | None:
+    """(version, dir) of the nearest full ancestor a light version's manifest (already parsed
+    by parse_fragment_manifest) names; None for a full version (no `full` field: full)."""
+    if m.get("full", True) is True:
+        return None
+    return m["full_version"], m["full_dir"]
+
+
+def _full_fields(m: Mapping[str, Any], f: Fields, fragment: int, v: int) -> tuple | None:
+    """`full` (optional; absent: a full version) and, on a light version only, its nearest
+    full ancestor `full_version` (< v) and `full_dir` (that version's directory)."""
+    full = m.get("full", True)
+    if not isinstance(full, bool):
+        f.fail(f"full is {show(full)}, not a boolean")
+    if full:
+        if "full_version" in m or "full_dir" in m:
+            f.fail("a full version names a full ancestor")
+        return None
+    if v == 0:
+        f.fail("version 0 is light")
+    at = f.int("full_version", 0, max(v - 1, 0))
+    directory = f.str("full_dir", max_len=200)
+    try:
+        ok = parse_fragment_dir(directory, fragment)[1] == at
+    except BadName:
+        ok = False
+    if not ok:
+        f.fail(f"full ancestor {show(at)} / {show(directory)} is not a directory of that version")
+    return at, directory
 
 
 def parse_fragment_manifest(
@@ -351,13 +389,14 @@ def parse_fragment_manifest(
     experiment: str,
     fragment: int,
     version: int | None = None,
-    payloads=("params", "outer_state"),
+    payloads=None,
 ) -> FragmentManifest:
     """A fragment version's manifest.json: names `experiment`, `fragment` and `version` (when
     given); a parent (version - 1 and its directory of the same fragment) or none; `applied`
     ids (of this fragment); nbytes and one checksum kind (crc32c or sha256: a map payload ->
-    hex) of each payload; if present tokens_merged (int),
-    merge_state (parse_merge_state) and merged_at (the merger's fields). BadFragmentManifest."""
+    hex) of each payload (`payloads`; default params, and outer_state unless light); if
+    present tokens_merged (int), merge_state (parse_merge_state) and merged_at (the merger's
+    fields); `full` false (a light version) with its full ancestor. BadFragmentManifest."""
     m = load_object(data, safejson.FRAGMENT_MANIFEST, BadFragmentManifest, "fragment manifest")
     f = Fields(m, BadFragmentManifest, "fragment manifest")
     if m.get("experiment") != experiment:
@@ -377,6 +416,9 @@ def parse_fragment_manifest(
             ok = False
     if not ok:
         f.fail(f"parent {show(parent)} / {show(parent_dir)} is not version {v - 1}")
+    full_at = _full_fields(m, f, fragment, v)
+    if payloads is None:
+        payloads = ("params",) if full_at is not None else ("params", "outer_state")
     algorithm, digests = checksum_field(m, f)
     sizes = m.get("nbytes")
     if not isinstance(digests, dict) or not isinstance(sizes, dict):
@@ -402,6 +444,7 @@ def parse_fragment_manifest(
         nbytes={n: sizes[n] for n in payloads},
         merge_state=merge_state,
         raw=m,
+        full_at=full_at,
     )
 
 

@@ -51,6 +51,11 @@ PAYLOADS = ("params", "outer_state")
 EXTRA_PAYLOADS = ("update", "shadow")
 
 
+class LightVersion(StoreError):
+    """The outer state of a light version was asked for: it has none (a cold start replays it
+    forward from its full ancestor: training/merge/replay.py `state_at`)."""
+
+
 class FragmentVersions:
     """Fragment heads, versions and snapshots (mixed into ExperimentStore)."""
 
@@ -90,11 +95,12 @@ class FragmentVersions:
         fragment: int,
         version: int,
         params: Mapping[str, np.ndarray],
-        outer_state: Mapping[str, np.ndarray],
+        outer_state: Mapping[str, np.ndarray] | None,
         manifest_extra: Mapping[str, Any] | None = None,
         applied: Iterable[str] = (),
         expected: HeadPointer | None = None,
         payloads: Mapping[str, Mapping[str, np.ndarray]] | None = None,
+        full_at: tuple[int, str] | None = None,
     ) -> HeadPointer | None:
         """Write version `version` of `fragment` and advance its HEAD if it is still `expected`.
 
@@ -105,6 +111,9 @@ class FragmentVersions:
         and nothing is recorded. `manifest_extra` may not set the fields filled here.
         `payloads`: optional further payloads, named from EXTRA_PAYLOADS (written, checksummed
         and sized like the two others, before the manifest).
+        A *light* version (`syncer.full_every` > 1, docs/STORE.md "Light versions"):
+        `outer_state` None, no "shadow" payload, and `full_at` = (version, dir) of its nearest
+        full ancestor (recorded as `full: false`, `full_version`, `full_dir`).
         """
         root = fragment_root(fragment)
         if not is_int(version) or version < 0:
@@ -126,10 +135,18 @@ class FragmentVersions:
         more = dict(payloads or {})
         if set(more) - set(EXTRA_PAYLOADS):
             raise ValueError(f"unknown payloads {sorted(set(more) - set(EXTRA_PAYLOADS))}")
+        light = outer_state is None
+        if light != (full_at is not None) or (light and ("shadow" in more or expected is None)):
+            raise ValueError(
+                "a light version has no outer state and no shadow, a parent and a full ancestor"
+            )
+        if light and not full_at[0] <= expected.version:
+            raise ValueError(f"full ancestor {full_at[0]} is not below version {version}")
 
         directory = fragment_dir(fragment, version, new_uuid8())
         sums, sizes = {}, {}
-        for name, tensors in (("params", params), ("outer_state", outer_state), *more.items()):
+        state = () if light else (("outer_state", outer_state),)
+        for name, tensors in (("params", params), *state, *more.items()):
             parts = tensor_parts(tensors)  # the arrays' own bytes: nothing is serialized
             sums[name], sizes[name] = checksum(parts), sum(len(p) for p in parts)
             self.store.write_parts(self.object_key(f"{directory}/{name}.safetensors"), parts)
@@ -149,6 +166,9 @@ class FragmentVersions:
             "crc32c": sums,
             "nbytes": sizes,
         }
+        if light:
+            manifest.update(full=False, full_version=full_at[0], full_dir=full_at[1])
+            self.hit_fault("light.before-manifest")
         if not self.create_json(f"{directory}/manifest.json", manifest):
             raise StoreError(f"{self.url}/{directory}/manifest.json exists: uuid collision")
         self.hit_fault("global.before-cas")
@@ -209,6 +229,11 @@ class FragmentVersions:
             raise type(exc)(f"{self.url}/{head.dir}/manifest.json: {exc}") from None
         digests, sizes = checked.checksums, checked.nbytes
         what = f"{self.url} fragment {head.fragment} version {head.version}"
+        if outer_state and checked.full_at is not None:
+            raise LightVersion(
+                f"{what} is a light version: no outer state (replayed from version "
+                f"{checked.full_at[0]})"
+            )
         names = PAYLOADS if outer_state else ("params",)
         for name in names:
             limit = None if max_nbytes is None else max_nbytes.get(name)
@@ -267,6 +292,34 @@ class FragmentVersions:
             if self.store.exists(self.object_key(f"{head.dir}/{self.COLLECTED}")):
                 raise ObjectNotFound(f"{what} was garbage-collected (payloads deleted)") from None
             raise
+
+    def light_chain(self, head: HeadPointer, manifest: dict) -> list[tuple[HeadPointer, dict]]:
+        """[(pointer, manifest)] of the versions from the nearest full one at or below `head`
+        to `head`, oldest first (only `head` itself when it is full): what a cold start replays
+        forward (docs/STORE.md, "Light versions"). Walks parent_dir from `head` (whose
+        `manifest` was read through fragment_manifest); CorruptObject when the walk does not
+        reach the full ancestor the light versions name."""
+        full_at = records.light_ancestor(manifest)
+        chain = [(head, manifest)]
+        if full_at is None:
+            return chain
+        while chain[-1][0].version > full_at[0]:
+            m = chain[-1][1]
+            parent = HeadPointer(head.fragment, m["parent_version"], m["parent_dir"], 0)
+            pm = self.fragment_manifest(parent)
+            if parent.version > full_at[0] and records.light_ancestor(pm) != full_at:
+                raise CorruptObject(
+                    f"{self.url}/{parent.dir}: a light version between {head.version} and its "
+                    f"full ancestor {full_at[0]} names another one"
+                )
+            chain.append((parent, pm))
+        last, last_manifest = chain[-1]
+        if last.dir != full_at[1] or records.light_ancestor(last_manifest) is not None:
+            raise CorruptObject(
+                f"{self.url}/{head.dir}: its full ancestor {full_at[1]} is not a full version "
+                "on its chain"
+            )
+        return chain[::-1]
 
     def list_fragment_versions(self, fragment: int) -> list[dict[str, Any]]:
         """Manifests of fragment p's committed versions (HEAD and its ancestors), oldest first.
@@ -466,21 +519,28 @@ class FragmentVersions:
             params.update(fv.params)
         return params
 
-    def restore_snapshot(self, snapshot: Snapshot, reason: str) -> Snapshot | None:
+    def restore_snapshot(self, snapshot: Snapshot, reason: str, outer_of=None) -> Snapshot | None:
         """Make `snapshot`'s model the current one: each fragment whose HEAD is not already at
         the snapshot's version gets a new version (HEAD + 1) holding that version's parameters
         and outer state, and HEAD's manifest fields (merge_state with its cursors: nothing
         applied becomes unapplied, nothing is applied again) but the restored version's
         `tokens_merged` (the tokens in the model), plus `restored_from` ({"version", "dir",
         "reason", "tokens_discarded": HEAD's tokens_merged minus the restored version's}).
-        Returns the new current snapshot, or None if a fragment's HEAD moved meanwhile (a merger is still at work: restore nothing more, retry later)."""
+        Returns the new current snapshot, or None if a fragment's HEAD moved meanwhile (a merger is still at work: restore nothing more, retry later).
+        A light version holds no outer state: `outer_of(pointer, manifest)` gives it
+        (training/merge/replay.py `outer_state_at`: replayed forward from its full ancestor;
+        without one, LightVersion); the restore is a full version either way."""
         for p, (v, d) in enumerate(zip(snapshot.versions, snapshot.dirs, strict=True)):
             head = self.head(p)
             if head is None or head.dir == d:
                 continue
             pointer = HeadPointer(p, v, d, 0)
             restored = self.fragment_manifest(pointer)
-            old = self.load_fragment(pointer, outer_state=True, manifest=restored)
+            light = records.light_ancestor(restored) is not None
+            old = self.load_fragment(
+                pointer, outer_state=not light or outer_of is None, manifest=restored
+            )
+            outer = outer_of(pointer, restored) if light else old.outer_state
             current = self.fragment_manifest(head)
             extra = {
                 k: val
@@ -498,7 +558,7 @@ class FragmentVersions:
                 "tokens_discarded": discarded,
             }
             new = self.publish_fragment(
-                p, head.version + 1, old.params, old.outer_state, extra, expected=head
+                p, head.version + 1, old.params, outer, extra, expected=head
             )
             if new is None:
                 return None

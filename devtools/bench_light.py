@@ -1,0 +1,104 @@
+"""What light versions (`syncer.full_every`, docs/STORE.md "Light versions") cost and save: the
+bytes a merge writes with full_every 1 and k, and a cold merger's recovery time (loading the
+nearest full version and re-applying the merges since, checked) with HEAD k - 1 versions past
+it. Real Merger, file:// store, two int4 islands on fragment 0, nesterov (an outer momentum).
+
+    PYTHONPATH=$PWD:$PWD/plugins python devtools/bench_light.py --preset small --fragments 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+
+import numpy as np
+
+from training.codecs import host as codecs
+from training.config.experiment import parse_config
+from training.merge.merger import Merger, initial_version
+from training.store.experiment import ExperimentStore
+from training.store.registry import open_store
+
+
+def _config(preset: str, fragments: int, k: int):
+    return parse_config(
+        {
+            "name": f"light-{k}",
+            "model": {"preset": preset},
+            "islands": [{"name": "a"}, {"name": "b"}],
+            "codec": "int4",
+            "fragments": {"count": fragments},
+            "outer": {"method": "nesterov", "rounds": "steps"},
+            "token_budget": 10**12,
+            "syncer": {"full_every": k, "full_every_s": 0},
+        }
+    )
+
+
+def _chain(preset: str, fragments: int, k: int, merges: int, root: str):
+    """An experiment whose fragment 0 had `merges` merges; (cfg, store, seconds per merge)."""
+    cfg = _config(preset, fragments, k)
+    store = ExperimentStore(open_store(f"file://{root}/k{k}"), cfg.name)
+    store.write_config(cfg.model_dump(mode="json"))
+    initial_version(cfg, store)
+    merger = Merger(cfg, store)
+    theta = store.load_fragment(store.head(0)).params
+    rng = np.random.default_rng(0)
+    started = time.monotonic()
+    for r in range(merges):
+        base = store.head(0).version
+        for island in ("a", "b"):
+            delta = {
+                n: (rng.normal(size=v.shape) * 1e-3).astype(np.float32) for n, v in theta.items()
+            }
+            payload, _ = codecs.encode(delta, cfg.codec)
+            manifest = dict(
+                base_version=base, steps=4, tokens=512, loss=1.0, codec=cfg.codec,
+                step_time_s=1.0, published_at=float(r),
+            )  # fmt: skip
+            store.publish_pseudograd(island, r, 0, payload, manifest)
+        assert merger.merge_once().versions == {0: base + 1}
+    return cfg, store, (time.monotonic() - started) / max(merges, 1)
+
+
+def _written(store, merges: int) -> float:
+    """Mean payload bytes of fragment 0's versions 1..merges (their manifests' nbytes)."""
+    chain = store.list_fragment_versions(0)[1:]
+    assert len(chain) == merges
+    return sum(sum(m["nbytes"].values()) for m in chain) / merges
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="small")
+    parser.add_argument("--fragments", type=int, default=4)
+    parser.add_argument("--bytes-k", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--bytes-merges", type=int, default=16)
+    parser.add_argument("--cold-k", type=int, nargs="+", default=[1, 10, 100])
+    args = parser.parse_args()
+    out = {"preset": args.preset, "fragments": args.fragments, "bytes": {}, "cold": {}}
+    with tempfile.TemporaryDirectory() as root:
+        for k in args.bytes_k:
+            _, store, per = _chain(args.preset, args.fragments, k, args.bytes_merges, root)
+            out["bytes"][k] = {
+                "bytes_per_merge": _written(store, args.bytes_merges),
+                "merge_s": per,
+            }
+            print(json.dumps({k: out["bytes"][k]}), flush=True)
+        for k in args.cold_k:
+            # HEAD = k - 1: the most light versions a cold start replays with full_every k
+            cfg, store, per = _chain(args.preset, args.fragments, k, max(k - 1, 1), f"{root}/cold")
+            head = store.head(0)
+            cold = Merger(cfg, store)
+            started = time.monotonic()
+            cold._fragment_arrays(head, store.fragment_manifest(head))
+            out["cold"][k] = {"head": head.version, "cold_start_s": time.monotonic() - started,
+                              "merge_s": per}  # fmt: skip
+            print(json.dumps({k: out["cold"][k]}), flush=True)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

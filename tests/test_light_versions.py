@@ -1,0 +1,299 @@
+"""Light versions (`syncer.full_every` k > 1, docs/STORE.md "Light versions"): between full
+versions a merge writes params and the broadcast update only; a merger that starts cold
+replays the merges since the nearest full version (training/merge/replay.py `state_at`),
+checked bit for bit, and merges on with the bits of a merger that stayed warm; an island's
+shadow at a light version is the merger's, bit for bit."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tests.helpers import new_store, publish_delta, random_delta, small_config
+from training import cli
+from training.config.experiment import parse_config
+from training.merge import replay
+from training.merge.merger import Merger
+from training.protocol import broadcast
+from training.store import merge_records as records
+from training.store.layout import dump_json
+from training.store.objectstore import CorruptObject
+from training.store.tensors import checksum, tensor_parts
+from training.store.versions import LightVersion
+
+
+def _cfg(k: int, name: str = "light", **outer):
+    # nesterov: an outer momentum (the state a light version leaves out); int4 with update
+    # broadcast (the default outer.broadcast "codec"): each version has an update and a shadow
+    return small_config(
+        name,
+        codec="int4",
+        outer={"method": "nesterov", **outer},
+        syncer={"full_every": k, "full_every_s": 0},
+    )
+
+
+def _round(store, cfg, merger, r: int) -> int:
+    """One merge: islands a and b publish (seq r) from HEAD's params, `merger` applies both."""
+    head = store.head(0)
+    theta = store.load_fragment(head).params
+    for i, island in enumerate(("a", "b")):
+        delta = random_delta(theta, 100 * r + i)
+        publish_delta(store, cfg, island, r, delta, base_version=head.version)
+    result = merger.merge_once()
+    assert result.versions == {0: head.version + 1}
+    return head.version + 1
+
+
+def _run(k: int, rounds: int, name: str = "light", **outer):
+    cfg = _cfg(k, name, **outer)
+    store = new_store(cfg)
+    merger = Merger(cfg, store)
+    for r in range(rounds):
+        _round(store, cfg, merger, r)
+    return cfg, store, merger
+
+
+def _payloads(store, version: int) -> list[str]:
+    """The payload names of fragment 0's `version` (from its manifest's nbytes)."""
+    manifest = store.fragment_manifest(store.find_version(0, version))
+    return sorted(manifest["nbytes"])
+
+
+def test_with_k_4_versions_1_to_3_are_light_and_4_is_full():
+    # k = 4: version v is full when v % 4 == 0 (and version 0 is); light versions hold params
+    # and the update (2 payloads), full ones params, outer_state, update, shadow (4)
+    _, store, _ = _run(4, 5)
+    assert [_payloads(store, v) for v in range(1, 6)] == [
+        ["params", "update"],
+        ["params", "update"],
+        ["params", "update"],
+        ["outer_state", "params", "shadow", "update"],
+        ["params", "update"],
+    ]
+    fives = store.fragment_manifest(store.head(0))
+    four = store.find_version(0, 4)
+    assert (fives["full"], fives["full_version"], fives["full_dir"]) == (False, 4, four.dir)
+    assert "full" not in store.fragment_manifest(four)  # a full version: no field (as before)
+    # the objects written: 5 versions, 2 + 2 + 2 + 4 + 2 = 12 payloads (k = 1: 5 x 4 = 20)
+    payloads = [k for k in store.list_keys("fragments/f000/v") if k.endswith(".safetensors")]
+    assert len(payloads) == 2 + 12  # version 0's params and outer state, then the merges'
+
+
+def test_k_1_writes_every_version_full_as_before():
+    _, store, _ = _run(1, 2)
+    assert [_payloads(store, v) for v in (1, 2)] == [
+        ["outer_state", "params", "shadow", "update"]
+    ] * 2
+    assert all("full" not in m for m in store.list_fragment_versions(0))
+
+
+def _params_bits(store) -> dict[str, bytes]:
+    return {n: v.tobytes() for n, v in store.load_fragment(store.head(0)).params.items()}
+
+
+def test_a_cold_merger_replays_5_and_6_from_full_4_and_merges_the_bits_of_a_warm_one():
+    # the same inputs to a k = 1 run (every version full, the merger warm) and a k = 4 run
+    # whose merger is replaced by a new one (nothing warm) at HEAD = 6: the new one loads full
+    # version 4, re-applies 5 and 6, and its merge 7 writes the same params bits
+    cfg1, warm, m1 = _run(1, 6, "warm")
+    cfg4, cold, _ = _run(4, 6, "cold")
+    assert _params_bits(warm) == _params_bits(cold)
+    ticks = []
+    fresh = Merger(cfg4, cold)
+    fresh.store.hit_fault = ticks.append  # the cold replay's fault point, once per version
+    _round(warm, cfg1, m1, 6)
+    _round(cold, cfg4, fresh, 6)
+    assert ticks.count("merge.cold-replay") == 2  # versions 5 and 6
+    assert _params_bits(warm) == _params_bits(cold)
+    # and the shadows (what islands adopt) too: version 7's update bytes are the same
+    got = [s.load_payload(s.head(0), "update") for s in (warm, cold)]
+    assert {n: v.tobytes() for n, v in got[0].items()} == {
+        n: v.tobytes() for n, v in got[1].items()
+    }
+
+
+def _tamper_params(store, version: int) -> str:
+    """Add 1 to one value of fragment 0 `version`'s params, the manifest's checksum rewritten
+    to match (a stored version that is not what its merge made)."""
+    head = store.find_version(0, version)
+    manifest = store.fragment_manifest(head)
+    params = {n: np.array(v) for n, v in store.load_fragment(head).params.items()}
+    name = sorted(params)[0]
+    params[name].reshape(-1)[3] += 1.0
+    parts = tensor_parts(params)
+    store.store.write_parts(store.object_key(f"{head.dir}/params.safetensors"), parts)
+    manifest["crc32c"]["params"] = checksum(parts)
+    store.store.write(store.object_key(f"{head.dir}/manifest.json"), dump_json(manifest))
+    return name
+
+
+def test_a_tampered_light_version_stops_a_cold_start_with_one_line_naming_it():
+    cfg, store, _ = _run(4, 6)
+    name = _tamper_params(store, 5)
+    head = store.head(0)
+    theta = store.load_fragment(head).params
+    publish_delta(store, cfg, "a", 6, random_delta(theta, 7), base_version=head.version)
+    with pytest.raises(replay.ColdStartMismatch) as err:
+        Merger(cfg, store).merge_once()
+    assert str(err.value) == (
+        f"fragment 0: cold start stopped (DIFFERS): version 5 (light, from full 4): "
+        f"params/{name}: max abs diff 1, first at index {_index(cfg, name, 3)}"
+    )
+    assert store.head(0).version == 6  # nothing merged on a state it cannot trust
+
+
+def _index(cfg, name, flat):
+    from training.model import definition as model
+
+    shape = model.abstract_params(cfg.model)[name].shape
+    return [int(i) for i in np.unravel_index(flat, shape)]
+
+
+def test_an_islands_shadow_at_a_light_version_equals_the_mergers_bit_for_bit():
+    # a joining island reads version 6 (light) whole: full 4's shadow plus updates 5 and 6;
+    # the merger holds S_6 in its warm set
+    cfg, store, merger = _run(4, 6)
+    head = store.head(0)
+    manifest = store.fragment_manifest(head)
+    shapes = {n: tuple(v.shape) for n, v in store.load_fragment(head).params.items()}
+    got = broadcast.read_full(store, head, manifest, shapes)
+    want = merger._warm[0][3]
+    assert (got.how, got.updates) == ("full", 2)
+    assert {n: v.tobytes() for n, v in got.tensors.items()} == {
+        n: v.tobytes() for n, v in want.items()
+    }
+
+
+def test_diloco_replay_carries_the_state_across_light_versions():
+    cfg, store, _ = _run(4, 6)
+    lines = []
+    assert replay.run(cfg, store, 0, None, 1, False, lines.append) == 0
+    assert lines[-1] == "replayed 6 version(s): all bit-exact"
+    lines = []  # from version 6: v5 light, replayed forward from full 4 first
+    assert replay.run(cfg, store, 0, None, 6, False, lines.append) == 0
+    assert lines == ["fragment 0 version 6 (2 applied): ok", "replayed 1 version(s): all bit-exact"]
+
+
+def test_the_manifest_parser_refuses_a_light_version_without_a_full_ancestor():
+    _, store, _ = _run(4, 2)
+    manifest = dict(store.fragment_manifest(store.head(0)))
+    parse = lambda m: records.parse_fragment_manifest(dump_json(m), "light", 0, 2)  # noqa: E731
+    assert parse(manifest).full_at == (0, manifest["full_dir"])
+    for bad in (
+        {"full": "no"},
+        {"full_version": 2},  # not below the version itself
+        {"full_dir": manifest["parent_dir"]},  # version 1's directory, named as version 0's
+        {"full": True},  # a full version naming a full ancestor
+    ):
+        with pytest.raises(CorruptObject):
+            parse({**manifest, **bad})
+    del manifest["full_version"]
+    with pytest.raises(CorruptObject):
+        parse(manifest)
+
+
+def test_full_every_is_a_described_config_field_defaulting_to_every_version():
+    cfg = small_config()
+    assert (cfg.syncer.full_every, cfg.syncer.full_every_s) == (1, 600.0)
+    with pytest.raises(ValueError):
+        parse_config({**cfg.model_dump(mode="json"), "syncer": {"full_every": 0}})
+
+
+def test_a_restore_of_a_light_version_replays_its_outer_state_and_is_full():
+    # BEST at light version 5: the restore (version 7) holds version 5's params and the outer
+    # momentum a k = 1 run of the same inputs stored at version 5
+    cfg, store, _ = _run(4, 6, "restore")
+    _, ref, _ = _run(1, 6, "ref")
+    five = store.find_version(0, 5)
+    snapshot = store.snapshot_of({"versions": [5], "dirs": [five.dir], "tokens_merged": 0})
+    with pytest.raises(LightVersion):
+        store.restore_snapshot(snapshot, "test")  # no way to its outer state: refused
+    store.restore_snapshot(snapshot, "test", lambda at, m: replay.outer_state_at(cfg, store, at, m))
+    head = store.head(0)
+    restored = store.load_fragment(head, outer_state=True)
+    want = ref.load_fragment(ref.find_version(0, 5), outer_state=True)
+    assert head.version == 7 and "full" not in restored.manifest
+    assert {n: v.tobytes() for n, v in restored.outer_state.items()} == {
+        n: v.tobytes() for n, v in want.outer_state.items()
+    }
+    lines = []
+    assert replay.run(cfg, store, 0, None, 1, False, lines.append) == 0, lines
+
+
+def test_gc_keeps_what_the_kept_light_head_replays_from():
+    # HEAD 7 is light, its full ancestor 4. keep_last 1 keeps HEAD and version 0; HEAD's
+    # replay needs 4 (full state), 5 and 6 (params, updates) and the contributions of 5-7
+    # (a, b seqs 4-6); those of versions 1-4 (seqs 0-3) go, with versions 1-3's payloads
+    cfg, store, _ = _run(4, 7, "gc")
+    plan = store.plan_gc(keep_last=1)
+    assert plan.protected == {0: [0, 4, 5, 6, 7]}
+    assert sorted(plan.pseudograds) == sorted(f"{i}/{s:08d}-f000" for i in "ab" for s in range(4))
+    store.collect_garbage(plan)
+    _round(store, cfg, Merger(cfg, store), 7)  # a cold merger still starts (from full 4)
+    assert store.head(0).version == 8
+
+
+def test_a_cold_start_killed_mid_replay_then_rerun_applies_each_contribution_once(tmp_path):
+    # HEAD 3 light (full 0); a `diloco merge` process starts cold, replays version 1, dies at
+    # the second replayed version; the rerun replays 1-3 again and merges round 3 once
+    cfg = _cfg(4, "kill")
+    url = f"file://{tmp_path}/store"
+    store = new_store(cfg, url)
+    merger = Merger(cfg, store)
+    for r in range(3):
+        _round(store, cfg, merger, r)
+    head = store.head(0)
+    theta = store.load_fragment(head).params
+    for i, island in enumerate(("a", "b")):
+        publish_delta(store, cfg, island, 3, random_delta(theta, 300 + i), base_version=3)
+    env = dict(os.environ, DILOCO_FAULTS="merge.cold-replay@2", JAX_PLATFORMS="cpu")
+    cmd = [sys.executable, "-m", "training.cli", "merge", "--store", url, "--experiment", "kill"]
+    done = subprocess.run(cmd, env=env, capture_output=True, timeout=120)
+    assert done.returncode == -9, done.stderr.decode()[-2000:]
+    assert store.head(0).version == 3  # killed before it merged anything
+    assert cli.main(["merge", "--store", url, "--experiment", "kill"]) == 0
+    chain = store.list_fragment_versions(0)
+    assert [m["version"] for m in chain] == [0, 1, 2, 3, 4]
+    flat = [pg for m in chain for pg in m["applied"]]
+    assert sorted(flat) == sorted(f"{i}/{s:08d}-f000" for i in "ab" for s in range(4))
+    assert store.applied() == {pg: m["version"] for m in chain for pg in m["applied"]}
+    assert "full" not in chain[-1]  # version 4: full
+
+
+def _is_full(store) -> bool:
+    return "full" not in store.fragment_manifest(store.head(0))
+
+
+def test_a_merge_after_stop_is_full():
+    # k = 4: version 1 would be light; control/STOP (the end of a run) makes it full
+    cfg, store, merger = _run(4, 1, "stop")
+    assert not _is_full(store)
+    store.request_stop(reason="user")
+    _round(store, cfg, merger, 1)
+    assert _is_full(store)
+
+
+def test_the_syncers_last_drain_writes_full_versions():
+    cfg, store, merger = _run(4, 0, "drain")
+    merger.full_always = True  # what ShardSyncer._last_drain sets
+    _round(store, cfg, merger, 0)
+    assert _is_full(store)
+
+
+def test_full_every_s_makes_a_version_full_once_that_long_passed():
+    # k = 100 (by count, version 100 would be the first full one); full_every_s = 1e-6: by the
+    # second merge more than a microsecond passed since version 0 was written
+    cfg = small_config(
+        "timed",
+        codec="int4",
+        outer={"method": "nesterov"},
+        syncer={"full_every": 100, "full_every_s": 1e-6},
+    )
+    store = new_store(cfg)
+    _round(store, cfg, Merger(cfg, store), 0)
+    assert _is_full(store)
