@@ -542,6 +542,7 @@ BENCHES = {  # name -> the module whose main(argv) runs it
     "stream": "training.bench.stream",
     "device": "training.bench.device",
     "syncer": "training.bench.syncer",
+    "light": "training.bench.light",
 }
 
 

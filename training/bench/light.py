@@ -3,7 +3,7 @@ bytes a merge writes with full_every 1 and k, and a cold merger's recovery time 
 nearest full version and re-applying the merges since, checked) with HEAD k - 1 versions past
 it. Real Merger, file:// store, two int4 islands on fragment 0, nesterov (an outer momentum).
 
-    PYTHONPATH=$PWD:$PWD/plugins python devtools/bench_light.py --preset small --fragments 4
+    diloco bench light --preset small --fragments 4 --json runs/bench_light.json
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import argparse
 import json
 import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -59,25 +60,47 @@ def _chain(preset: str, fragments: int, k: int, merges: int, root: str):
                 step_time_s=1.0, published_at=float(r),
             )  # fmt: skip
             store.publish_pseudograd(island, r, 0, payload, manifest)
-        assert merger.merge_once().versions == {0: base + 1}
+        got = merger.merge_once().versions
+        if got != {0: base + 1}:
+            raise RuntimeError(f"merge {r}: expected version {base + 1} of fragment 0, got {got}")
     return cfg, store, (time.monotonic() - started) / max(merges, 1)
 
 
 def _written(store, merges: int) -> float:
     """Mean payload bytes of fragment 0's versions 1..merges (their manifests' nbytes)."""
     chain = store.list_fragment_versions(0)[1:]
-    assert len(chain) == merges
+    if len(chain) != merges:
+        raise RuntimeError(f"fragment 0 has {len(chain)} versions after {merges} merges")
     return sum(sum(m["nbytes"].values()) for m in chain) / merges
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def table(out: dict) -> str:
+    """The two tables: bytes per merge against k = the first, and cold-start time."""
+    rows = [
+        "| full_every | bytes written per merge | vs the first row | merge s |",
+        "|---|---|---|---|",
+    ]
+    first = None
+    for k, r in out["bytes"].items():
+        first = first or r["bytes_per_merge"]
+        rows.append(
+            f"| {k} | {r['bytes_per_merge'] / 1e6:.2f} MB | {r['bytes_per_merge'] / first:.2f} "
+            f"| {r['merge_s']:.3f} |"
+        )
+    rows += ["", "| full_every | HEAD | cold start s |", "|---|---|---|"]
+    rows += [f"| {k} | {r['head']} | {r['cold_start_s']:.3f} |" for k, r in out["cold"].items()]
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="diloco bench light", description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="small")
     parser.add_argument("--fragments", type=int, default=4)
     parser.add_argument("--bytes-k", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--bytes-merges", type=int, default=16)
     parser.add_argument("--cold-k", type=int, nargs="+", default=[1, 10, 100])
-    args = parser.parse_args()
+    parser.add_argument("--json", metavar="OUT", help="write the results as JSON")
+    args = parser.parse_args(argv)
     out = {"preset": args.preset, "fragments": args.fragments, "bytes": {}, "cold": {}}
     with tempfile.TemporaryDirectory() as root:
         for k in args.bytes_k:
@@ -97,8 +120,10 @@ def main() -> None:
             out["cold"][k] = {"head": head.version, "cold_start_s": time.monotonic() - started,
                               "merge_s": per}  # fmt: skip
             print(json.dumps({k: out["cold"][k]}), flush=True)
-    print(json.dumps(out))
-
-
-if __name__ == "__main__":
-    main()
+    print(table(out))
+    if args.json:
+        path = Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(out, indent=2) + "\n")
+        print(f"wrote {path}")
+    return 0
