@@ -18,7 +18,12 @@ import urllib3.exceptions
 
 from tests.gcs_fixture import BUCKET, gcs_bucket  # noqa: F401
 from training.store.gcs import GCSStore
-from training.store.objectstore import ObjectChanged, ObjectNotFound, ObjectTooLarge
+from training.store.objectstore import (
+    CorruptObject,
+    ObjectChanged,
+    ObjectNotFound,
+    ObjectTooLarge,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -170,3 +175,14 @@ def test_object_replaced_before_the_resumed_range_raises_object_changed(
     Requests(monkeypatch, break_then_replace)
     with pytest.raises(ObjectChanged, match="changed while being read"):
         store.read_buffer(KEY, max_bytes=LIMIT)
+
+
+def test_unlimited_read_checks_the_stated_crc32c(store, payload, monkeypatch):
+    def state_a_wrong_crc32c(n, send):
+        response = send()
+        response.headers["X-Goog-Hash"] = "crc32c=AAAAAA=="  # crc32c 0, not the payload's
+        return response
+
+    Requests(monkeypatch, state_a_wrong_crc32c)
+    with pytest.raises(CorruptObject, match="fail the crc32c 00000000 stated"):
+        store.read(KEY)

@@ -3,6 +3,7 @@ class docstring and docs/STORE.md)."""
 
 from __future__ import annotations
 
+import base64
 import os
 import re
 import threading
@@ -88,6 +89,19 @@ def _generation(response: requests.Response, where: str, required: bool) -> int 
     return int(served)
 
 
+def _stated_crc32c(response: requests.Response, where: str) -> str | None:
+    """The crc32c an answer states for the whole object (X-Goog-Hash), as 8 hex digits."""
+    for part in response.headers.get("X-Goog-Hash", "").split(","):
+        name, _, value = part.strip().partition("=")
+        if name == "crc32c":
+            with suppress(ValueError):
+                digest = base64.b64decode(value, validate=True)
+                if len(digest) == 4:
+                    return digest.hex()
+            raise CorruptObject(f"{where}: answered crc32c {value!r}")
+    return None
+
+
 def _fill(
     response: requests.Response,
     view: memoryview,
@@ -148,7 +162,8 @@ class GCSStore(ObjectStore):
       gets its own client built from them (a client's HTTP session is not shared by threads).
     - `read_buffer` of an object larger than one part (`part_bytes`) reads it as ranged GETs,
       `parallel_parts` in flight per store, straight into one buffer, every range pinned to
-      the generation its size was read with (docs/STORE.md, "Large reads").
+      the generation its size was read with; a small read is one GET straight into one
+      buffer (`_read_whole`), on the same helpers (docs/STORE.md, "Large reads").
     """
 
     def __init__(
@@ -253,10 +268,12 @@ class GCSStore(ObjectStore):
         straight into the buffer as they arrive, and to `consume` in order. The GET is
         retried (`retry`) until an answer's head is accepted; if that answer's body then
         breaks off, the rest is one ranged GET of the generation it named (`_part`), so
-        `consume` never sees a byte twice, nor bytes of two generations.
+        `consume` never sees a byte twice, nor bytes of two generations. Without a limit the
+        whole object is checked against the crc32c its answer states (X-Goog-Hash), as the
+        library's whole download did.
         """
         where = self._where(key)
-        got: list[Any] = []  # [buffer, generation] once an answer's head is accepted
+        got: list[Any] = []  # [buffer, generation, crc32c] once an answer's head is accepted
         filled = 0
 
         def arrived(a: int, b: int) -> None:
@@ -272,7 +289,8 @@ class GCSStore(ObjectStore):
                 head = self._whole_head(response, key, max_bytes)
                 if head is None:
                     return False
-                got[:] = [np.empty(head[0], np.uint8), head[1]]
+                crc = None if max_bytes is not None else _stated_crc32c(response, where)
+                got[:] = [np.empty(head[0], np.uint8), head[1], crc]
                 if response.status_code != 416:  # an empty object's answer has no body
                     try:
                         _fill(response, memoryview(got[0]), where, arrived)
@@ -286,7 +304,7 @@ class GCSStore(ObjectStore):
 
         if not self._run("read", key, attempt, not_found=ObjectNotFound):
             return None
-        buf, generation = got
+        buf, generation, crc = got
         if filled < buf.size:
             rest = memoryview(buf)[filled:]
             try:
@@ -295,6 +313,11 @@ class GCSStore(ObjectStore):
                 raise self._changed(key, generation) from None
             if consume is not None:
                 consume(rest)
+        if max_bytes is None and crc is not None:
+            from training.store.tensors import checksum
+
+            if checksum([buf]) != crc:
+                raise CorruptObject(f"{where}: the bytes read fail the crc32c {crc} stated")
         return buf, generation
 
     def _whole_head(
