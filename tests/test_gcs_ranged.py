@@ -77,7 +77,7 @@ def test_read_under_a_one_part_limit_is_one_whole_get(store):
     store.write("small", b"x" * 1000)
     parts = Parts(store)
     assert bytes(store.read_buffer("small", max_bytes=PART)) == b"x" * 1000
-    assert parts.starts == []  # the plain GET of `read`, no ranged part
+    assert parts.starts == []  # the one GET of `_read_whole` (tests/test_gcs_small.py), no part
 
 
 def test_ranged_read_without_limit_of_a_small_object_is_one_part(store):

@@ -10,7 +10,8 @@ best is reported. Rows: k, M, seconds, payload MB, speed-up over k = 1. Same bit
 
 With `--large-mb`, instead: one float32 payload of that size (a large fragment's params, as an
 island joining or a syncer shard starting reads them) read and checked as a payload read does
-(read into one buffer, crc32c), once as one whole-object GET (the read before ranged reads) and
+(read into one buffer, crc32c), once as one whole-object GET (`read`, then a copy into a writable
+buffer: the read before ranged reads, lean since docs/BENCHMARKS.md "Small reads") and
 once per `--part-mb` x `--parallel` as ranged GETs (training/store/gcs.py, `read_buffer`);
 the last of them once more with the checksum computed after the read instead of as the parts
 arrive; best of `--repeats`, MB/s and the ratio to the whole GET.
@@ -119,7 +120,7 @@ def large_rows(
             best = min(best, seconds)
         return best
 
-    def whole(consume):  # the read before ranged reads: ObjectStore's read_buffer over `read`
+    def whole(consume):  # ObjectStore's read_buffer over `read`: one GET, then its copies
         return ObjectStore.read_buffer(base, key, max_bytes=nbytes, consume=consume)
 
     rows = [dict(mode="whole GET", part_mb=None, parallel=1, seconds=timed(whole))]

@@ -3,7 +3,9 @@ class docstring and docs/STORE.md)."""
 
 from __future__ import annotations
 
+import base64
 import os
+import re
 import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -30,6 +32,7 @@ from training.store.objectstore import (
     TransientStoreError,
     _check_limit,
     _too_large,
+    is_transient,
     one_line,
     register_transient,
     retry,
@@ -71,6 +74,56 @@ _RANGE_READ = 2**20  # bytes per socket read of a part into the buffer
 _GCS_SCOPES = ("https://www.googleapis.com/auth/devstorage.read_write",)
 
 
+def _refuse_encoded(response: requests.Response, where: str) -> None:
+    if response.headers.get("Content-Encoding", "identity") != "identity":
+        raise CorruptObject(f"{where}: answered an encoded body")
+
+
+def _generation(response: requests.Response, where: str, required: bool) -> int | None:
+    """The generation an answer names (X-Goog-Generation), None if it names none and need not."""
+    served = response.headers.get("X-Goog-Generation")
+    if served is None and not required:
+        return None
+    if served is None or not served.isdigit():
+        raise CorruptObject(f"{where}: answered generation {served!r}")
+    return int(served)
+
+
+def _stated_crc32c(response: requests.Response, where: str) -> str | None:
+    """The crc32c an answer states for the whole object (X-Goog-Hash), as 8 hex digits."""
+    for part in response.headers.get("X-Goog-Hash", "").split(","):
+        name, _, value = part.strip().partition("=")
+        if name == "crc32c":
+            with suppress(ValueError):
+                digest = base64.b64decode(value, validate=True)
+                if len(digest) == 4:
+                    return digest.hex()
+            raise CorruptObject(f"{where}: answered crc32c {value!r}")
+    return None
+
+
+def _fill(
+    response: requests.Response,
+    view: memoryview,
+    where: str,
+    arrived: Callable[[int, int], None] | None = None,
+) -> None:
+    """Exactly len(view) bytes of `response`'s body into `view`, read from the socket
+    _RANGE_READ at a time, `arrived(a, b)` after bytes [a, b) are in: a short body is a
+    (transient) ConnectionError, a longer one CorruptObject."""
+    filled = 0
+    while filled < len(view):
+        chunk = response.raw.read(min(_RANGE_READ, len(view) - filled), decode_content=False)
+        if not chunk:
+            raise ConnectionError(f"{where}: the answer ended after {filled} bytes")
+        view[filled : filled + len(chunk)] = chunk
+        if arrived is not None:
+            arrived(filled, filled + len(chunk))
+        filled += len(chunk)
+    if response.raw.read(1, decode_content=False):
+        raise CorruptObject(f"{where}: the answer runs past {len(view)} bytes")
+
+
 def gcs_credentials() -> tuple[Any, str | None]:
     """(credentials, project) for google-cloud-storage.
 
@@ -109,7 +162,8 @@ class GCSStore(ObjectStore):
       gets its own client built from them (a client's HTTP session is not shared by threads).
     - `read_buffer` of an object larger than one part (`part_bytes`) reads it as ranged GETs,
       `parallel_parts` in flight per store, straight into one buffer, every range pinned to
-      the generation its size was read with (docs/STORE.md, "Large reads").
+      the generation its size was read with; a small read is one GET straight into one
+      buffer (`_read_whole`), on the same helpers (docs/STORE.md, "Large reads").
     """
 
     def __init__(
@@ -198,31 +252,131 @@ class GCSStore(ObjectStore):
             raise StoreError(f"{op} {where}: HTTP {exc.code} {exc.message}") from exc
 
     def _download(self, key: str, max_bytes: int | None = None) -> tuple[bytes, int] | None:
-        """One attempt: the bytes and their generation, or None if absent.
+        """The bytes and their generation, or None if absent: `_read_whole`, then one copy
+        into bytes (`read`, `read_versioned`: JSON records and other small objects)."""
+        got = self._read_whole(key, max_bytes)
+        return None if got is None else (got[0].tobytes(), got[1])
 
-        With `max_bytes`, a ranged download of bytes [0, max_bytes]: at most max_bytes + 1
-        bytes cross the network, and more than max_bytes means too large (the response's
-        object size, when it has one, is checked first). An empty object answers a range
-        with 416; that is b"".
+    def _read_whole(
+        self, key: str, max_bytes: int | None, consume: Consume | None = None
+    ) -> tuple[np.ndarray, int] | None:
+        """The object in one new buffer and its generation, or None if absent: one GET.
+
+        With `max_bytes`, of bytes [0, max_bytes]: at most max_bytes + 1 bytes are asked
+        for, and the answer's object size (its Content-Range, or its length if it is the
+        whole object) over max_bytes is refused before its body is read. Its bytes go
+        straight into the buffer as they arrive, and to `consume` in order. The GET is
+        retried (`retry`) until an answer's head is accepted; if that answer's body then
+        breaks off, the rest is one ranged GET of the generation it named (`_part`), so
+        `consume` never sees a byte twice, nor bytes of two generations. Without a limit the
+        whole object is checked against the crc32c its answer states (X-Goog-Hash), as the
+        library's whole download did.
         """
-        blob = self._blob(key)
-        try:
-            if max_bytes is None:
-                data = blob.download_as_bytes(retry=None, timeout=self.timeout)
-            else:
-                data = blob.download_as_bytes(
-                    start=0, end=max_bytes, retry=None, timeout=self.timeout, checksum=None
-                )
-        except gexc.NotFound:
+        where = self._where(key)
+        got: list[Any] = []  # [buffer, generation, crc32c] once an answer's head is accepted
+        filled = 0
+
+        def arrived(a: int, b: int) -> None:
+            nonlocal filled
+            if consume is not None:
+                consume(memoryview(got[0])[a:b])
+            filled = b
+
+        def attempt() -> bool:
+            span = None if max_bytes is None else f"bytes=0-{max_bytes}"
+            response = self._get(key, None, span)
+            try:
+                head = self._whole_head(response, key, max_bytes)
+                if head is None:
+                    return False
+                crc = None if max_bytes is not None else _stated_crc32c(response, where)
+                got[:] = [np.empty(head[0], np.uint8), head[1], crc]
+                if response.status_code != 416:  # an empty object's answer has no body
+                    try:
+                        _fill(response, memoryview(got[0]), where, arrived)
+                    except Exception as exc:
+                        if not is_transient(exc):
+                            raise
+                        # the rest is read below, pinned to this answer's generation
+                return True
+            finally:
+                response.close()
+
+        if not self._run("read", key, attempt, not_found=ObjectNotFound):
             return None
-        except gexc.RequestRangeNotSatisfiable:
-            blob.reload(retry=None, timeout=self.timeout)
-            if blob.size:
-                raise
-            data = b""
-        if max_bytes is not None and (len(data) > max_bytes or (blob.size or 0) > max_bytes):
-            raise _too_large(self._where(key), blob.size, max_bytes)
-        return data, int(blob.generation)
+        buf, generation, crc = got
+        if filled < buf.size:
+            rest = memoryview(buf)[filled:]
+            try:
+                self._part(key, generation, rest, filled, buf.size, threading.Event())
+            except _GenerationGone:
+                raise self._changed(key, generation) from None
+            if consume is not None:
+                consume(rest)
+        if max_bytes is None and crc is not None:
+            from training.store.tensors import checksum
+
+            if checksum([buf]) != crc:
+                raise CorruptObject(f"{where}: the bytes read fail the crc32c {crc} stated")
+        return buf, generation
+
+    def _whole_head(
+        self, response: requests.Response, key: str, max_bytes: int | None
+    ) -> tuple[int, int] | None:
+        """(size, generation) from the head of `_read_whole`'s answer, None for 404; refuses
+        an object over `max_bytes`, an encoded body and any answer but the object from byte 0."""
+        where = self._where(key)
+        status = response.status_code
+        if status == 404:
+            return None
+        if status == 416 and max_bytes is not None:
+            # byte 0 is past the end: the object is empty (RFC 9110: "bytes */0", if said)
+            span = response.headers.get("Content-Range")
+            if span is not None and span != "bytes */0":
+                raise CorruptObject(f"{where}: answered HTTP 416 with range {span!r}")
+            generation = _generation(response, where, required=False)
+            if generation is None:  # the answer did not say which: ask
+                size, generation = self._metadata(key)
+                if size:
+                    raise CorruptObject(f"{where}: answered HTTP 416 for a {size}-byte object")
+            return 0, generation
+        if status >= 400:
+            raise gexc.from_http_response(response)
+        _refuse_encoded(response, where)
+        generation = _generation(response, where, required=True)
+        span = response.headers.get("Content-Range")
+        if status == 206 and max_bytes is not None and span is not None:
+            m = re.fullmatch(r"bytes 0-(\d+)/(\d+)", span)
+            if m is None:
+                raise CorruptObject(f"{where}: answered range {span!r}, not from byte 0")
+            last, size = int(m[1]), int(m[2])
+            if size > max_bytes:
+                raise _too_large(where, size, max_bytes)
+            if last != size - 1:
+                raise CorruptObject(f"{where}: answered range {span!r} of bytes 0-{max_bytes}")
+        elif status == 200 and span is None:  # the whole object
+            length = response.headers.get("Content-Length", "")
+            if not length.isdigit():
+                raise CorruptObject(f"{where}: whole object answered without its length")
+            size = int(length)
+            if max_bytes is not None and size > max_bytes:
+                raise _too_large(where, size, max_bytes)
+        else:
+            raise CorruptObject(f"{where}: answered HTTP {status} with range {span!r}")
+        return size, generation
+
+    def _get(self, key: str, generation: int | None, span: str | None) -> requests.Response:
+        """One streamed GET of the object's bytes (of `generation` if given: the request's
+        `generation` parameter, so a replaced object answers 404), `span` its Range header,
+        never content-encoded (Accept-Encoding: identity; the answer is checked too)."""
+        client = self._client()
+        blob = client.bucket(self.bucket).blob(self._name(key), generation=generation)
+        # The library's own URL rule (endpoint, emulator, quoting, generation).
+        url = blob._get_download_url(client)
+        headers = {"Accept-Encoding": "identity"}
+        if span is not None:
+            headers["Range"] = span
+        return client._http.get(url, headers=headers, stream=True, timeout=self.timeout)
 
     def _upload(self, key: str, data: bytes, if_generation_match: int | None) -> int:
         """One attempt: upload, returns the new generation."""
@@ -264,7 +418,11 @@ class GCSStore(ObjectStore):
         if the object was deleted): never bytes of two generations."""
         _check_limit(max_bytes)
         if max_bytes is not None and max_bytes <= self.part_bytes:
-            return super().read_buffer(key, max_bytes, writable, consume)
+            got = self._read_whole(key, max_bytes, consume)
+            if got is None:
+                raise ObjectNotFound(f"{self._where(key)} not found")
+            view = memoryview(got[0])
+            return view if writable else view.toreadonly()
         size, generation = self._run(
             "read", key, lambda: self._metadata(key), not_found=ObjectNotFound
         )
@@ -334,25 +492,16 @@ class GCSStore(ObjectStore):
         a replaced object answers 404, never another generation's bytes). The answer must be
         exactly that range of an object of `size` bytes, of that generation; its bytes go
         into `view` as they arrive."""
-        client = self._client()
-        blob = client.bucket(self.bucket).blob(self._name(key), generation=generation)
-        # The library's own URL rule (endpoint, emulator, quoting; `generation` pins it).
-        url = blob._get_download_url(client)
         end = start + len(view) - 1
-        response = client._http.get(
-            url,
-            headers={"Range": f"bytes={start}-{end}", "Accept-Encoding": "identity"},
-            stream=True,
-            timeout=self.timeout,
-        )
+        response = self._get(key, generation, f"bytes={start}-{end}")
         try:
             if response.status_code == 404:
                 raise _GenerationGone(f"{self._where(key)} generation {generation} is gone")
             if response.status_code >= 400:
                 raise gexc.from_http_response(response)
             where = f"{self._where(key)} bytes {start}-{end}"
-            served = response.headers.get("X-Goog-Generation")
-            if served is not None and served != str(generation):
+            served = _generation(response, where, required=False)
+            if served is not None and served != generation:
                 raise ObjectChanged(f"{where}: generation {served} served for {generation}")
             whole = start == 0 and end == size - 1 and response.status_code == 200
             ranged = f"bytes {start}-{end}/{size}"
@@ -363,19 +512,8 @@ class GCSStore(ObjectStore):
                     f"{where}: answered HTTP {response.status_code} with range "
                     f"{response.headers.get('Content-Range')!r}, not {ranged!r}"
                 )
-            if response.headers.get("Content-Encoding", "identity") != "identity":
-                raise CorruptObject(f"{where}: answered an encoded body")
-            filled = 0
-            while filled < len(view):
-                chunk = response.raw.read(
-                    min(_RANGE_READ, len(view) - filled), decode_content=False
-                )
-                if not chunk:
-                    raise ConnectionError(f"{where}: the answer ended after {filled} bytes")
-                view[filled : filled + len(chunk)] = chunk
-                filled += len(chunk)
-            if response.raw.read(1, decode_content=False):
-                raise CorruptObject(f"{where}: the answer runs past the range")
+            _refuse_encoded(response, where)
+            _fill(response, view, where)
         finally:
             response.close()
 

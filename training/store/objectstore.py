@@ -214,9 +214,9 @@ class ObjectStore(ABC):
         consume: Consume | None = None,
     ) -> memoryview:
         """`read` into a buffer, writable if asked: arrays decoded from it without a copy are
-        then writable (file:// reads straight into a writable buffer; gs:// reads a large
-        object in parallel ranges into one buffer; other backends copy the bytes once for a
-        writable one, never for a read-only one).
+        then writable (file:// reads straight into a writable buffer; gs:// reads a small
+        object in one GET and a large one in parallel ranges straight into one buffer; other
+        backends copy the bytes once for a writable one, never for a read-only one).
 
         `consume`, if given, is called with consecutive pieces of the returned buffer, in
         order, covering it exactly once, before this returns: a checksum over them overlaps
