@@ -98,3 +98,17 @@ def test_chaos_bench_option_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
         chaos.main(argv)
     assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_light_version_is_traced_with_its_replayed_momentum(tmp_path):
+    # the same three merges with full_every 4 (versions 1-3 light: no outer state stored) and
+    # 1 (all full): the trace of version 3 reads the light one's momentum by replay, the same
+    from training.bench import light
+
+    def momentum_norm(k: int) -> float:
+        _, store, _ = light._chain("tiny", 1, k, 3, str(tmp_path))
+        tracer = MergeTracer(store)
+        tracer.after_merge([SimpleNamespace(versions={0: 3})])
+        return merges(tracer.records)[0]["momentum_norm"]
+
+    assert momentum_norm(4) == momentum_norm(1) > 0

@@ -58,7 +58,7 @@ PUBLISH_THREADS = 8
 PROFILE_12B = dict(params=12e9, fragments=24, islands=4, merges_per_s=1.0)
 
 
-def _cfg(preset: str, P: int, N: int, S: int):
+def _cfg(preset: str, P: int, N: int, S: int, sets: dict | None = None):
     from training.config.experiment import with_overrides
 
     cfg = merge_bench._cfg(preset, P, N, "int4")
@@ -72,6 +72,7 @@ def _cfg(preset: str, P: int, N: int, S: int):
             "outer.grace_min_steps": 0.0,
             "outer.max_staleness": 1000,
             "tensorboard.enabled": False,
+            **(sets or {}),
         },
     )
 
@@ -127,7 +128,7 @@ def trial(url: str, preset: str, P: int, N: int, S: int, rate: float, a) -> dict
     from training.store.experiment import ExperimentStore
     from training.store.registry import open_store
 
-    cfg = _cfg(preset, P, N, S)
+    cfg = _cfg(preset, P, N, S, getattr(a, "sets", None))
     store = ExperimentStore(open_store(url), cfg.name)
     store.write_config(cfg.model_dump(mode="json"))
     initial_version(cfg, store)
@@ -352,7 +353,20 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--trial-s", type=float, default=15.0)
     ap.add_argument("--max-trial-s", type=float, default=60.0)
     ap.add_argument("--json", dest="json_out", default=None)
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="config override for every trial, e.g. syncer.full_every=8",
+    )
     a = ap.parse_args(argv)
+    from training.config import experiment as config
+
+    try:
+        a.sets = config.parse_sets(a.set)
+    except config.ConfigError as err:
+        ap.error(str(err))
     if max(a.shards) > a.fragments:
         ap.error(f"--shards {max(a.shards)} > --fragments {a.fragments}: a shard would idle")
     rows = []

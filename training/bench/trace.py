@@ -22,6 +22,9 @@ from collections.abc import Callable, Iterable
 import numpy as np
 
 from tests.reference_outer import global_norm
+from training.config.experiment import parse_config
+from training.merge import replay
+from training.store import merge_records as records
 
 
 def state_norm(state: dict[str, np.ndarray]) -> float:
@@ -69,7 +72,14 @@ class MergeTracer:
         store = self.store
         head = store.head(fragment)
         ptr = head if head.version == version else store.find_version(fragment, version)
-        g = store.load_fragment(ptr, outer_state=True)
+        manifest = store.fragment_manifest(ptr)
+        if records.light_ancestor(manifest) is None:
+            g = store.load_fragment(ptr, outer_state=True, manifest=manifest)
+            outer = g.outer_state
+        else:  # a light version (syncer.full_every > 1): its outer state replayed, checked
+            g = store.load_fragment(ptr, manifest=manifest)
+            cfg = parse_config(store.read_config())
+            outer = replay.outer_state_at(cfg, store, ptr, manifest)
         contribs = []
         for c in g.manifest.get("contributions", []):
             pg = self._pending.pop(c.get("id"), {})
@@ -99,7 +109,7 @@ class MergeTracer:
             contributions=contribs,
             update_norm=update,
             params_norm=global_norm(g.params),
-            momentum_norm=state_norm(g.outer_state),
+            momentum_norm=state_norm(outer),
             tokens_merged=g.manifest.get("tokens_merged"),
             eval_loss=None,
         )
