@@ -72,3 +72,17 @@ def open_backend(kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> O
     if kind == "gs":
         return open_store(f"{request.getfixturevalue('gcs_bucket')}/test-{unique}")
     raise ValueError(f"unknown backend {kind!r}")
+
+
+def ignore_range(monkeypatch) -> None:
+    """Make every GET of this process leave out its Range header: a server that ignores Range
+    (it answers 200 with the whole object)."""
+    import requests
+
+    real_get = requests.Session.get
+
+    def get_ignoring_range(self, url, **kwargs):
+        headers = {k: v for k, v in (kwargs.pop("headers", None) or {}).items() if k != "Range"}
+        return real_get(self, url, headers=headers, **kwargs)
+
+    monkeypatch.setattr(requests.Session, "get", get_ignoring_range)

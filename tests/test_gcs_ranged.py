@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import requests
 
-from tests.gcs_fixture import BUCKET, gcs_bucket  # noqa: F401
+from tests.gcs_fixture import BUCKET, gcs_bucket, ignore_range  # noqa: F401
 from training.store.gcs import GCSStore
 from training.store.objectstore import (
     CorruptObject,
@@ -130,13 +130,7 @@ def test_object_deleted_mid_read_raises_object_not_found(store, payload):
 
 def test_a_range_answered_with_the_whole_object_is_refused(store, payload, monkeypatch):
     """A server that ignores Range answers 200 with all SIZE bytes: not the part asked for."""
-    real_get = requests.Session.get
-
-    def get_ignoring_range(self, url, **kwargs):
-        headers = {k: v for k, v in (kwargs.pop("headers", None) or {}).items() if k != "Range"}
-        return real_get(self, url, headers=headers, **kwargs)
-
-    monkeypatch.setattr(requests.Session, "get", get_ignoring_range)
+    ignore_range(monkeypatch)
     with pytest.raises(CorruptObject, match="answered HTTP 200"):
         store.read_buffer(KEY, max_bytes=SIZE)
 

@@ -16,7 +16,7 @@ import pytest
 import requests
 import urllib3.exceptions
 
-from tests.gcs_fixture import BUCKET, gcs_bucket  # noqa: F401
+from tests.gcs_fixture import BUCKET, gcs_bucket, ignore_range  # noqa: F401
 from training.store.gcs import GCSStore
 from training.store.objectstore import (
     CorruptObject,
@@ -95,13 +95,7 @@ def test_object_over_max_bytes_is_refused_with_its_size(store, payload):
 
 def test_whole_answer_over_max_bytes_is_refused(store, payload, monkeypatch):
     """A server that ignores Range answers 200 with all SIZE bytes: its length is over."""
-    real_get = requests.Session.get
-
-    def get_ignoring_range(self, url, **kwargs):
-        headers = {k: v for k, v in (kwargs.pop("headers", None) or {}).items() if k != "Range"}
-        return real_get(self, url, headers=headers, **kwargs)
-
-    monkeypatch.setattr(requests.Session, "get", get_ignoring_range)
+    ignore_range(monkeypatch)
     with pytest.raises(ObjectTooLarge, match=f"is {SIZE} bytes, over the {SIZE - 1}-byte limit"):
         store.read_buffer(KEY, max_bytes=SIZE - 1)
 

@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 
-from tests.helpers import new_store, publish_delta, random_delta, small_config
+from tests.helpers import new_store, publish_delta, random_delta, small_config, tamper_params
 from training import cli
 from training.config.experiment import parse_config
 from training.merge import replay
@@ -22,7 +22,6 @@ from training.protocol import broadcast
 from training.store import merge_records as records
 from training.store.layout import dump_json
 from training.store.objectstore import CorruptObject
-from training.store.tensors import checksum, tensor_parts
 from training.store.versions import LightVersion
 
 
@@ -117,24 +116,9 @@ def test_a_cold_merger_replays_5_and_6_from_full_4_and_merges_the_bits_of_a_warm
     }
 
 
-def _tamper_params(store, version: int) -> str:
-    """Add 1 to one value of fragment 0 `version`'s params, the manifest's checksum rewritten
-    to match (a stored version that is not what its merge made)."""
-    head = store.find_version(0, version)
-    manifest = store.fragment_manifest(head)
-    params = {n: np.array(v) for n, v in store.load_fragment(head).params.items()}
-    name = sorted(params)[0]
-    params[name].reshape(-1)[3] += 1.0
-    parts = tensor_parts(params)
-    store.store.write_parts(store.object_key(f"{head.dir}/params.safetensors"), parts)
-    manifest["crc32c"]["params"] = checksum(parts)
-    store.store.write(store.object_key(f"{head.dir}/manifest.json"), dump_json(manifest))
-    return name
-
-
 def test_a_tampered_light_version_stops_a_cold_start_with_one_line_naming_it():
     cfg, store, _ = _run(4, 6)
-    name = _tamper_params(store, 5)
+    name, _ = tamper_params(store, 0, 5)
     head = store.head(0)
     theta = store.load_fragment(head).params
     publish_delta(store, cfg, "a", 6, random_delta(theta, 7), base_version=head.version)

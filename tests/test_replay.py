@@ -13,12 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.helpers import FakeClock, new_store, random_delta, small_config
+from tests.helpers import FakeClock, new_store, random_delta, small_config, tamper_params
 from training.codecs import host as codecs
 from training.merge import replay
 from training.merge.merger import Merger
-from training.store.layout import dump_json
-from training.store.tensors import checksum, tensor_parts
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -132,25 +130,10 @@ def test_every_version_of_every_fragment_replays_to_the_same_bits(run):
     assert (code, lines[-1]) == (0, f"replayed {len(lines) - 1} version(s): all bit-exact"), lines
 
 
-def _tamper_params(store, fragment, version):
-    """Change one value of a version's params and rewrite its manifest's checksum to match (a
-    model that is not the result of its contributions, internally consistent)."""
-    head = store.find_version(fragment, version)
-    manifest = store.fragment_manifest(head)
-    params = {n: np.array(v) for n, v in store.load_fragment(head).params.items()}
-    name = sorted(params)[0]
-    params[name].reshape(-1)[3] += 1.0
-    parts = tensor_parts(params)
-    store.store.write_parts(store.object_key(f"{head.dir}/params.safetensors"), parts)
-    manifest["crc32c"]["params"] = checksum(parts)
-    store.store.write(store.object_key(f"{head.dir}/manifest.json"), dump_json(manifest))
-    return name, [int(i) for i in np.unravel_index(3, params[name].shape)]
-
-
 def test_a_tampered_version_is_reported_at_exactly_that_version():
     cfg = _cfg()
     store = _run(cfg)
-    name, index = _tamper_params(store, 1, 2)
+    name, index = tamper_params(store, 1, 2)
     code, lines = _lines(cfg, store, fragment=1)
     assert (code, lines[:-1]) == (
         1,
@@ -165,7 +148,7 @@ def test_a_tampered_version_is_reported_at_exactly_that_version():
 def test_a_restore_that_is_not_the_version_it_names_is_reported():
     cfg = _cfg()
     store = _run(cfg)
-    name, index = _tamper_params(store, 0, 4)  # version 4 restored version 1
+    name, index = tamper_params(store, 0, 4)  # version 4 restored version 1
     code, lines = _lines(cfg, store, fragment=0)
     assert (code, lines[-2]) == (
         1,
