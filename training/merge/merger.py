@@ -137,6 +137,7 @@ class Merger:
         # syncer.full_every > 1: every merge writes a full version while this is set (the
         # syncer's last drain: a run ends on full versions)
         self.full_always = False
+        self._stopped = False  # control/STOP as this pass read it (merge_once)
 
     def _version(self, head: HeadPointer) -> tuple[dict, records.MergeState]:
         """The manifest of a committed version and its merge state, read and parsed once per
@@ -200,11 +201,11 @@ class Merger:
         active = self._active_islands()
         self._heartbeats = self.store.heartbeats() if any(pending.values()) else {}
         beats = claims.beats(self._heartbeats)
-        ending = (
-            self.cfg.outer.end_max_staleness is not None
-            and any(pending.values())
-            and self.store.stop_requested()
-        )
+        # control/STOP, read once a pass and only where a rule uses it (the end's hold-back,
+        # light versions' full one at the end)
+        wants_stop = self.cfg.outer.end_max_staleness is not None or self.cfg.syncer.full_every > 1
+        self._stopped = wants_stop and any(pending.values()) and self.store.stop_requested()
+        ending = self.cfg.outer.end_max_staleness is not None and self._stopped
         for head in heads:
             if pending[head.fragment]:
                 self._merge_fragment(
@@ -403,7 +404,7 @@ class Merger:
             created = self._version(HeadPointer(p, *full_at, 0))[0].get("created_at", 0.0)
             if time.time() - float(created) >= every_s:
                 return True
-        return self.store.stop_requested()
+        return self._stopped
 
     def _quorum(
         self, p: int, candidates: Sequence[rules.Candidate], active: set[str], now: float

@@ -348,10 +348,6 @@ class FragmentManifest:
     # nearest full ancestor (version, dir), where a cold start replays forward from
     full_at: tuple[int, str] | None = None
 
-    @property
-    def full(self) -> bool:
-        return self.full_at is None
-
 
 def light_ancestor(m: Mapping[str, Any]) -> tuple[int, str] | None:
     """(version, dir) of the nearest full ancestor a light version's manifest (already parsed
