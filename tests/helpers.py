@@ -145,3 +145,14 @@ def tamper_params(store, fragment: int, version: int) -> tuple[str, list[int]]:
     manifest["crc32c"]["params"] = checksum(parts)
     store.store.write(store.object_key(f"{head.dir}/manifest.json"), dump_json(manifest))
     return name, [int(i) for i in np.unravel_index(3, params[name].shape)]
+
+
+def tokens_discarded(store: ExperimentStore) -> int:
+    """The tokens a restore of BEST discarded (0 when finalize restored nothing): the mean over
+    fragments of the HEAD manifests' `restored_from.tokens_discarded`, as tokens_merged is. The
+    tokens a run merged before its end are the restored model's tokens_merged plus these."""
+    found = [
+        store.fragment_manifest(store.head(p)).get("restored_from", {}).get("tokens_discarded", 0)
+        for p in range(store.num_fragments())
+    ]
+    return sum(found) // len(found)

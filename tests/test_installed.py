@@ -24,7 +24,9 @@ import pytest
 
 from devtools.local_airflow import LocalAirflow, groups_still_alive, stop_islands
 from tests.airflow_fixture import free_port, island_env
-from tests.helpers import small_dag_params
+from tests.helpers import small_dag_params, tokens_discarded
+from training.store.experiment import ExperimentStore
+from training.store.registry import open_store
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
@@ -132,20 +134,6 @@ def _until(what: str, timeout_s: float, probe):
     raise AssertionError(f"{what}: not within {timeout_s:.0f} s")
 
 
-def _discarded(store_url: str, experiment: str) -> int:
-    """The tokens a restore of BEST discarded (0 when finalize restored nothing): the mean over
-    fragments of the HEAD manifests' `restored_from.tokens_discarded`, as tokens_merged is."""
-    from training.store.experiment import ExperimentStore
-    from training.store.registry import open_store
-
-    estore = ExperimentStore(open_store(store_url), experiment)
-    found = [
-        estore.fragment_manifest(estore.head(p)).get("restored_from", {}).get("tokens_discarded", 0)
-        for p in range(estore.num_fragments())
-    ]
-    return sum(found) // len(found)
-
-
 def _models_asset(af, store_url: str) -> dict | None:
     """The store's models asset as the REST API shows it, once its watcher runs."""
     query = urllib.parse.urlencode({"uri_pattern": Path(store_url[len("file://") :]).name})
@@ -200,7 +188,8 @@ def test_a_short_run_succeeds_and_the_page_answers_for_it(installed, tmp_path):
         # earlier best (then fewer, and the restored version says how many it discarded)
         assert page["experiment"] == name
         assert page["tokens"]["merged"] == final["tokens_merged"]
-        assert page["tokens"]["merged"] + _discarded(store_url, name) >= BUDGET
+        estore = ExperimentStore(open_store(store_url), name)
+        assert page["tokens"]["merged"] + tokens_discarded(estore) >= BUDGET
 
         def ours(kind: str):
             for ev in _events(af, asset["id"]):
