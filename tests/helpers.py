@@ -28,6 +28,10 @@ def small_config(name: str = "exp", islands=("a", "b"), **sections):
         # rounds on the island's own step counter: publishes at fixed steps, whatever the wall
         # clock does (clock rounds are tested in tests/test_rounds.py with a fake clock)
         "outer": {"rounds": "steps"},
+        # every version full (the default writes a full one every 8th): these tests read any
+        # version whole; light versions are tested in tests/test_light_versions.py and in the
+        # full_every = 4 rows of the crash, race and island-kill tests
+        "syncer": {"full_every": 1},
     }
     for key, value in sections.items():
         if isinstance(value, dict):

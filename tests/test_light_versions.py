@@ -16,6 +16,7 @@ import pytest
 from tests.helpers import new_store, publish_delta, random_delta, small_config, tamper_params
 from training import cli
 from training.config.experiment import parse_config
+from training.config.sections import SyncerConfig
 from training.merge import replay
 from training.merge.merger import Merger
 from training.protocol import broadcast
@@ -181,9 +182,12 @@ def test_the_manifest_parser_refuses_a_light_version_without_a_full_ancestor():
         parse(manifest)
 
 
-def test_full_every_is_a_described_config_field_defaulting_to_every_version():
+def test_full_every_is_a_described_config_field_defaulting_to_every_eighth_version():
+    # the default (not small_config's pin of 1): a full version every 8 merges or 600 s
+    fields = SyncerConfig.model_fields
+    assert (fields["full_every"].default, fields["full_every_s"].default) == (8, 600.0)
+    assert fields["full_every"].description and fields["full_every_s"].description
     cfg = small_config()
-    assert (cfg.syncer.full_every, cfg.syncer.full_every_s) == (1, 600.0)
     with pytest.raises(ValueError):
         parse_config({**cfg.model_dump(mode="json"), "syncer": {"full_every": 0}})
 

@@ -452,7 +452,7 @@ class SyncerConfig(_Frozen):
         "for the shard while the lease lives",
     )
     full_every: int = Field(
-        1,
+        8,
         ge=1,
         le=10_000,
         description="a merge writes a full version of its fragment (parameters, outer "
