@@ -285,3 +285,34 @@ def test_full_every_s_makes_a_version_full_once_that_long_passed():
     store = new_store(cfg)
     _round(store, cfg, Merger(cfg, store), 0)
     assert _is_full(store)
+
+
+def test_gc_keeps_the_base_a_replayed_merge_reanchored_a_stale_vote_at():
+    # outer.anchor = "now", k = 4: island c publishes once from version 1; version 6 (light,
+    # full ancestor 4) applies it with staleness 4 (parent 5 - base 1), re-anchored at the
+    # fragment now, so the merge read version 1's params. keep_last 1 keeps HEAD 6 and what its
+    # replay reads: 4, 5, 6 and base 1 (without it a cold start stops: base 1 was collected)
+    cfg = small_config(
+        "gc-now",
+        islands=("a", "b", "c"),
+        codec="int4",
+        outer={"method": "nesterov", "anchor": "now"},
+        syncer={"full_every": 4, "full_every_s": 0},
+    )
+    store = new_store(cfg)
+    merger = Merger(cfg, store)
+    for r in range(5):
+        _round(store, cfg, merger, r)
+        if r == 0:
+            stale = random_delta(store.load_fragment(store.find_version(0, 1)).params, 7)
+    publish_delta(store, cfg, "c", 0, stale, base_version=1)
+    _round(store, cfg, merger, 5)
+    (record,) = [
+        c for c in store.fragment_manifest(store.head(0))["contributions"] if c["island"] == "c"
+    ]
+    assert (store.head(0).version, record["staleness"], record["reanchored"]) == (6, 4, True)
+    plan = store.plan_gc(keep_last=1)
+    assert plan.protected == {0: [0, 1, 4, 5, 6]}
+    store.collect_garbage(plan)
+    _round(store, cfg, Merger(cfg, store), 6)  # a cold merger replays 5 and 6 from full 4
+    assert store.head(0).version == 7

@@ -12,6 +12,7 @@ A mixin of `ExperimentStore` (training/store/experiment.py), which supplies the 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import Any
 
 from training.store import merge_records as records
@@ -80,6 +81,19 @@ def _version_of(directory: str) -> tuple[int, int] | None:
     return None if match is None else (int(match[1]), int(match[2]))
 
 
+def _reanchored_bases(manifest: Mapping[str, Any]) -> set[int]:
+    """The base versions a merge re-anchored stale votes at (outer.anchor = "now": it read
+    their params; its `contributions` records say `reanchored` and `staleness`): version - 1 -
+    staleness. Malformed records name nothing (the merge's replay reports them)."""
+    version, found = manifest.get("version"), set()
+    for r in manifest.get("contributions") or ():
+        if isinstance(r, dict) and r.get("reanchored") is True and is_int(version):
+            staleness = r.get("staleness")
+            if is_int(staleness) and 0 <= staleness < version:
+                found.add(version - 1 - staleness)
+    return found
+
+
 class GarbageCollection:
     """plan_gc / collect_garbage (mixed into ExperimentStore)."""
 
@@ -98,10 +112,16 @@ class GarbageCollection:
         dirs = {head.version: head.dir}
         complete = False
         applied_in: dict[str, int] = {}
+        if not hasattr(self, "_bases_of"):
+            self._bases_of: dict[int, dict[int, set[int]]] = {}
+        bases_of = self._bases_of[fragment] = {}
         for manifest in self.list_fragment_versions(fragment):
             ancestor = records.light_ancestor(manifest)
             if ancestor is not None:
                 full_of[fragment][manifest["version"]] = ancestor[0]
+            bases = _reanchored_bases(manifest)
+            if bases:
+                bases_of[manifest["version"]] = bases
             parent, parent_dir = manifest.get("parent_version"), manifest.get("parent_dir")
             if parent_dir is None:
                 complete = True
@@ -158,8 +178,11 @@ class GarbageCollection:
         """The versions a cold start, a restore or `diloco replay` of the kept light versions
         of `fragment` reads (docs/STORE.md, "Light versions"): from each one's full ancestor
         to it (the full one's state, each light one's params and update)."""
-        full_of = self._full_of.get(fragment, {})
-        return {u for v in kept if v in full_of for u in range(full_of[v], v + 1)}
+        full_of, bases_of = self._full_of.get(fragment, {}), self._bases_of.get(fragment, {})
+        replayed = {u for v in kept if v in full_of for u in range(full_of[v], v + 1)}
+        # under outer.anchor = "now" a replayed merge re-reads the params of the base versions
+        # it re-anchored stale votes at, which may be older than the full ancestor
+        return replayed | {b for u in replayed for b in bases_of.get(u, ())}
 
     def plan_gc(self, keep_last: int = 5, keep_first: bool = True) -> GCPlan:
         """What `collect_garbage` would delete now; reads only (see GCPlan)."""
