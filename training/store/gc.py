@@ -11,8 +11,8 @@ A mixin of `ExperimentStore` (training/store/experiment.py), which supplies the 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from training.store import merge_records as records
