@@ -52,7 +52,12 @@ class MergeTracer:
         self._pending: dict[str, dict] = {}
         self._prev: dict[int, tuple[int, dict[str, np.ndarray]]] = {}  # fragment -> version, params
         for head in store.heads():
-            self._prev[head.fragment] = (head.version, store.load_fragment(head).params)
+            manifest = store.fragment_manifest(head)
+            if records.params_sum(manifest) is None:
+                params = store.load_fragment(head, manifest=manifest).params
+            else:  # a light version without params: replayed
+                params = replay.params_at(parse_config(store.read_config()), store, head, manifest)
+            self._prev[head.fragment] = (head.version, params)
 
     def before_merge(self) -> None:
         """Remember the manifests of the pending pseudo-gradients (steps, tokens, base)."""
