@@ -176,6 +176,21 @@ def test_an_islands_shadow_at_a_light_version_equals_the_mergers_bit_for_bit():
     }
 
 
+def test_an_island_holding_s5_follows_light_version_6_by_its_update():
+    # version 6 holds no params: the size a whole read would cost is its params_nbytes, so
+    # one int4 update (about 1/8 of it) is taken, not S_6 read whole
+    cfg, store, merger = _run(4, 5)
+    five = store.head(0)
+    # a copy: the next merge updates the merger's shadow in place
+    held = broadcast.Shadow(5, five.dir, {n: v.copy() for n, v in merger._warm[0][3].items()})
+    _round(store, cfg, merger, 5)
+    head = store.head(0)
+    shapes = {n: tuple(v.shape) for n, v in held.tensors.items()}
+    got = broadcast.fetch(store, head, store.fragment_manifest(head), held, "int4", shapes)
+    assert (got.how, got.updates) == ("updates", 1)
+    assert _bits(got.tensors) == _bits(merger._warm[0][3])
+
+
 def test_diloco_replay_carries_the_state_across_light_versions():
     cfg, store, _ = _run(4, 6)
     lines = []
