@@ -8,8 +8,10 @@ use; docs/STORE.md "Light versions"), reads exactly the contributions v's manife
 lists as applied, in the groups and order its `contributions` records give (with each island's
 weight cap and the active-island count: apply.REPLAY_FIELDS), runs the merge's own arithmetic
 on them (training/merge/apply.py: the very code the merger ran) and compares what comes out
-with what v holds, bit for bit: params, outer state, the optimizer's counters, the contributions'
-weights, and under update broadcast the codec update and the new shadow. A version that
+with what v holds, bit for bit: params (a light version without params: the crc32c and size
+of the params payload, against its params_crc32c / params_nbytes), outer state, the
+optimizer's counters, the contributions' weights, and under update broadcast the codec update
+and the new shadow. A version that
 restored BEST (`restored_from`) is checked against the version it restores. Nothing the merger
 decided from its clock or the store's state (grace, selection, quorum, quarantine) is decided
 again: replay re-applies the recorded decision, and reports what the arithmetic made of it.
