@@ -132,23 +132,28 @@ def small_dag_params(name: str, store_url: str, islands, overrides=None, **chang
     }
 
 
-def tamper_params(store, fragment: int, version: int) -> tuple[str, list[int]]:
-    """Add 1 to one value (flat index 3 of the first tensor) of a committed version's params and
-    rewrite its manifest's checksum to match: a stored version that is not what its merge made,
-    internally consistent. Returns the tensor's name and the value's index."""
+def tamper_params(store, fragment: int, version: int, name: str = "params"):
+    """Change one value (flat index 3 of the first tensor: + 1 for a float, the lowest bit
+    flipped for an integer) of a committed version's payload `name` (params by default) and
+    rewrite its manifest's checksum to match: a stored version that is not what its merge
+    made, internally consistent. Returns the tensor's name and the value's index."""
     from training.store.layout import dump_json
     from training.store.tensors import checksum, tensor_parts
 
     head = store.find_version(fragment, version)
     manifest = store.fragment_manifest(head)
-    params = {n: np.array(v) for n, v in store.load_fragment(head).params.items()}
-    name = sorted(params)[0]
-    params[name].reshape(-1)[3] += 1.0
-    parts = tensor_parts(params)
-    store.store.write_parts(store.object_key(f"{head.dir}/params.safetensors"), parts)
-    manifest["crc32c"]["params"] = checksum(parts)
+    tensors = {n: np.array(v) for n, v in store.load_payload(head, name, manifest).items()}
+    tensor = sorted(tensors)[0]
+    flat = tensors[tensor].reshape(-1)
+    if np.issubdtype(flat.dtype, np.integer):
+        flat[3] ^= 1
+    else:
+        flat[3] += 1.0
+    parts = tensor_parts(tensors)
+    store.store.write_parts(store.object_key(f"{head.dir}/{name}.safetensors"), parts)
+    manifest["crc32c"][name] = checksum(parts)
     store.store.write(store.object_key(f"{head.dir}/manifest.json"), dump_json(manifest))
-    return name, [int(i) for i in np.unravel_index(3, params[name].shape)]
+    return tensor, [int(i) for i in np.unravel_index(3, tensors[tensor].shape)]
 
 
 def tokens_discarded(store: ExperimentStore) -> int:

@@ -1,5 +1,6 @@
 """Light versions (`syncer.full_every` k > 1, docs/STORE.md "Light versions"): between full
-versions a merge writes params and the broadcast update only; a merger that starts cold
+versions a merge writes the broadcast update only (its params' checksum in the manifest;
+params too without update broadcast or with outer.anchor "now"); a merger that starts cold
 replays the merges since the nearest full version (training/merge/replay.py `state_at`),
 checked bit for bit, and merges on with the bits of a merger that stayed warm; an island's
 shadow at a light version is the merger's, bit for bit."""
@@ -23,6 +24,7 @@ from training.protocol import broadcast
 from training.store import merge_records as records
 from training.store.layout import dump_json
 from training.store.objectstore import CorruptObject
+from training.store.tensors import checksum, tensor_parts
 from training.store.versions import LightVersion
 
 
@@ -40,7 +42,7 @@ def _cfg(k: int, name: str = "light", **outer):
 def _round(store, cfg, merger, r: int) -> int:
     """One merge: islands a and b publish (seq r) from HEAD's params, `merger` applies both."""
     head = store.head(0)
-    theta = store.load_fragment(head).params
+    theta = store.load_params(None, replay.params_of(cfg, store))
     for i, island in enumerate(("a", "b")):
         delta = random_delta(theta, 100 * r + i)
         publish_delta(store, cfg, island, r, delta, base_version=head.version)
@@ -65,23 +67,23 @@ def _payloads(store, version: int) -> list[str]:
 
 
 def test_with_k_4_versions_1_to_3_are_light_and_4_is_full():
-    # k = 4: version v is full when v % 4 == 0 (and version 0 is); light versions hold params
-    # and the update (2 payloads), full ones params, outer_state, update, shadow (4)
+    # k = 4: version v is full when v % 4 == 0 (and version 0 is); light versions hold the
+    # update only (1 payload), full ones params, outer_state, update, shadow (4)
     _, store, _ = _run(4, 5)
     assert [_payloads(store, v) for v in range(1, 6)] == [
-        ["params", "update"],
-        ["params", "update"],
-        ["params", "update"],
+        ["update"],
+        ["update"],
+        ["update"],
         ["outer_state", "params", "shadow", "update"],
-        ["params", "update"],
+        ["update"],
     ]
     fives = store.fragment_manifest(store.head(0))
     four = store.find_version(0, 4)
     assert (fives["full"], fives["full_version"], fives["full_dir"]) == (False, 4, four.dir)
     assert "full" not in store.fragment_manifest(four)  # a full version: no field (as before)
-    # the objects written: 5 versions, 2 + 2 + 2 + 4 + 2 = 12 payloads (k = 1: 5 x 4 = 20)
+    # the objects written: 5 versions, 1 + 1 + 1 + 4 + 1 = 8 payloads (k = 1: 5 x 4 = 20)
     payloads = [k for k in store.list_keys("fragments/f000/v") if k.endswith(".safetensors")]
-    assert len(payloads) == 2 + 12  # version 0's params and outer state, then the merges'
+    assert len(payloads) == 2 + 8  # version 0's params and outer state, then the merges'
 
 
 def test_k_1_writes_every_version_full_as_before():
@@ -92,8 +94,10 @@ def test_k_1_writes_every_version_full_as_before():
     assert all("full" not in m for m in store.list_fragment_versions(0))
 
 
-def _params_bits(store) -> dict[str, bytes]:
-    return {n: v.tobytes() for n, v in store.load_fragment(store.head(0)).params.items()}
+def _params_bits(store, cfg) -> dict[str, bytes]:
+    return {
+        n: v.tobytes() for n, v in store.load_params(None, replay.params_of(cfg, store)).items()
+    }
 
 
 def test_a_cold_merger_replays_5_and_6_from_full_4_and_merges_the_bits_of_a_warm_one():
@@ -102,14 +106,14 @@ def test_a_cold_merger_replays_5_and_6_from_full_4_and_merges_the_bits_of_a_warm
     # version 4, re-applies 5 and 6, and its merge 7 writes the same params bits
     cfg1, warm, m1 = _run(1, 6, "warm")
     cfg4, cold, _ = _run(4, 6, "cold")
-    assert _params_bits(warm) == _params_bits(cold)
+    assert _params_bits(warm, cfg1) == _params_bits(cold, cfg4)
     ticks = []
     fresh = Merger(cfg4, cold)
     fresh.store.hit_fault = ticks.append  # the cold replay's fault point, once per version
     _round(warm, cfg1, m1, 6)
     _round(cold, cfg4, fresh, 6)
     assert ticks.count("merge.cold-replay") == 2  # versions 5 and 6
-    assert _params_bits(warm) == _params_bits(cold)
+    assert _params_bits(warm, cfg1) == _params_bits(cold, cfg4)
     # and the shadows (what islands adopt) too: version 7's update bytes are the same
     got = [s.load_payload(s.head(0), "update") for s in (warm, cold)]
     assert {n: v.tobytes() for n, v in got[0].items()} == {
@@ -117,19 +121,38 @@ def test_a_cold_merger_replays_5_and_6_from_full_4_and_merges_the_bits_of_a_warm
     }
 
 
-def test_a_tampered_light_version_stops_a_cold_start_with_one_line_naming_it():
-    cfg, store, _ = _run(4, 6)
-    name, _ = tamper_params(store, 0, 5)
+def _cold_start_error(cfg, store, theta) -> str:
+    """The one line a cold merger stops with at HEAD 6 (light, full 4), given work to merge
+    (a delta on `theta`, the params a warm merger holds)."""
     head = store.head(0)
-    theta = store.load_fragment(head).params
     publish_delta(store, cfg, "a", 6, random_delta(theta, 7), base_version=head.version)
     with pytest.raises(replay.ColdStartMismatch) as err:
         Merger(cfg, store).merge_once()
-    assert str(err.value) == (
-        f"fragment 0: cold start stopped (DIFFERS): version 5 (light, from full 4): "
-        f"params/{name}: max abs diff 1, first at index {_index(cfg, name, 3)}"
-    )
     assert store.head(0).version == 6  # nothing merged on a state it cannot trust
+    return str(err.value)
+
+
+def test_a_tampered_light_update_stops_a_cold_start_with_one_line_naming_it():
+    cfg, store, merger = _run(4, 6)
+    name, index = tamper_params(store, 0, 5, "update")
+    assert _cold_start_error(cfg, store, merger._warm[0][1]) == (
+        f"fragment 0: cold start stopped (DIFFERS): version 5 (light, from full 4): "
+        f"update/{name}: max abs diff 1, first at index {index}"
+    )
+
+
+def test_a_tampered_params_crc32c_stops_a_cold_start_with_one_line_naming_it():
+    cfg, store, merger = _run(4, 6)
+    five = store.find_version(0, 5)
+    manifest = store.fragment_manifest(five)
+    good, size = manifest["params_crc32c"], manifest["params_nbytes"]
+    bad = f"{int(good, 16) ^ 1:08x}"  # the lowest bit flipped
+    manifest["params_crc32c"] = bad
+    store.store.write(store.object_key(f"{five.dir}/manifest.json"), dump_json(manifest))
+    assert _cold_start_error(cfg, store, merger._warm[0][1]) == (
+        f"fragment 0: cold start stopped (DIFFERS): version 5 (light, from full 4): "
+        f"params: crc32c {good} ({size} bytes), recorded {bad} ({size} bytes)"
+    )
 
 
 def _index(cfg, name, flat):
@@ -145,13 +168,28 @@ def test_an_islands_shadow_at_a_light_version_equals_the_mergers_bit_for_bit():
     cfg, store, merger = _run(4, 6)
     head = store.head(0)
     manifest = store.fragment_manifest(head)
-    shapes = {n: tuple(v.shape) for n, v in store.load_fragment(head).params.items()}
-    got = broadcast.read_full(store, head, manifest, shapes)
     want = merger._warm[0][3]
+    shapes = {n: tuple(v.shape) for n, v in want.items()}
+    got = broadcast.read_full(store, head, manifest, shapes)
     assert (got.how, got.updates) == ("full", 2)
     assert {n: v.tobytes() for n, v in got.tensors.items()} == {
         n: v.tobytes() for n, v in want.items()
     }
+
+
+def test_an_island_holding_s5_follows_light_version_6_by_its_update():
+    # version 6 holds no params: the size a whole read would cost is its params_nbytes, so
+    # one int4 update (about 1/8 of it) is taken, not S_6 read whole
+    cfg, store, merger = _run(4, 5)
+    five = store.head(0)
+    # a copy: the next merge updates the merger's shadow in place
+    held = broadcast.Shadow(5, five.dir, {n: v.copy() for n, v in merger._warm[0][3].items()})
+    _round(store, cfg, merger, 5)
+    head = store.head(0)
+    shapes = {n: tuple(v.shape) for n, v in held.tensors.items()}
+    got = broadcast.fetch(store, head, store.fragment_manifest(head), held, "int4", shapes)
+    assert (got.how, got.updates) == ("updates", 1)
+    assert _bits(got.tensors) == _bits(merger._warm[0][3])
 
 
 def test_diloco_replay_carries_the_state_across_light_versions():
@@ -193,22 +231,23 @@ def test_full_every_is_a_described_config_field_defaulting_to_every_eighth_versi
 
 
 def test_a_restore_of_a_light_version_replays_its_outer_state_and_is_full():
-    # BEST at light version 5: the restore (version 7) holds version 5's params and the outer
-    # momentum a k = 1 run of the same inputs stored at version 5
+    # BEST at light version 5 (no params, no outer state stored): the restore (version 7)
+    # holds the params and the outer momentum a k = 1 run of the same inputs stored at 5
     cfg, store, _ = _run(4, 6, "restore")
     _, ref, _ = _run(1, 6, "ref")
     five = store.find_version(0, 5)
     snapshot = store.snapshot_of({"versions": [5], "dirs": [five.dir], "tokens_merged": 0})
     with pytest.raises(LightVersion):
         store.restore_snapshot(snapshot, "test")  # no way to its outer state: refused
-    store.restore_snapshot(snapshot, "test", lambda at, m: replay.outer_state_at(cfg, store, at, m))
+    store.restore_snapshot(snapshot, "test", replay.arrays_of(cfg, store))
     head = store.head(0)
     restored = store.load_fragment(head, outer_state=True)
     want = ref.load_fragment(ref.find_version(0, 5), outer_state=True)
     assert head.version == 7 and "full" not in restored.manifest
-    assert {n: v.tobytes() for n, v in restored.outer_state.items()} == {
-        n: v.tobytes() for n, v in want.outer_state.items()
-    }
+    assert [_bits(restored.params), _bits(restored.outer_state)] == [
+        _bits(want.params),
+        _bits(want.outer_state),
+    ]
     lines = []
     assert replay.run(cfg, store, 0, None, 1, False, lines.append) == 0, lines
 
@@ -235,8 +274,7 @@ def test_a_cold_start_killed_mid_replay_then_rerun_applies_each_contribution_onc
     merger = Merger(cfg, store)
     for r in range(3):
         _round(store, cfg, merger, r)
-    head = store.head(0)
-    theta = store.load_fragment(head).params
+    theta = merger._warm[0][1]
     for i, island in enumerate(("a", "b")):
         publish_delta(store, cfg, island, 3, random_delta(theta, 300 + i), base_version=3)
     env = dict(os.environ, DILOCO_FAULTS="merge.cold-replay@2", JAX_PLATFORMS="cpu")
@@ -316,3 +354,89 @@ def test_gc_keeps_the_base_a_replayed_merge_reanchored_a_stale_vote_at():
     store.collect_garbage(plan)
     _round(store, cfg, Merger(cfg, store), 6)  # a cold merger replays 5 and 6 from full 4
     assert store.head(0).version == 7
+
+
+def _bits(tensors) -> dict[str, bytes]:
+    return {n: v.tobytes() for n, v in tensors.items()}
+
+
+def _files(store, version: int) -> list[str]:
+    """The object names in fragment 0's version `version` directory."""
+    directory = store.find_version(0, version).dir
+    return sorted(k.rsplit("/", 1)[1] for k in store.list_keys(f"{directory}/"))
+
+
+def test_a_light_version_under_update_broadcast_has_no_params_object():
+    _, store, _ = _run(4, 5)
+    assert [_files(store, v) for v in (3, 4)] == [
+        ["manifest.json", "update.safetensors"],
+        [
+            "manifest.json",
+            "outer_state.safetensors",
+            "params.safetensors",
+            "shadow.safetensors",
+            "update.safetensors",
+        ],
+    ]
+
+
+def test_a_light_versions_params_crc32c_is_that_of_the_warm_mergers_params():
+    # the merger holds version 3's params warm; the manifest records the crc32c and size of
+    # the safetensors payload they make (tensors.tensor_parts, as a full version's params)
+    _, store, merger = _run(4, 3)
+    manifest = store.fragment_manifest(store.head(0))
+    parts = tensor_parts(merger._warm[0][1])
+    assert (manifest["params_crc32c"], manifest["params_nbytes"]) == (
+        checksum(parts),
+        sum(len(p) for p in parts),
+    )
+
+
+def test_load_params_of_a_light_snapshot_is_the_warm_mergers_params_bit_for_bit():
+    # what evaluation, export and sample read (store.load_params with replay.params_of)
+    cfg, store, merger = _run(4, 6)
+    snapshot = store.current_snapshot()
+    assert snapshot.versions == (6,)
+    got = store.load_params(snapshot, replay.params_of(cfg, store))
+    assert _bits(got) == _bits(merger._warm[0][1])
+
+
+def test_load_params_of_a_light_snapshot_without_replay_is_refused():
+    cfg, store, _ = _run(4, 1)
+    with pytest.raises(LightVersion, match="light version without params"):
+        store.load_params()
+
+
+@pytest.mark.parametrize(
+    "outer", [{"anchor": "now"}, {"broadcast": "fp32"}], ids=["anchor-now", "fp32"]
+)
+def test_a_light_version_keeps_its_params_where_readers_need_them(outer):
+    # anchor "now" reads stale votes' base versions' params; fp32 broadcast: islands read
+    # params whole (no update)
+    _, store, _ = _run(4, 1, **outer)
+    manifest = store.fragment_manifest(store.head(0))
+    assert "params" in manifest["nbytes"] and "params_crc32c" not in manifest
+
+
+def test_the_manifest_parser_refuses_hostile_params_checksum_fields():
+    _, store, _ = _run(4, 2)
+    manifest = dict(store.fragment_manifest(store.head(0)))
+    parse = lambda m: records.parse_fragment_manifest(dump_json(m), "light", 0, 2)  # noqa: E731
+    assert parse(manifest).params_sum == (manifest["params_crc32c"], manifest["params_nbytes"])
+    full = dict(store.fragment_manifest(store.find_version(0, 0)))
+    without = {k: v for k, v in manifest.items() if k != "params_nbytes"}
+    bad = [
+        {**manifest, "params_crc32c": "XYZ"},  # not 8 lowercase hex
+        {**manifest, "params_crc32c": 12345678},
+        {**manifest, "params_nbytes": -1},
+        {**manifest, "params_nbytes": "10"},
+        without,  # one of the two
+        {**manifest, "crc32c": {**manifest["crc32c"], "params": "00000000"}},  # and a payload
+    ]
+    for m in bad:
+        with pytest.raises(CorruptObject):
+            parse(m)
+    with pytest.raises(CorruptObject):  # on a full version (it holds its params)
+        records.parse_fragment_manifest(
+            dump_json({**full, "params_crc32c": "00000000", "params_nbytes": 8}), "light", 0, 0
+        )

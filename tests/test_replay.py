@@ -226,11 +226,9 @@ def test_a_chaos_run_with_kills_and_a_restore_replays_to_the_same_bits(monkeypat
     store = ExperimentStore(opened[0], cfg.name)
     snapshots = store.snapshots()
     # the snapshot's versions may be light (the default writes a full one every 8th): the
-    # restore takes their outer state from the replay, as finalize does
+    # restore takes their params and outer state from the replay, as finalize does
     store.restore_snapshot(
-        store.snapshot_of(snapshots[len(snapshots) // 2]),
-        "test",
-        lambda at, manifest: replay.outer_state_at(cfg, store, at, manifest),
+        store.snapshot_of(snapshots[len(snapshots) // 2]), "test", replay.arrays_of(cfg, store)
     )
     code, lines = _lines(cfg, store)
     assert (code, lines[-1]) == (0, f"replayed {len(lines) - 1} version(s): all bit-exact"), lines

@@ -150,6 +150,7 @@ def _all_done(cfg: ExperimentConfig, estore) -> bool:
 
 
 def cmd_eval(args) -> int:
+    from training.merge import replay
     from training.model.evaluate import evaluate_snapshot
     from training.views.progress import Progress
 
@@ -158,7 +159,9 @@ def cmd_eval(args) -> int:
         cfg, estore = _load(args)
         snapshot = None if args.version is None else _at_version(cfg, estore, args.version)
         bar.step(f"evaluating {cfg.data.eval_batches} batches")
-        out = evaluate_snapshot(cfg, estore, snapshot, record=args.record)
+        out = evaluate_snapshot(
+            cfg, estore, snapshot, record=args.record, params_of=replay.params_of(cfg, estore)
+        )
     print(json.dumps(out))
     return 0
 
@@ -199,10 +202,13 @@ def cmd_export(args) -> int:
     import pathlib
 
     from training.data.tokenizer import tokenizer_for
+    from training.merge import replay
     from training.model.export import write_export
 
     cfg, estore = _load(args)
-    params = estore.load_params(_pick_snapshot(cfg, estore, args.snapshot))
+    params = estore.load_params(
+        _pick_snapshot(cfg, estore, args.snapshot), replay.params_of(cfg, estore)
+    )
     out = pathlib.Path(args.out)
     what, tok = {"snapshot": args.snapshot, "experiment": args.experiment}, tokenizer_for(cfg)
     if args.format == "hf":  # transformers' layout only (training/model/export_hf.py)
@@ -226,6 +232,7 @@ def cmd_sample(args) -> int:
     every fragment at version N) or from an export directory (`--from DIR`); encoded and
     decoded with the experiment's tokenizer (the one the directory holds)."""
     from training.data.tokenizer import tokenizer_for
+    from training.merge import replay
     from training.model.sample import sample
 
     if args.from_dir:
@@ -236,7 +243,9 @@ def cmd_sample(args) -> int:
         raise ConfigError("sample: give --store and --experiment, or --from DIR")
     else:
         cfg, estore = _load(args)
-        params = estore.load_params(_pick_snapshot(cfg, estore, args.snapshot))
+        params = estore.load_params(
+            _pick_snapshot(cfg, estore, args.snapshot), replay.params_of(cfg, estore)
+        )
         mcfg, tok = cfg.model, tokenizer_for(cfg)
     ids = sample(
         mcfg, params, tok.encode(args.prompt), args.max_tokens,

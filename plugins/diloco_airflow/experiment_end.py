@@ -70,7 +70,7 @@ def finalize_experiment(store_url: str, experiment: str, run_id: str | None = No
     and restore; a finalize of another run (two runs of one experiment ending together, or a
     later run) then evaluates and restores nothing."""
     from training.config.experiment import parse_config
-    from training.merge.replay import outer_state_at
+    from training.merge.replay import arrays_of, params_of
     from training.merge.syncer import claim_finalize
     from training.model.evaluate import (
         end_of_run_report,
@@ -90,22 +90,20 @@ def finalize_experiment(store_url: str, experiment: str, run_id: str | None = No
         log.info("%s: already finalized by run %s: no second eval or restore", experiment, holder)
         return {"merged": merged, "finalized_by": holder, "done": sorted(estore.done())}
     if over:  # the last merges no eval saw, before the final eval (which stays the last one)
-        recent = evaluate_recent_merges(cfg, estore)
+        recent = evaluate_recent_merges(cfg, estore, params_of(cfg, estore))
         if recent:
             log.info(
                 "%s: evaluated the last merges %s",
                 experiment,
                 [(r["versions"], round(r["loss"], 4)) for r in recent],
             )
-    record = evaluate_current(cfg, estore)
+    record = evaluate_current(cfg, estore, params_of(cfg, estore))
     log.info("%s: final eval %s", experiment, record)
     restored = False
     if over:
         # nobody trains or merges any more: the run ends on the best of its evaluated snapshots,
         # the last merges included
-        finish = finish_at_best(
-            cfg, estore, record, lambda at, m: outer_state_at(cfg, estore, at, m)
-        )
+        finish = finish_at_best(cfg, estore, record, arrays_of(cfg, estore))
         restored = finish["restored"]
         if restored:
             best = finish["restored_from"]

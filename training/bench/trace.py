@@ -52,7 +52,12 @@ class MergeTracer:
         self._pending: dict[str, dict] = {}
         self._prev: dict[int, tuple[int, dict[str, np.ndarray]]] = {}  # fragment -> version, params
         for head in store.heads():
-            self._prev[head.fragment] = (head.version, store.load_fragment(head).params)
+            manifest = store.fragment_manifest(head)
+            if records.params_sum(manifest) is None:
+                params = store.load_fragment(head, manifest=manifest).params
+            else:  # a light version without params: replayed
+                params = replay.params_at(parse_config(store.read_config()), store, head, manifest)
+            self._prev[head.fragment] = (head.version, params)
 
     def before_merge(self) -> None:
         """Remember the manifests of the pending pseudo-gradients (steps, tokens, base)."""
@@ -73,15 +78,15 @@ class MergeTracer:
         head = store.head(fragment)
         ptr = head if head.version == version else store.find_version(fragment, version)
         manifest = store.fragment_manifest(ptr)
+        cfg = None
         if records.light_ancestor(manifest) is None:
             g = store.load_fragment(ptr, outer_state=True, manifest=manifest)
-            outer = g.outer_state
-        else:  # a light version (syncer.full_every > 1): its outer state replayed, checked
-            g = store.load_fragment(ptr, manifest=manifest)
+            params, outer = g.params, g.outer_state
+        else:  # a light version (syncer.full_every > 1): its state replayed, checked
             cfg = parse_config(store.read_config())
-            outer = replay.outer_state_at(cfg, store, ptr, manifest)
+            params, outer = replay.arrays_of(cfg, store)(ptr, manifest)
         contribs = []
-        for c in g.manifest.get("contributions", []):
+        for c in manifest.get("contributions", []):
             pg = self._pending.pop(c.get("id"), {})
             contribs.append(
                 dict(
@@ -99,7 +104,7 @@ class MergeTracer:
                 )
             )
         prev_version, prev_params = self._prev.get(fragment, (None, None))
-        update = diff_norm(g.params, prev_params) if prev_version == version - 1 else None
+        update = diff_norm(params, prev_params) if prev_version == version - 1 else None
         row = dict(
             kind="merge",
             t=self.clock(),
@@ -108,15 +113,18 @@ class MergeTracer:
             islands_live=live,
             contributions=contribs,
             update_norm=update,
-            params_norm=global_norm(g.params),
+            params_norm=global_norm(params),
             momentum_norm=state_norm(outer),
-            tokens_merged=g.manifest.get("tokens_merged"),
+            tokens_merged=manifest.get("tokens_merged"),
             eval_loss=None,
         )
         if self.evaluate is not None and version % self.eval_every == 0:
-            row["eval_loss"] = float(self.evaluate(store.load_params()))
+            cfg = cfg or parse_config(store.read_config())
+            row["eval_loss"] = float(
+                self.evaluate(store.load_params(None, replay.params_of(cfg, store)))
+            )
         self.records.append(row)
-        self._prev[fragment] = (version, g.params)
+        self._prev[fragment] = (version, params)
 
 
 def merges(records: list[dict]) -> list[dict]:

@@ -15,8 +15,8 @@ makes, for each owned fragment with work, at most one new version:
    chunk by chunk from its codes (checked as decoded, its norms in the same pass), fold each
    island's vote into one float32 accumulator, apply the outer step in place, chunk by chunk;
 6. write the new version (payloads, manifest, then HEAD by compare-and-swap from the head read
-   in step 1; a light one without outer state and shadow unless full is due:
-   `syncer.full_every`) and the ledger entries. Losing the race publishes nothing: the next attempt starts
+   in step 1; a light one without outer state and shadow, and under update broadcast without
+   params, unless full is due: `syncer.full_every`) and the ledger entries. Losing the race publishes nothing: the next attempt starts
    again at 1.
 So a contribution is applied at most once (only a version that won the CAS counts, and its
 cursors and `applied` list are what the next attempt reads) and at least once (it stays pending
@@ -366,6 +366,9 @@ class Merger:
         light = not self._full_due(p, head.version + 1, full_at)
         if light and payloads is not None:
             payloads = {n: t for n, t in payloads.items() if n != broadcast.SHADOW}
+        # a light version with an update leaves its params out (their checksum recorded),
+        # unless stale votes read base versions' params (outer.anchor "now")
+        kept = not light or payloads is None or self.cfg.outer.anchor == "now"
         new = self.store.publish_fragment(
             p,
             head.version + 1,
@@ -376,6 +379,7 @@ class Merger:
             expected=head,
             payloads=payloads,
             full_at=full_at if light else None,
+            params_kept=kept,
         )
         if new is None:
             log.info("fragment %d: lost the head race at version %d", p, head.version + 1)

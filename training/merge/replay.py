@@ -8,8 +8,10 @@ use; docs/STORE.md "Light versions"), reads exactly the contributions v's manife
 lists as applied, in the groups and order its `contributions` records give (with each island's
 weight cap and the active-island count: apply.REPLAY_FIELDS), runs the merge's own arithmetic
 on them (training/merge/apply.py: the very code the merger ran) and compares what comes out
-with what v holds, bit for bit: params, outer state, the optimizer's counters, the contributions'
-weights, and under update broadcast the codec update and the new shadow. A version that
+with what v holds, bit for bit: params (a light version without params: the crc32c and size
+of the params payload, against its params_crc32c / params_nbytes), outer state, the
+optimizer's counters, the contributions' weights, and under update broadcast the codec update
+and the new shadow. A version that
 restored BEST (`restored_from`) is checked against the version it restores. Nothing the merger
 decided from its clock or the store's state (grace, selection, quorum, quarantine) is decided
 again: replay re-applies the recorded decision, and reports what the arithmetic made of it.
@@ -37,6 +39,7 @@ from training.store import merge_records as records
 from training.store.experiment import ExperimentStore, HeadPointer
 from training.store.objectstore import CorruptObject, ObjectNotFound, StoreError
 from training.store.record_fields import is_int, is_real
+from training.store.tensors import checksum, tensor_parts
 
 OK, DIFFERS, CANNOT = "ok", "DIFFERS", "CANNOT"
 
@@ -139,15 +142,44 @@ def state_at(
         ) from None
 
 
+def _fragment_state(cfg, store, head: HeadPointer, manifest: dict) -> State:
+    """state_at with fragment `head.fragment`'s shapes from the config."""
+    names = fragment_names(cfg)[head.fragment]
+    shapes = {k: tuple(v.shape) for k, v in model.abstract_params(cfg.model).items()}
+    return state_at(cfg, store, {n: shapes[n] for n in names}, head, manifest)
+
+
 def outer_state_at(
     cfg: ExperimentConfig, store: ExperimentStore, head: HeadPointer, manifest: dict
 ) -> dict:
     """The outer-state tensors of the version `head` names (a light one's replayed forward
-    from its full ancestor, checked: state_at): what a restore of BEST writes
-    (ExperimentStore.restore_snapshot's `outer_of`)."""
-    names = fragment_names(cfg)[head.fragment]
-    shapes = {k: tuple(v.shape) for k, v in model.abstract_params(cfg.model).items()}
-    return state_at(cfg, store, {n: shapes[n] for n in names}, head, manifest).outer
+    from its full ancestor, checked: state_at)."""
+    return _fragment_state(cfg, store, head, manifest).outer
+
+
+def params_at(
+    cfg: ExperimentConfig, store: ExperimentStore, head: HeadPointer, manifest: dict
+) -> dict:
+    """The params of the version `head` names: a light one without params replayed forward
+    from its full ancestor and checked against its params_crc32c (state_at), else read.
+    What evaluation and export read (ExperimentStore.load_params's `params_of`)."""
+    return _fragment_state(cfg, store, head, manifest).params
+
+
+def params_of(cfg: ExperimentConfig, store: ExperimentStore):
+    """`params_at` bound to `cfg` and `store`: ExperimentStore.load_params's `params_of`."""
+    return lambda head, manifest: params_at(cfg, store, head, manifest)
+
+
+def arrays_of(cfg: ExperimentConfig, store: ExperimentStore):
+    """(params, outer state) of a version by `state_at`, bound to `cfg` and `store`: what a
+    restore of BEST writes (ExperimentStore.restore_snapshot's `state_of`)."""
+
+    def arrays(head: HeadPointer, manifest: dict) -> tuple[dict, dict]:
+        state = _fragment_state(cfg, store, head, manifest)
+        return state.params, state.outer
+
+    return arrays
 
 
 def _state_at(cfg, store, shapes, chain, v: int, tick=lambda version: None) -> State:
@@ -348,14 +380,23 @@ def _rederive(cfg, store, shapes, chain, v: int, parent: State) -> State:
                 f"recorded {r.get('weight')!r} {r.get('norm')!r}",
             )
     full = records.light_ancestor(manifest) is None
+    summed = records.params_sum(manifest)  # a light version without params: their checksum
+    limits = apply.fragment_limits(shapes)
     try:
-        stored = store.load_fragment(
-            pointer, outer_state=full, manifest=manifest, max_nbytes=apply.fragment_limits(shapes)
+        stored = (
+            None
+            if summed
+            else store.load_fragment(
+                pointer, outer_state=full, manifest=manifest, max_nbytes=limits
+            )
         )
     except CorruptObject as err:
         raise _Stop(DIFFERS, f"its stored payloads do not match its manifest: {err}") from None
     outer = rules.state_tensors(done.state)
-    _compare("params", params, stored.params)
+    if stored is None:
+        _compare_sum(params, summed)
+    else:
+        _compare("params", params, stored.params)
     if full:
         _compare("outer_state", outer, stored.outer_state)
     now = records.merge_state_of(manifest)
@@ -378,6 +419,19 @@ def _rederive(cfg, store, shapes, chain, v: int, parent: State) -> State:
         got = store.load_payload(pointer, name, manifest, max_nbytes=limit, max_header=header)
         _compare(name, tensors, got)
     return State(v, params, outer, shadow)
+
+
+def _compare_sum(params: Mapping[str, np.ndarray], recorded: tuple[str, int]) -> None:
+    """Raise DIFFERS unless the params payload `params` make (tensors.tensor_parts, as
+    publish_fragment checksums it) has the recorded (crc32c, nbytes)."""
+    parts = tensor_parts(params)
+    got = (checksum(parts), sum(len(p) for p in parts))
+    if got != tuple(recorded):
+        raise _Stop(
+            DIFFERS,
+            f"params: crc32c {got[0]} ({got[1]} bytes), recorded {recorded[0]} "
+            f"({recorded[1]} bytes)",
+        )
 
 
 def _compare(what: str, replayed: Mapping[str, np.ndarray], stored: Mapping[str, np.ndarray]):

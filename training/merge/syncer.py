@@ -469,9 +469,10 @@ class Evaluator:
         self.on_record = on_record or (lambda record: None)
 
     def _evaluate_current(self, cfg: ExperimentConfig) -> dict:
-        from training.model.evaluate import evaluate_current  # jax: only in the evaluating process
+        from training.merge.replay import params_of  # jax: only in the evaluating process
+        from training.model.evaluate import evaluate_current
 
-        return evaluate_current(cfg, self.estore)
+        return evaluate_current(cfg, self.estore, params_of(cfg, self.estore))
 
     def run(self) -> EvalOutcome:
         records: list[dict] = []

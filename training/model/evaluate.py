@@ -30,6 +30,7 @@ def evaluate_snapshot(
     snapshot: Snapshot | None = None,
     record: bool = True,
     late: bool = False,
+    params_of=None,
 ) -> dict:
     """Evaluate the model at `snapshot` (default: every fragment's HEAD now).
 
@@ -37,7 +38,8 @@ def evaluate_snapshot(
     becomes snapshots/BEST.json if its loss is the lowest so far. Returns the eval record:
     `loss`, `tokens_merged`, `versions` and `dirs` (the snapshot), `at` and `at_iso`. `late`:
     an older model evaluated now; `at` is when the model was made (snapshot.at, so curves stay
-    in model order) and `evaluated_at` when it was evaluated.
+    in model order) and `evaluated_at` when it was evaluated. `params_of`: the params of a
+    light version that holds none (store.load_params; training/merge/replay.py `params_of`).
     """
     snapshot = snapshot or store.current_snapshot()
     if snapshot is None:
@@ -46,7 +48,7 @@ def evaluate_snapshot(
     at = snapshot.at if late else now
     out = {
         **snapshot.to_dict(),
-        "loss": eval_loss(cfg, store.load_params(snapshot)),
+        "loss": eval_loss(cfg, store.load_params(snapshot, params_of)),
         "at": at,
         "at_iso": iso(at),
         "version": sum(snapshot.versions),  # a scalar that grows with every merge
@@ -67,9 +69,9 @@ def evaluate_snapshot(
     return out
 
 
-def evaluate_current(cfg: ExperimentConfig, store) -> dict:
+def evaluate_current(cfg: ExperimentConfig, store, params_of=None) -> dict:
     """Evaluate and record the model as it is now (see evaluate_snapshot)."""
-    return evaluate_snapshot(cfg, store)
+    return evaluate_snapshot(cfg, store, params_of=params_of)
 
 
 def last_unevaluated(history: list[Snapshot], evaluated: set[tuple[int, ...]], limit: int):
@@ -81,12 +83,13 @@ def last_unevaluated(history: list[Snapshot], evaluated: set[tuple[int, ...]], l
     return last[start + 1 :][::-1][:limit]
 
 
-def evaluate_recent_merges(cfg: ExperimentConfig, store) -> list[dict]:
+def evaluate_recent_merges(cfg: ExperimentConfig, store, params_of=None) -> list[dict]:
     """At the end of a run (no island trains, no merger runs), before the final eval: evaluate
     and record the models the last merges made that no eval saw (`syncer.final_evals` at most, `last_unevaluated`), so
     that `finish_at_best` chooses among every recent merge, not only among the evaluator's
     periodic snapshots (issue 24: a bad last merge made finalize restore an eval 4 merges
-    older, discarding three healthy merges never evaluated). Returns their eval records."""
+    older, discarding three healthy merges never evaluated). Returns their eval records.
+    `params_of`: as evaluate_snapshot's."""
     limit = cfg.syncer.final_evals
     if limit == 0:
         return []
@@ -98,7 +101,7 @@ def evaluate_recent_merges(cfg: ExperimentConfig, store) -> list[dict]:
     out = []
     for snapshot in last_unevaluated(store.snapshot_history(), evaluated, limit):
         try:
-            out.append(evaluate_snapshot(cfg, store, snapshot, late=True))
+            out.append(evaluate_snapshot(cfg, store, snapshot, late=True, params_of=params_of))
         except ObjectNotFound:  # collected since: the others are still worth a look
             continue
     return out
@@ -128,20 +131,20 @@ def end_of_run_report(store) -> dict:
 RESTORE_MARGIN = 1e-3  # restore the best snapshot when the final eval is this much worse
 
 
-def finish_at_best(cfg: ExperimentConfig, store, final: dict, outer_of=None) -> dict:
+def finish_at_best(cfg: ExperimentConfig, store, final: dict, state_of=None) -> dict:
     """The end of a run is as good as its best: when the final eval (`final`, a record of
     evaluate_snapshot) is worse than snapshots/BEST.json by more than RESTORE_MARGIN, publish
     the best snapshot's fragments as new versions (`restore_snapshot`) and evaluate again.
     Call only when no island trains and no merger runs (finalize). Returns {"restored": bool,
-    "final": the eval of the model the run ends with, "before": `final`}. `outer_of`: the
-    outer state of a light version (store.restore_snapshot)."""
+    "final": the eval of the model the run ends with, "before": `final`}. `state_of`: the
+    params and outer state of a light version (store.restore_snapshot)."""
     best = store.best()
     out = {"restored": False, "final": final, "before": final}
     if not best or not best["loss"] < final["loss"] * (1 - RESTORE_MARGIN):
         return out
     snapshot = store.snapshot_of(best)
     reason = f"final eval {final['loss']:.4f} worse than the best {best['loss']:.4f}"
-    if store.restore_snapshot(snapshot, reason, outer_of) is None:
+    if store.restore_snapshot(snapshot, reason, state_of) is None:
         return out
     out.update(restored=True, final=evaluate_current(cfg, store), restored_from=best)
     return out

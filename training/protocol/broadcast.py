@@ -243,7 +243,8 @@ def fetch(
         return read_full(store, head, manifest, shapes)
     max_nbytes, max_header = codecs.payload_limits(shapes, codec)
     try:
-        full = manifest["nbytes"].get(adoptable(manifest))
+        # a light version without params records their size: S_v whole costs as much
+        full = manifest["nbytes"].get(adoptable(manifest), manifest.get("params_nbytes"))
         full = full if isinstance(full, int) else -1
         chain = _chain(store, head, manifest, shadow, codec, full)
         if chain is not None:

@@ -48,7 +48,7 @@ LAYOUT_VERSION = 2  # recorded in config.json as "layout"; a store of another la
 FRAGMENT_RESERVED = frozenset(
     {"experiment", "fragment", "version", "parent_version", "parent_dir", "created_at"}
     | {"created_at_iso", "applied", "sha256", "crc32c", "nbytes", "full", "full_version"}
-    | {"full_dir"}
+    | {"full_dir", "params_crc32c", "params_nbytes"}
 )
 PG_RESERVED = frozenset(
     {"experiment", "island", "seq", "fragment", "payload", "nbytes", "sha256", "crc32c"}

@@ -347,6 +347,9 @@ class FragmentManifest:
     # a light version (syncer.full_every > 1): no outer state and no broadcast shadow; its
     # nearest full ancestor (version, dir), where a cold start replays forward from
     full_at: tuple[int, str] | None = None
+    # a light version without params (update broadcast): (crc32c, nbytes) of the params
+    # payload it would hold, which a replay of it must reproduce
+    params_sum: tuple[str, int] | None = None
 
 
 def light_ancestor(m: Mapping[str, Any]) -> tuple[int, str] | None:
@@ -380,6 +383,34 @@ def _full_fields(m: Mapping[str, Any], f: Fields, fragment: int, v: int) -> tupl
     return at, directory
 
 
+PARAMS_SUM = ("params_crc32c", "params_nbytes")
+
+
+def params_sum(m: Mapping[str, Any]) -> tuple[str, int] | None:
+    """(crc32c, nbytes) of the params a light version without params records (its manifest
+    already parsed by parse_fragment_manifest); None when the version holds its params."""
+    if "params_crc32c" not in m:
+        return None
+    return m["params_crc32c"], m["params_nbytes"]
+
+
+def _params_sum_fields(m: Mapping[str, Any], f: Fields, light: bool, digests: Any, sizes: Any):
+    """`params_crc32c` (8 hex) and `params_nbytes` (int): both or neither; only on a light
+    version, and exactly when it lists no params payload."""
+    present = [k in m for k in PARAMS_SUM]
+    if not any(present):
+        return None
+    if not all(present):
+        f.fail("params_crc32c and params_nbytes come together")
+    if not light:
+        f.fail("a full version records params_crc32c (it holds its params)")
+    if (isinstance(digests, dict) and "params" in digests) or (
+        isinstance(sizes, dict) and "params" in sizes
+    ):
+        f.fail("a version lists params and records params_crc32c")
+    return f.str("params_crc32c", CHECKSUM_PATTERNS["crc32c"]), f.int("params_nbytes")
+
+
 def parse_fragment_manifest(
     data: Any,
     experiment: str,
@@ -392,7 +423,9 @@ def parse_fragment_manifest(
     ids (of this fragment); nbytes and one checksum kind (crc32c or sha256: a map payload ->
     hex) of each payload (`payloads`; default params, and outer_state unless light); if
     present tokens_merged (int), merge_state (parse_merge_state) and merged_at (the merger's
-    fields); `full` false (a light version) with its full ancestor. BadFragmentManifest."""
+    fields); `full` false (a light version) with its full ancestor, and on a light version
+    without params `params_crc32c` and `params_nbytes` instead of the params payload.
+    BadFragmentManifest."""
     m = load_object(data, safejson.FRAGMENT_MANIFEST, BadFragmentManifest, "fragment manifest")
     f = Fields(m, BadFragmentManifest, "fragment manifest")
     if m.get("experiment") != experiment:
@@ -413,12 +446,14 @@ def parse_fragment_manifest(
     if not ok:
         f.fail(f"parent {show(parent)} / {show(parent_dir)} is not version {v - 1}")
     full_at = _full_fields(m, f, fragment, v)
-    if payloads is None:
-        payloads = ("params",) if full_at is not None else ("params", "outer_state")
     algorithm, digests = checksum_field(m, f)
     sizes = m.get("nbytes")
     if not isinstance(digests, dict) or not isinstance(sizes, dict):
         f.fail(f"lacks {algorithm} / nbytes")
+    summed = _params_sum_fields(m, f, full_at is not None, digests, sizes)
+    if payloads is None:
+        payloads = ("params",) if full_at is None or summed is None else ()
+        payloads += () if full_at is not None else ("outer_state",)
     for name in payloads:
         what = f"fragment manifest {algorithm}"
         Fields(digests, BadFragmentManifest, what).str(name, CHECKSUM_PATTERNS[algorithm])
@@ -441,6 +476,7 @@ def parse_fragment_manifest(
         merge_state=merge_state,
         raw=m,
         full_at=full_at,
+        params_sum=summed,
     )
 
 

@@ -52,8 +52,9 @@ EXTRA_PAYLOADS = ("update", "shadow")
 
 
 class LightVersion(StoreError):
-    """The outer state of a light version was asked for: it has none (a cold start replays it
-    forward from its full ancestor: training/merge/replay.py `state_at`)."""
+    """What a light version leaves out was asked for: its outer state, or its params where it
+    has none (its readers replay them forward from its full ancestor: training/merge/replay.py
+    `state_at`, `params_at`)."""
 
 
 class FragmentVersions:
@@ -101,6 +102,7 @@ class FragmentVersions:
         expected: HeadPointer | None = None,
         payloads: Mapping[str, Mapping[str, np.ndarray]] | None = None,
         full_at: tuple[int, str] | None = None,
+        params_kept: bool = True,
     ) -> HeadPointer | None:
         """Write version `version` of `fragment` and advance its HEAD if it is still `expected`.
 
@@ -113,7 +115,10 @@ class FragmentVersions:
         and sized like the two others, before the manifest).
         A *light* version (`syncer.full_every` > 1, docs/STORE.md "Light versions"):
         `outer_state` None, no "shadow" payload, and `full_at` = (version, dir) of its nearest
-        full ancestor (recorded as `full: false`, `full_version`, `full_dir`).
+        full ancestor (recorded as `full: false`, `full_version`, `full_dir`). `params_kept`
+        False (a light version with an "update" payload only): the params are not written; the
+        manifest records `params_crc32c` and `params_nbytes` of the payload they would be (a
+        replay of the version reproduces them: training/merge/replay.py).
         """
         root = fragment_root(fragment)
         if not is_int(version) or version < 0:
@@ -142,6 +147,8 @@ class FragmentVersions:
             )
         if light and not full_at[0] <= expected.version:
             raise ValueError(f"full ancestor {full_at[0]} is not below version {version}")
+        if not params_kept and not (light and "update" in more):
+            raise ValueError("only a light version with an update leaves its params out")
 
         directory = fragment_dir(fragment, version, new_uuid8())
         sums, sizes = {}, {}
@@ -149,8 +156,12 @@ class FragmentVersions:
         for name, tensors in (("params", params), *state, *more.items()):
             parts = tensor_parts(tensors)  # the arrays' own bytes: nothing is serialized
             sums[name], sizes[name] = checksum(parts), sum(len(p) for p in parts)
-            self.store.write_parts(self.object_key(f"{directory}/{name}.safetensors"), parts)
+            if name != "params" or params_kept:
+                self.store.write_parts(self.object_key(f"{directory}/{name}.safetensors"), parts)
             del parts
+        summed = {}
+        if not params_kept:
+            summed = {"params_crc32c": sums.pop("params"), "params_nbytes": sizes.pop("params")}
         self.hit_fault("global.payload-written")
         created = now()
         manifest = {
@@ -167,7 +178,7 @@ class FragmentVersions:
             "nbytes": sizes,
         }
         if light:
-            manifest.update(full=False, full_version=full_at[0], full_dir=full_at[1])
+            manifest.update(full=False, full_version=full_at[0], full_dir=full_at[1], **summed)
             self.hit_fault("light.before-manifest")
         if not self.create_json(f"{directory}/manifest.json", manifest):
             raise StoreError(f"{self.url}/{directory}/manifest.json exists: uuid collision")
@@ -232,6 +243,11 @@ class FragmentVersions:
         if outer_state and checked.full_at is not None:
             raise LightVersion(
                 f"{what} is a light version: no outer state (replayed from version "
+                f"{checked.full_at[0]})"
+            )
+        if checked.params_sum is not None:
+            raise LightVersion(
+                f"{what} is a light version without params (replayed from version "
                 f"{checked.full_at[0]})"
             )
         names = PAYLOADS if outer_state else ("params",)
@@ -504,9 +520,14 @@ class FragmentVersions:
             raise CorruptObject(f"{self.url}: snapshot has invalid tokens_merged {tokens!r:.50}")
         return Snapshot(tuple(versions), tuple(dirs), tokens)
 
-    def load_params(self, snapshot: Snapshot | None = None) -> dict[str, np.ndarray]:
+    def load_params(
+        self, snapshot: Snapshot | None = None, params_of=None
+    ) -> dict[str, np.ndarray]:
         """The whole model's parameters at `snapshot` (default: every fragment's HEAD now),
-        verified fragment by fragment. ObjectNotFound before the first version."""
+        verified fragment by fragment. ObjectNotFound before the first version. A light
+        version without params: `params_of(pointer, manifest)` gives them
+        (training/merge/replay.py `params_at`: replayed from its full ancestor, checked against
+        its params_crc32c); without one, LightVersion."""
         snapshot = snapshot or self.current_snapshot()
         if snapshot is None:
             raise ObjectNotFound(f"{self.url}: no global version published yet")
@@ -514,12 +535,19 @@ class FragmentVersions:
             HeadPointer(p, v, d, 0)
             for p, (v, d) in enumerate(zip(snapshot.versions, snapshot.dirs, strict=True))
         ]
+
+        def one(pointer: HeadPointer) -> dict[str, np.ndarray]:
+            manifest = self.fragment_manifest(pointer)
+            if params_of is not None and records.params_sum(manifest) is not None:
+                return params_of(pointer, manifest)
+            return self.load_fragment(pointer, manifest=manifest).params
+
         params: dict[str, np.ndarray] = {}
-        for fv in self.parallel(self.load_fragment, pointers):
-            params.update(fv.params)
+        for got in self.parallel(one, pointers):
+            params.update(got)
         return params
 
-    def restore_snapshot(self, snapshot: Snapshot, reason: str, outer_of=None) -> Snapshot | None:
+    def restore_snapshot(self, snapshot: Snapshot, reason: str, state_of=None) -> Snapshot | None:
         """Make `snapshot`'s model the current one: each fragment whose HEAD is not already at
         the snapshot's version gets a new version (HEAD + 1) holding that version's parameters
         and outer state, and HEAD's manifest fields (merge_state with its cursors: nothing
@@ -527,9 +555,10 @@ class FragmentVersions:
         `tokens_merged` (the tokens in the model), plus `restored_from` ({"version", "dir",
         "reason", "tokens_discarded": HEAD's tokens_merged minus the restored version's}).
         Returns the new current snapshot, or None if a fragment's HEAD moved meanwhile (a merger is still at work: restore nothing more, retry later).
-        A light version holds no outer state: `outer_of(pointer, manifest)` gives it
-        (training/merge/replay.py `outer_state_at`: replayed forward from its full ancestor;
-        without one, LightVersion); the restore is a full version either way."""
+        A light version holds no outer state (and under update broadcast no params):
+        `state_of(pointer, manifest)` gives (params, outer state) (training/merge/replay.py
+        `arrays_of`: replayed forward from its full ancestor, checked; without one,
+        LightVersion); the restore is a full version either way."""
         for p, (v, d) in enumerate(zip(snapshot.versions, snapshot.dirs, strict=True)):
             head = self.head(p)
             if head is None or head.dir == d:
@@ -537,10 +566,11 @@ class FragmentVersions:
             pointer = HeadPointer(p, v, d, 0)
             restored = self.fragment_manifest(pointer)
             light = records.light_ancestor(restored) is not None
-            old = self.load_fragment(
-                pointer, outer_state=not light or outer_of is None, manifest=restored
-            )
-            outer = outer_of(pointer, restored) if light else old.outer_state
+            if light and state_of is not None:
+                params, outer = state_of(pointer, restored)
+            else:
+                old = self.load_fragment(pointer, outer_state=True, manifest=restored)
+                params, outer = old.params, old.outer_state
             current = self.fragment_manifest(head)
             extra = {
                 k: val
@@ -557,9 +587,7 @@ class FragmentVersions:
                 "reason": reason,
                 "tokens_discarded": discarded,
             }
-            new = self.publish_fragment(
-                p, head.version + 1, old.params, outer, extra, expected=head
-            )
+            new = self.publish_fragment(p, head.version + 1, params, outer, extra, expected=head)
             if new is None:
                 return None
         return self.current_snapshot()
