@@ -44,6 +44,7 @@ from training.config.experiment import ExperimentConfig, with_overrides
 from training.faults.chaos import kill_times, victim_chooser
 from training.island.goodput import BADPUT, experiment_goodput
 from training.island.process import Island
+from training.merge import replay
 from training.merge.merger import Merger, initial_version
 from training.model.runtime import loop_for
 from training.store.experiment import ExperimentStore
@@ -236,7 +237,8 @@ def run_one(cfg: ExperimentConfig, rate: float, p: BenchParams, trace_every: int
     g = experiment_goodput(cfg, states)
     loop = loop_for(cfg)
     snapshot = store.current_snapshot()
-    eval_loss = loop.eval_loss(loop.put_params(store.load_params(snapshot)), eval_set(cfg))
+    params = store.load_params(snapshot, replay.params_of(cfg, store))
+    eval_loss = loop.eval_loss(loop.put_params(params), eval_set(cfg))
     return dict(
         goodput=g["goodput"],
         badput=g["badput"],

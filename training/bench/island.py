@@ -108,6 +108,7 @@ def measure(
 
     from training.data.corpus import BatchLoader
     from training.island.process import Island
+    from training.merge import replay
     from training.merge.merger import Merger, initial_version
     from training.model.definition import compute_dtype as resolved_dtype
     from training.store.experiment import ExperimentStore
@@ -133,7 +134,7 @@ def measure(
             cfg.data.seq_len,
             seed=cfg.seed * 1000 + cfg.shard_of("a"),
         )
-        params = loop.put_params(store.load_params())
+        params = loop.put_params(store.load_params(None, replay.params_of(cfg, store)))
         opt = loop.init_opt_state(params)
 
         def island_block() -> None:

@@ -49,6 +49,7 @@ from training.bench.quality import base_config, parse_sets
 from training.bench.sim import VirtualClock, eval_set
 from training.config.experiment import ExperimentConfig, with_overrides
 from training.island.process import Island
+from training.merge import replay
 from training.merge.merger import Merger, initial_version
 from training.model.baseline import Curve
 from training.model.runtime import loop_for
@@ -181,7 +182,8 @@ def run_decoupled(
             wake = r.waiting_until
 
     def evaluate() -> float:
-        loss = loop.eval_loss(loop.put_params(store.load_params(store.current_snapshot())), evals)
+        params = store.load_params(store.current_snapshot(), replay.params_of(cfg, store))
+        loss = loop.eval_loss(loop.put_params(params), evals)
         curve.add(clock.t, merged, float(loss))
         return float(loss)
 

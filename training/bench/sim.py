@@ -29,6 +29,7 @@ import numpy as np
 from training.bench.trace import MergeTracer
 from training.config.experiment import ExperimentConfig
 from training.island.process import Island
+from training.merge import replay
 from training.merge.merger import Merger, initial_version
 from training.model.baseline import Curve
 from training.model.evaluate import held_out_batches
@@ -115,7 +116,8 @@ def run_islands(
     def evaluate():
         nonlocal seen_version
         snapshot = store.current_snapshot()
-        loss = loop.eval_loss(loop.put_params(store.load_params(snapshot)), evals)
+        params = store.load_params(snapshot, replay.params_of(cfg, store))
+        loss = loop.eval_loss(loop.put_params(params), evals)
         seen_version = sum(snapshot.versions)
         curve.add(clock.t, merged_tokens, loss)
         if progress:
@@ -182,7 +184,9 @@ def run_islands(
         quarantined=quarantined,
         final_version=seen_version,
         goodput=stepping / (len(islands) * clock.t) if clock.t > 0 else None,
-        params_sha256=params_digest(store.load_params(store.current_snapshot())),
+        params_sha256=params_digest(
+            store.load_params(store.current_snapshot(), replay.params_of(cfg, store))
+        ),
     )
     if tracer:
         out["trace"] = tracer.records

@@ -29,7 +29,11 @@ def eval_now(cfg, estore) -> dict:
     from training.model import evaluate
 
     if hasattr(evaluate, "evaluate_snapshot"):  # per-fragment layout
-        out = evaluate.evaluate_snapshot(cfg, estore, record=False)
+        from training.merge.replay import params_of  # light versions: params by replay
+
+        out = evaluate.evaluate_snapshot(
+            cfg, estore, record=False, params_of=params_of(cfg, estore)
+        )
     else:
         out = evaluate.evaluate_version(cfg, estore)
     return {"loss": float(out["loss"]), "tokens_merged": int(out.get("tokens_merged", 0))}
