@@ -40,6 +40,28 @@ def test_derive_12b_divides_a_12b_fragment_merge_by_the_bytes_a_shard_moved_per_
     assert d["layout3"]["shards_for_profile"] == 4
 
 
+def test_derive_12b_adds_light_versions_and_the_cpu_per_version_scaled_to_a_12b_fragment():
+    # the same 4e8 B per CPU second. Light versions with k = 8: 1e9 in + 2.5e8 update out +
+    # params, momentum and shadow (3 x 5e8 x 4 = 6e9 B) every 8th = 7.5e8: 2e9 B, 5 s: 5 shards.
+    # By CPU: 20 CPU s over 100 versions of 5e6-parameter fragments = 0.2 s a version, x 100
+    # for a 5e8-parameter fragment = 20 s: 20 shards
+    row = {
+        "best": {
+            "read_bytes": 1e9,
+            "version_bytes": 7e9,
+            "shard_cpu_s": 20.0,
+            "versions": 100,
+            "fragment_params": 5e6,
+            "full_every": 8,
+        }
+    }
+    d = syncer.derive_12b(row)
+    assert d["light"]["bytes_per_fragment_merge"] == 2e9
+    assert d["light"]["shards_for_profile"] == 5
+    assert d["by_cpu"]["seconds_per_fragment_merge"] == pytest.approx(20.0)
+    assert d["by_cpu"]["shards_for_profile"] == 20
+
+
 def test_a_small_trial_applies_every_contribution_once_within_a_round(tmp_path):
     a = argparse.Namespace(trial_s=3.0, max_trial_s=10.0)
     # 2 islands, P = 2, 2 contributions/s: a round is 2 s; max(3 s, 2 rounds) = 4 s of
@@ -48,3 +70,4 @@ def test_a_small_trial_applies_every_contribution_once_within_a_round(tmp_path):
     assert (t["contributions"], t["applied"], t["applied_twice"]) == (8, 8, 0)
     assert t["passed"], t
     assert t["shard_cpu_s"] > 0  # the shard reported what its merging cost
+    assert t["full_every"] == 8  # the default, recorded for derive_12b

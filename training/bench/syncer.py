@@ -204,6 +204,9 @@ def trial(url: str, preset: str, P: int, N: int, S: int, rate: float, a) -> dict
                 proc.kill()
     out = _measure(store, P, plan, payloads, round_s, rate, duration, late, published_until - t0)
     out["shard_cpu_s"] = cpu_s
+    sizes = [sum(math.prod(s) for s in f.values()) for f in merge_bench._fragment_shapes(cfg)]
+    out["fragment_params"] = sum(sizes) / len(sizes)  # the mean fragment's, for derive_12b
+    out["full_every"] = cfg.syncer.full_every
     return out
 
 
@@ -280,9 +283,12 @@ def derive_12b(row: dict) -> dict | None:
     """Seconds one shard would take per fragment merge at 12B, P = 24, from the bytes its
     merges moved per CPU second in this row's highest passing trial (contributions read +
     versions written, over the shard processes' CPU time: a shard is CPU-bound on local
-    stores), for the store layout of today (a full version per merge) and for layout 3 (only
-    what must cross the wire: the contributions in, one int4 update out); the paper's profile
-    needs about one fragment merge a second, so its shards are that many seconds, rounded up."""
+    stores), for the store layout of today (a full version per merge), for layout 3 (only
+    what must cross the wire: the contributions in, one int4 update out) and, when the trial
+    ran with syncer.full_every = k > 1, for light versions (the update every merge, params,
+    momentum and shadow every k-th); and `by_cpu`: the shard's CPU seconds per version scaled
+    by fragment size (12B's over the trial's). The paper's profile needs about one fragment
+    merge a second, so its shards are that many seconds, rounded up."""
     best = row.get("best")
     if not best or not best.get("shard_cpu_s"):
         return None
@@ -294,7 +300,18 @@ def derive_12b(row: dict) -> dict | None:
         "today": contributions + 4 * frag * 4,  # params, momentum, shadow, update as fp32
         "layout3": contributions + frag * 0.5,  # one int4 update out
     }
+    full_every = best.get("full_every", 1)
+    if full_every > 1:  # light versions: the update every merge, a full version every k-th
+        layouts["light"] = contributions + frag * 0.5 + 3 * frag * 4 / full_every
     out = {"bytes_per_cpu_s": per_cpu_s}
+    if best.get("versions") and best.get("fragment_params"):
+        # the shard's CPU per version, scaled by fragment size: an upper bound (a version's
+        # fixed costs, its manifest, HEAD and ledger, do not grow with the fragment)
+        seconds = best["shard_cpu_s"] / best["versions"] * frag / best["fragment_params"]
+        out["by_cpu"] = dict(
+            seconds_per_fragment_merge=seconds,
+            shards_for_profile=math.ceil(seconds * PROFILE_12B["merges_per_s"]),
+        )
     for name, nbytes in layouts.items():
         seconds = nbytes / per_cpu_s
         out[name] = dict(
@@ -332,6 +349,8 @@ def format_table(rows: list[dict]) -> str:
             "-"
             if d is None
             else f"{d['today']['shards_for_profile']} / {d['layout3']['shards_for_profile']}"
+            + (f" (light: {d['light']['shards_for_profile']})" if "light" in d else "")
+            + (f" (by CPU: {d['by_cpu']['shards_for_profile']})" if "by_cpu" in d else "")
         )
         out.append(
             f"| {r['store']} | {r['islands']} | {r['shards']} | {best} | {first_miss} | {shards} |"
