@@ -229,6 +229,7 @@ def _sample(capsys, store: str, prompt: str) -> str:
 def test_text_in_a_trained_exported_sampled_model_out(gcs_bucket, tmp_path, capsys):  # noqa: F811
     from training.config.experiment import parse_config
     from training.data.tokenizer import load_tokenizer
+    from training.merge import replay
     from training.model.sample import sample
     from training.store.experiment import ExperimentStore
     from training.store.registry import open_store
@@ -261,7 +262,9 @@ def test_text_in_a_trained_exported_sampled_model_out(gcs_bucket, tmp_path, caps
 
     estore = ExperimentStore(open_store(store), EXP)
     cfg = parse_config(estore.read_config())
-    want = estore.load_params()  # HEADs: the snapshot export and sample read by default
+    # HEADs: the snapshot export and sample read by default (a light HEAD's params by replay,
+    # as they read them)
+    want = estore.load_params(None, replay.params_of(cfg, estore))
     _export(capsys, store, tmp_path / "st", "safetensors")
     _check_safetensors(tmp_path / "st", want)
     _export(capsys, store, tmp_path / "ox", "orbax")

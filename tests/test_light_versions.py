@@ -304,6 +304,27 @@ def test_a_merge_after_stop_is_full():
     assert _is_full(store)
 
 
+def test_the_merge_that_reaches_the_budget_and_those_after_it_are_full():
+    # k = 4, two islands of 512 tokens a merge: version 1 has 1,024 tokens (light), version 2
+    # reaches the 2,048-token budget (full: a run that ends there ends on a full version, even
+    # with nothing left to merge after it), version 3 is past it (full)
+    cfg = small_config(
+        "budget",
+        codec="int4",
+        outer={"method": "nesterov"},
+        syncer={"full_every": 4, "full_every_s": 0},
+        token_budget=2048,
+    )
+    store = new_store(cfg)
+    merger = Merger(cfg, store)
+    fulls = []
+    for r in range(3):
+        _round(store, cfg, merger, r)
+        fulls.append(_is_full(store))
+    assert fulls == [False, True, True]
+    assert store.stop_requested()  # the merge of version 2 asked the islands to stop
+
+
 def test_the_syncers_last_drain_writes_full_versions():
     cfg, store, merger = _run(4, 0, "drain")
     merger.full_always = True  # what ShardSyncer._last_drain sets

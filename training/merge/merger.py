@@ -363,7 +363,7 @@ class Merger:
         )
         payloads, shadow = broadcast.version_payloads(params, shadow, self.cfg.codec, extra)
         full_at = self._full_ancestor(head, manifest)
-        light = not self._full_due(p, head.version + 1, full_at)
+        light = not self._full_due(p, head.version + 1, full_at, tokens_merged)
         if light and payloads is not None:
             payloads = {n: t for n, t in payloads.items() if n != broadcast.SHADOW}
         # a light version with an update leaves its params out (their checksum recorded),
@@ -396,13 +396,16 @@ class Merger:
         """(version, dir) of the nearest full version at or below `head` (itself if full)."""
         return records.light_ancestor(manifest) or (head.version, head.dir)
 
-    def _full_due(self, p: int, version: int, full_at: tuple[int, str]) -> bool:
+    def _full_due(self, p: int, version: int, full_at: tuple[int, str], tokens: int) -> bool:
         """Whether the new `version` is written full (docs/STORE.md, "Light versions"): always
         with syncer.full_every = 1; else every full_every-th version, once full_every_s passed
-        since the full ancestor was written, in the syncer's last drain, and once control/STOP
-        exists (the end of a run is full)."""
+        since the full ancestor was written, in the syncer's last drain, once control/STOP
+        exists, and once the fragment's `tokens` merged reach the token budget (the merge that
+        ends a run on its budget, and every one after it, is full)."""
         every, every_s = self.cfg.syncer.full_every, self.cfg.syncer.full_every_s
         if every == 1 or version % every == 0 or self.full_always:
+            return True
+        if tokens >= self.cfg.token_budget:
             return True
         if every_s > 0:
             created = self._version(HeadPointer(p, *full_at, 0))[0].get("created_at", 0.0)
