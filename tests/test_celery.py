@@ -141,11 +141,10 @@ def test_celery_workers_share_the_run_and_survive_a_lost_worker_and_a_triggerer_
     victim = shard0["hostname"]
     assert victim in WORKERS, shard0
     (survivor,) = set(WORKERS) - {victim}
-    spread = {
-        (t["task_id"], t["map_index"]): t["hostname"]
-        for t in before
-        if t["task_id"] in ("islands_local.launch", "syncer") and t["hostname"]
-    }
+    # which worker ran what before the kill: Celery hands tasks to free slots (4 a worker), so
+    # one kind may all land on one worker (in one CI run both launches and both shards did);
+    # the run as a whole (init, provision, launch, syncer, evaluate) is shared
+    spread = {(t["task_id"], t["map_index"]): t["hostname"] for t in before if t["hostname"]}
     on_victim = [t for t in before if t["state"] == "running" and t["hostname"] == victim]
     victim_session = af.kill_worker(victim)
     killed_at = time.time()
@@ -190,7 +189,7 @@ def test_celery_workers_share_the_run_and_survive_a_lost_worker_and_a_triggerer_
 
     tis = af.task_instances(DAG, run_id)
     assert all(t["state"] == "success" for t in tis if t["task_id"] in ("syncer", "finalize"))
-    # islands and syncer shards ran on both workers before the kill
+    # the run's tasks ran on both workers before the kill
     assert set(spread.values()) == set(WORKERS), spread
     # shard 0: its try on the killed worker failed, its retry on the survivor succeeded
     tries = _tries(af, run_id, "syncer", 0)
