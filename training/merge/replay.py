@@ -149,14 +149,6 @@ def _fragment_state(cfg, store, head: HeadPointer, manifest: dict) -> State:
     return state_at(cfg, store, {n: shapes[n] for n in names}, head, manifest)
 
 
-def outer_state_at(
-    cfg: ExperimentConfig, store: ExperimentStore, head: HeadPointer, manifest: dict
-) -> dict:
-    """The outer-state tensors of the version `head` names (a light one's replayed forward
-    from its full ancestor, checked: state_at)."""
-    return _fragment_state(cfg, store, head, manifest).outer
-
-
 def params_at(
     cfg: ExperimentConfig, store: ExperimentStore, head: HeadPointer, manifest: dict
 ) -> dict:
