@@ -55,6 +55,9 @@ class _Merger:
     def __init__(self, clock, merges):
         self.clock, self.left = clock, merges
 
+    def promote_heads(self):
+        return []
+
     def merge_once(self):
         if self.left == 0:
             return MergeResult()

@@ -39,6 +39,10 @@ class ScriptedMerger:
         self.results = list(results)
         self.calls = 0
 
+    def promote_heads(self):
+        self.promotions = getattr(self, "promotions", 0) + 1
+        return []
+
     def merge_once(self):
         self.calls += 1
         return self.results.pop(0) if self.results else MergeResult()

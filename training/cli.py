@@ -28,8 +28,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
 import sys
-import time
+import threading
 
 from training.config.experiment import (
     ConfigError,
@@ -128,6 +129,9 @@ def cmd_merge(args) -> int:
     merger = Merger(
         cfg, estore
     )  # kept warm across passes, as the syncer's (training/merge/syncer.py)
+    stop = threading.Event()  # SIGTERM: end after the pass in progress
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
     while True:
         # read the exit condition before merging: a pass that starts after it held sees every
         # pseudo-gradient the (done) islands committed
@@ -137,9 +141,14 @@ def cmd_merge(args) -> int:
                 print(f"version {r.version}: applied {len(r.applied)}", flush=True)
             for pg, why in r.quarantined.items():
                 print(f"quarantined {pg}: {why}", flush=True)
-        if not args.follow or finishing:
+        if not args.follow or finishing or stop.is_set():
+            # this process's memory goes: its light HEADs are promoted (the next start begins
+            # there instead of replaying the merges since their full versions)
+            promoted = merger.promote_heads()
+            if promoted:
+                print(f"promoted the light HEADs of fragments {promoted}", flush=True)
             return 0
-        time.sleep(args.poll)
+        stop.wait(args.poll)
         latest = parse_config(estore.read_config())
         if latest != cfg:  # islands joined: a new merger sees them
             cfg, merger = latest, Merger(latest, estore)

@@ -96,6 +96,7 @@ class SyncerShardOperator(BaseOperator):
             on_merge=on_merge,
             **self._housekeeping(),
         )
+        self._syncer = syncer  # on_kill (SIGTERM) asks it to stop
         out = syncer.drain()
         self.log.info(
             "shard %d (fragments %s): %s after %.0fs, %d merges, %d applied",
@@ -108,6 +109,8 @@ class SyncerShardOperator(BaseOperator):
         )
         if out.reason == "finished":
             return {"shard": self.shard, "merges": out.merges, "applied": out.applied}
+        if out.reason == "terminated":
+            raise RuntimeError(f"shard {self.shard}: stopped by SIGTERM (light HEADs promoted)")
         self.defer(
             trigger=ShardTrigger(
                 store_url=self.store_url,
@@ -121,6 +124,13 @@ class SyncerShardOperator(BaseOperator):
             ),
             method_name="execute_complete",
         )
+
+    def on_kill(self) -> None:
+        """SIGTERM (Airflow calls this from the signal handler): the drain ends after the merge
+        in progress, promoting the light HEADs it holds (ShardSyncer.request_stop)."""
+        syncer = getattr(self, "_syncer", None)
+        if syncer is not None:
+            syncer.request_stop()
 
     def _housekeeping(self) -> dict[str, Any]:
         """Shard 0 collects the experiment's garbage while it merges (`knobs.GC_EVERY_S`)."""

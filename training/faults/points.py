@@ -12,6 +12,7 @@ reaches `point`. A killed process gets no chance to clean up, exactly like a pre
     merge.after-read            merger read its inputs, computed nothing yet
     light.before-manifest       a light version's params and update stored, manifest not yet
     merge.cold-replay           a cold-starting merger re-derived one light version
+    light.before-promotion      a light version's promoted payloads stored, full.json not yet
 
 A process's fault points are one `FaultPlan` object, handed over by its entry point and never
 looked up on the way: the island takes it (`Island(..., faults=plan)`), the `ExperimentStore`

@@ -492,6 +492,28 @@ class Merger:
         while sum(w[4] for w in self._warm.values()) > self.warm_bytes:
             self._warm.pop(next(iter(self._warm)))
 
+    def promote_heads(self) -> list[int]:
+        """Promote each owned fragment's light HEAD this merger holds warm (it published that
+        very version and nothing has merged it since): its params, outer state and shadow
+        written beside it (training/store/promotions.py), so that whoever merges it next starts
+        there instead of replaying the merges since its full ancestor. What the syncer does
+        before its memory goes: on SIGTERM, before deferring when idle, at the end of `diloco
+        merge`. Returns the fragments promoted now; a HEAD another merger moved is left."""
+        promoted = []
+        for p in self.fragments:
+            warm = self._warm.get(p)
+            head = self.store.head(p)
+            if warm is None or head is None or head.dir != warm[0]:
+                continue
+            manifest = self._version(head)[0]
+            directory, params, outer_tensors, shadow, _ = warm
+            if broadcast.enabled(self.cfg) and shadow is None:
+                shadow = params  # S = Theta (a version made without a shadow)
+            if self.store.promote_version(head, manifest, params, outer_tensors, shadow):
+                log.info("fragment %d: promoted light version %d", p, head.version)
+                promoted.append(p)
+        return promoted
+
     def _load_payload(self, item) -> dict[str, np.ndarray]:
         c, max_nbytes, max_header = item
         return self.store.load_pseudograd(

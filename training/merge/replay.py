@@ -23,6 +23,7 @@ parent version whose payloads were garbage-collected), never a crash.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
@@ -40,6 +41,8 @@ from training.store.experiment import ExperimentStore, HeadPointer
 from training.store.objectstore import CorruptObject, ObjectNotFound, StoreError
 from training.store.record_fields import is_int, is_real
 from training.store.tensors import checksum, tensor_parts
+
+log = logging.getLogger(__name__)
 
 OK, DIFFERS, CANNOT = "ok", "DIFFERS", "CANNOT"
 
@@ -182,8 +185,10 @@ def _state_at(cfg, store, shapes, chain, v: int, tick=lambda version: None) -> S
         return State(v, *apply.load_arrays(cfg, store, pointer, manifest, shapes))
     if full_at[0] not in chain or chain[full_at[0]][0].dir != full_at[1]:
         raise _Stop(CANNOT, f"version {v}'s full ancestor {full_at[0]} is not on its chain")
-    state = State(full_at[0], *apply.load_arrays(cfg, store, *chain[full_at[0]], shapes))
-    for u in range(full_at[0] + 1, v + 1):
+    state = _promoted(cfg, store, shapes, chain, v, full_at[0]) or State(
+        full_at[0], *apply.load_arrays(cfg, store, *chain[full_at[0]], shapes)
+    )
+    for u in range(state.version + 1, v + 1):
         try:
             state = _rederive(cfg, store, shapes, chain, u, state)
         except _Stop as stop:
@@ -191,6 +196,31 @@ def _state_at(cfg, store, shapes, chain, v: int, tick=lambda version: None) -> S
             raise _Stop(stop.status, detail) from None
         tick(u)
     return state
+
+
+def _promoted(cfg, store: ExperimentStore, shapes, chain, v: int, full: int) -> State | None:
+    """The newest promoted light version from v down to (not including) its full ancestor
+    `full`, loaded (training/store/promotions.py), or None: the replay starts there instead."""
+    limits = apply.fragment_limits(shapes)
+    for u in range(v, full, -1):
+        arrays = store.load_promoted(*chain[u], limits)
+        if arrays is None:
+            continue
+        params, outer, shadow = arrays
+        try:
+            for what, tensors in (("params", params), ("shadow", shadow or params)):
+                got = {n: (t.dtype, t.shape) for n, t in tensors.items()}
+                if got != {n: (np.dtype(np.float32), tuple(s)) for n, s in shapes.items()}:
+                    raise ValueError(f"promoted {what} do not fit the fragment")
+            ms = records.merge_state_of(chain[u][1])
+            rules.state_from_tensors(cfg.outer, shapes, outer, ms.steps, ms.seen)
+        except ValueError as err:
+            log.warning(
+                "fragment %d version %d: promotion passed over: %s", chain[u][0].fragment, u, err
+            )
+            continue
+        return State(u, params, outer, shadow)
+    return None
 
 
 def _chain(store: ExperimentStore, p: int) -> list[tuple[HeadPointer, dict]]:
@@ -229,6 +259,7 @@ def _replay_version(cfg, store, shapes, chain, v: int, carried: State | None):
                 except ObjectNotFound:
                     raise _Stop(CANNOT, f"version {v - 1} was collected") from None
             state = _rederive(cfg, store, shapes, chain, v, parent)
+            _check_promotion(store, shapes, chain, v, state)
     except _Stop as stop:
         return replace(base, status=stop.status, detail=stop.detail), None
     except ObjectNotFound as err:
@@ -236,6 +267,25 @@ def _replay_version(cfg, store, shapes, chain, v: int, carried: State | None):
     except (StoreError, ValueError, KeyError) as err:  # a record or payload of v - 1 refused
         return replace(base, status=CANNOT, detail=f"unreadable: {err}"), None
     return base, state
+
+
+def _check_promotion(store, shapes, chain, v: int, state: State) -> None:
+    """A promoted light version (training/store/promotions.py): what its promotion holds is
+    what the replay re-derived, bit for bit (params, outer state, shadow)."""
+    pointer, manifest = chain[v]
+    try:
+        if store.promotion(pointer, manifest) is None:
+            return
+    except CorruptObject as err:
+        raise _Stop(DIFFERS, f"its promotion: {err}") from None
+    arrays = store.load_promoted(pointer, manifest, apply.fragment_limits(shapes))
+    if arrays is None:
+        raise _Stop(DIFFERS, "its promotion's payloads do not match full.json")
+    params, outer, shadow = arrays
+    _compare("promoted params", state.params, params)
+    _compare("promoted outer_state", state.outer, outer)
+    if shadow is not None and state.shadow is not None:
+        _compare("promoted shadow", state.shadow, shadow)
 
 
 def _check_restore(cfg, store, shapes, chain, v: int, version: int) -> None:

@@ -17,7 +17,10 @@ runs this in mapped tasks of the experiment's own DAG run):
   another while each makes progress; a grace window's `waiting_until` is honoured; otherwise a
   cheap look for pending work every `poll_s`), and returns after `idle_s` without a merge (the
   caller then waits somewhere cheap: a deferrable trigger) or, once the experiment is finished
-  (`finished`), after a last drain.
+  (`finished`), after a last drain. Before it returns idle, and when asked to stop
+  (`request_stop`, SIGTERM: `terminated`), it promotes the light HEADs its merger holds in
+  memory (training/store/promotions.py): the next start, here or on another worker, begins
+  at them instead of replaying the merges since their full versions.
 - **Finished** = every island of the config is done (or asked to leave), or the DAG run that
   started this syncer has marked its islands ended (`mark_run_ended`, ``control/runs/...``: its
   island tasks are over, successful or not). A STOP alone does not finish: islands publish their
@@ -278,7 +281,7 @@ def housekeeping_due(now: float, last_at: float | None, every_s: float) -> bool:
 # -- the draining loop -----------------------------------------------------------------------
 @dataclass
 class DrainOutcome:
-    reason: Literal["idle", "finished", "standby", "lease_lost"]
+    reason: Literal["idle", "finished", "standby", "lease_lost", "terminated"]
     merges: int = 0
     applied: int = 0
     pending: list[str] = field(default_factory=list)  # left pending (not mergeable now)
@@ -322,6 +325,20 @@ class ShardSyncer:
         self.lease = ShardLease(estore, shard, owner, self.settings.lease_s, clock)
         self.merger = self.merger_for(self.cfg, self.fragments)
         self.outcome = DrainOutcome("idle")
+        self.stop_requested = False  # request_stop(): SIGTERM
+
+    def request_stop(self) -> None:
+        """Ask a drain to end after the merge in progress (safe from a signal handler: it only
+        sets a flag): it promotes its light HEADs and returns "terminated"."""
+        self.stop_requested = True
+
+    def _promote(self) -> None:
+        """Promote the light HEADs this shard's merger holds warm before its memory goes
+        (Merger.promote_heads); a store error here is logged: a cold start replays instead."""
+        try:
+            self.merger.promote_heads()
+        except (TransientStoreError, StoreUnreachable) as exc:
+            log.warning("shard %d: light HEADs not promoted: %s", self.shard, exc)
 
     def _default_merger(self, cfg: ExperimentConfig, fragments: list[int]):
         from training.merge.merger import Merger  # jax: only in the process that merges
@@ -370,6 +387,11 @@ class ShardSyncer:
         merge_now, errors = True, 0
         while True:
             try:
+                if self.stop_requested:
+                    self._promote()
+                    self.lease.release()
+                    self.outcome.reason = "terminated"
+                    return self.outcome
                 if self.lease.renew_due() and not self.lease.acquire():
                     self.outcome.reason = "lease_lost"
                     return self.outcome
@@ -389,6 +411,7 @@ class ShardSyncer:
                 now = self.clock()
                 if wake_at is None and now - last_progress >= idle_s:
                     self.outcome.pending = self.view.pending(self.cfg)
+                    self._promote()  # the caller defers: this process's memory goes
                     self.outcome.reason = "idle"
                     return self.outcome
                 nap = poll_s if wake_at is None else min(poll_s, max(0.0, wake_at - now))

@@ -49,6 +49,7 @@ from training.store.layout import (
     pseudograd_id,
 )
 from training.store.objectstore import CorruptObject, ObjectNotFound, ObjectStore, StoreError
+from training.store.promotions import Promotions
 from training.store.record_fields import is_int
 from training.store.safejson import JSONLimits
 from training.store.tensors import MAX_HEADER_BYTES, Checksum, decode_tensors
@@ -86,7 +87,9 @@ class FaultPoints(Protocol):
     def hit(self, point: str) -> None: ...
 
 
-class ExperimentStore(Contributions, FragmentVersions, GarbageCollection, IslandObjects):
+class ExperimentStore(
+    Contributions, FragmentVersions, Promotions, GarbageCollection, IslandObjects
+):
     """The objects of one experiment under `<store root>/<experiment>/` (layout: docs/STORE.md).
 
     Every method is safe to call from several threads and processes at once; every write is safe

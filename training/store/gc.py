@@ -17,7 +17,7 @@ from typing import Any
 
 from training.store import merge_records as records
 from training.store import safejson
-from training.store.keys import FRAGMENT_DIR
+from training.store.keys import FRAGMENT_DIR, PROMOTION, promoted_payload
 from training.store.layout import (
     fragment_root,
     load_json,
@@ -29,7 +29,9 @@ from training.store.record_fields import is_int
 
 _PAYLOAD_FILES = tuple(
     f"{n}.safetensors" for n in ("params", "outer_state", "update", "shadow")
-)  # versions.PAYLOADS + EXTRA_PAYLOADS
+) + tuple(  # versions.PAYLOADS + EXTRA_PAYLOADS, and a promotion's (training/store/promotions.py)
+    promoted_payload(n) for n in ("params", "outer_state", "shadow")
+)
 
 
 @dataclass
@@ -301,6 +303,7 @@ class GarbageCollection:
         if not present:
             return False
         self.write_json(f"{directory}/{self.COLLECTED}", {"at": now()})
+        self.store.delete(self.object_key(f"{directory}/{PROMOTION}"))  # before its payloads
         for name in present:
             self.store.delete(self.object_key(name))
         return True

@@ -36,9 +36,19 @@ PG_STEM = re.compile(r"([0-9]{8})-f([0-9]{3})", _A)
 PG_PAYLOAD = re.compile(r"([0-9]{8})-f([0-9]{3})-([0-9a-f]{8})\.safetensors", _A)
 FRAGMENT_ROOT = re.compile(r"fragments/f([0-9]{3})", _A)
 FRAGMENT_DIR = re.compile(r"fragments/f([0-9]{3})/v([0-9]{8})-([0-9a-f]{8})", _A)
+PROMOTION = "full.json"  # a light version's promotion marker (training/store/promotions.py)
+
+
+def promoted_payload(name: str) -> str:
+    """The file name of a promoted light version's payload `name` (params, outer_state, shadow)."""
+    return f"full.{name}.safetensors"
+
+
 FRAGMENT_FILES = frozenset(
     {"params.safetensors", "outer_state.safetensors", "manifest.json", "collected.json"}
     | {"update.safetensors", "shadow.safetensors"}  # outer.broadcast = "codec"
+    | {PROMOTION}
+    | {promoted_payload(n) for n in ("params", "outer_state", "shadow")}
 )
 CHECKPOINT_DIR = re.compile(r"c([0-9]{10})-([0-9a-f]{8})", _A)
 CHECKPOINT_FILES = frozenset({"state.safetensors", "meta.json"})

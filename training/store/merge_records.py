@@ -480,6 +480,66 @@ def parse_fragment_manifest(
     )
 
 
+class BadPromotion(BadRecord):
+    """A promotion marker (`full.json` beside a light version) that cannot be trusted."""
+
+
+PROMOTED_PAYLOADS = ("params", "outer_state", "shadow")
+"""What a promotion may hold (training/store/promotions.py): params only where the version
+leaves them out, the outer state always, the broadcast shadow where the merger held one."""
+
+
+@dataclass(frozen=True)
+class Promotion:
+    """A light version's full state, written beside it after it was committed: each payload's
+    (crc32c, nbytes) by name (PROMOTED_PAYLOADS)."""
+
+    fragment: int
+    version: int
+    directory: str
+    sums: dict[str, tuple[str, int]]
+    created_at: float
+
+
+def parse_promotion(
+    data: Any, experiment: str, fragment: int, version: int, directory: str, manifest: Mapping
+) -> Promotion:
+    """The promotion marker of the light version (`fragment`, `version`) in `directory`, whose
+    `manifest` was parsed by parse_fragment_manifest: it names that very version, lists an
+    outer state, lists params exactly when the version leaves them out, with the crc32c and
+    size the manifest records for them. BadPromotion."""
+    m = load_object(data, safejson.POINTER, BadPromotion, "promotion")
+    f = Fields(m, BadPromotion, "promotion")
+    unknown = sorted(
+        set(m) - {"experiment", "fragment", "version", "dir", "created_at", "crc32c", "nbytes"}
+    )
+    if unknown:
+        f.fail(f"unknown fields {show(unknown)}")
+    if m.get("experiment") != experiment:
+        f.fail(f"names experiment {show(m.get('experiment'))}, not {experiment!r}")
+    if (m.get("fragment"), m.get("version"), m.get("dir")) != (fragment, version, directory):
+        f.fail(f"names {show(m.get('dir'))}, not {directory}")
+    if light_ancestor(manifest) is None:
+        f.fail("promotes a full version")
+    digests, sizes = m.get("crc32c"), m.get("nbytes")
+    if not isinstance(digests, dict) or not isinstance(sizes, dict) or set(digests) != set(sizes):
+        f.fail("needs crc32c and nbytes of the same payloads")
+    summed = params_sum(manifest)
+    names = set(digests)
+    want = {"outer_state"} | ({"params"} if summed else set())
+    if not want <= names <= want | {"shadow"}:
+        f.fail(f"lists payloads {show(sorted(names))}, not {sorted(want)} (and a shadow)")
+    sums = {}
+    for name in sorted(names):
+        crc = Fields(digests, BadPromotion, "promotion crc32c").str(
+            name, CHECKSUM_PATTERNS["crc32c"]
+        )
+        sums[name] = (crc, Fields(sizes, BadPromotion, "promotion nbytes").int(name))
+    if summed and sums["params"] != summed:
+        f.fail(f"params {sums['params']} are not the version's {summed}")
+    return Promotion(fragment, version, directory, sums, float(f.real("created_at")))
+
+
 def parse_ledger_entry(data: Any) -> int:
     """A ledger entry {"version": n}: the version n >= 0. BadLedgerEntry."""
     m = load_object(data, safejson.POINTER, BadLedgerEntry, "ledger entry")
