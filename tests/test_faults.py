@@ -143,6 +143,6 @@ def test_only_fault_plan_from_env_reads_diloco_faults():
         for path in sorted((ROOT / folder).rglob("*.py")):
             found += _reads_of_the_variable(path)
     assert found == [
-        "training/faults/points.py:32 in <module>",  # FAULTS_ENV = "DILOCO_FAULTS"
-        "training/faults/points.py:63 in from_env",
+        "training/faults/points.py:33 in <module>",  # FAULTS_ENV = "DILOCO_FAULTS"
+        "training/faults/points.py:64 in from_env",
     ]

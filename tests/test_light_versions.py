@@ -28,14 +28,16 @@ from training.store.tensors import checksum, tensor_parts
 from training.store.versions import LightVersion
 
 
-def _cfg(k: int, name: str = "light", **outer):
+def _cfg(k: int, name: str = "light", background: bool = False, **outer):
     # nesterov: an outer momentum (the state a light version leaves out); int4 with update
-    # broadcast (the default outer.broadcast "codec"): each version has an update and a shadow
+    # broadcast (the default outer.broadcast "codec"): each version has an update and a shadow.
+    # The merge writes the due full versions itself unless `background`
+    # (tests/test_promotions.py has the background ones)
     return small_config(
         name,
         codec="int4",
         outer={"method": "nesterov", **outer},
-        syncer={"full_every": k, "full_every_s": 0},
+        syncer={"full_every": k, "full_every_s": 0, "full_in_background": background},
     )
 
 
@@ -51,8 +53,8 @@ def _round(store, cfg, merger, r: int) -> int:
     return head.version + 1
 
 
-def _run(k: int, rounds: int, name: str = "light", **outer):
-    cfg = _cfg(k, name, **outer)
+def _run(k: int, rounds: int, name: str = "light", background: bool = False, **outer):
+    cfg = _cfg(k, name, background, **outer)
     store = new_store(cfg)
     merger = Merger(cfg, store)
     for r in range(rounds):
@@ -339,7 +341,7 @@ def test_full_every_s_makes_a_version_full_once_that_long_passed():
         "timed",
         codec="int4",
         outer={"method": "nesterov"},
-        syncer={"full_every": 100, "full_every_s": 1e-6},
+        syncer={"full_every": 100, "full_every_s": 1e-6, "full_in_background": False},
     )
     store = new_store(cfg)
     _round(store, cfg, Merger(cfg, store), 0)

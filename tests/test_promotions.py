@@ -16,9 +16,11 @@ import pytest
 
 from tests.helpers import new_store, publish_delta, random_delta
 from tests.test_light_versions import _cfg, _params_bits, _round, _run
+from training.config.sections import SyncerConfig
 from training.merge import replay
 from training.merge.merger import Merger
 from training.merge.syncer import ShardSyncer
+from training.protocol import broadcast
 from training.store import merge_records as records
 from training.store.keys import PROMOTION, promoted_payload
 
@@ -228,3 +230,128 @@ def test_the_shard_operators_on_kill_asks_its_drain_to_stop():
     op._syncer = _Drain()
     op.on_kill()
     assert op._syncer.stop_requested
+
+
+# -- full versions written in the background (syncer.full_in_background, the default) ---------
+def test_in_the_background_a_due_version_is_light_then_promoted_and_later_ones_name_it():
+    # k = 4: version 4 is published light (its update only) and promoted before version 5's
+    # merge reads its arrays; versions 5 and 6 name 4 as their full ancestor
+    cfg, store, _ = _run(4, 6, "bg", background=True)
+    assert SyncerConfig.model_fields["full_in_background"].default is True
+    four = store.find_version(0, 4)
+    assert _files(store, 4) == sorted(
+        ["manifest.json", "update.safetensors", PROMOTION]
+        + [promoted_payload(n) for n in ("outer_state", "params", "shadow")]
+    )
+    for v in (5, 6):
+        m = store.fragment_manifest(store.find_version(0, v))
+        assert records.light_ancestor(m) == (4, four.dir)
+
+
+def test_a_cold_start_from_a_background_full_version_merges_the_bits_of_the_merge_written_one():
+    # the same inputs, k = 4: full versions written by the merge (A) or in the background (B);
+    # a new merger on each at HEAD 6 replays 5 and 6 and merges round 6 to the same bits
+    cfg_a, sync, _ = _run(4, 6, "sync")
+    cfg_b, bg, _ = _run(4, 6, "bg", background=True)
+    assert _cold_merge(sync, cfg_a) == 2
+    assert _cold_merge(bg, cfg_b) == 2
+    assert _params_bits(sync, cfg_a) == _params_bits(bg, cfg_b)
+    lines = []
+    assert replay.run(cfg_b, bg, 0, None, 1, False, lines.append) == 0, lines
+
+
+def test_an_islands_shadow_read_whole_from_a_background_full_version_is_the_mergers():
+    cfg, store, merger = _run(4, 6, "isl", background=True)
+    head = store.head(0)
+    shapes = {n: v.shape for n, v in merger._warm[0][1].items()}
+    got = broadcast.read_full(store, head, store.fragment_manifest(head), shapes)
+    assert (got.how, got.updates) == ("full", 2)  # 4's promoted shadow, the updates of 5, 6
+    want = merger._warm[0][3]
+    assert {n: v.tobytes() for n, v in got.tensors.items()} == {
+        n: v.tobytes() for n, v in want.items()
+    }
+
+
+def test_gc_keeps_from_the_background_full_version_on():
+    # HEAD 7 names 4 (promoted): keep_last 1 keeps 0 and 4-7, and a cold merger still merges
+    cfg, store, _ = _run(4, 7, "gc", background=True)
+    plan = store.plan_gc(keep_last=1)
+    assert plan.protected == {0: [0, 4, 5, 6, 7]}
+    store.collect_garbage(plan)
+    assert PROMOTION in _files(store, 4)
+    _round(store, cfg, Merger(cfg, store), 7)
+    assert store.head(0).version == 8
+
+
+def test_a_failed_background_write_leaves_the_older_ancestor_and_a_later_one_may_name_it():
+    # version 4's background write fails: 5 and 6 name version 0. Then version 4 is promoted
+    # after all (as a rerun would): version 7 names 4 while 5 and 6 still name 0, and a cold
+    # start at 7 replays 5, 6, 7 from 4's promotion to the bits of a run without the failure
+    cfg, store, merger = _run(4, 3, "fail", background=True)
+    cfg_ref, ref, merger_ref = _run(4, 8, "ref", background=True)
+    real = store.promote_version
+
+    def broken(*a, **kw):
+        raise OSError("disk full")
+
+    store.promote_version = broken
+    _round(store, cfg, merger, 3)  # version 4
+    merger._promotions.wait_all()  # the write failed (logged)
+    store.promote_version = real
+    for r in (4, 5):
+        _round(store, cfg, merger, r)
+    zero = store.find_version(0, 0)
+    assert all(
+        records.light_ancestor(store.fragment_manifest(store.find_version(0, v))) == (0, zero.dir)
+        for v in (4, 5, 6)
+    )
+    four = store.find_version(0, 4)
+    manifest = store.fragment_manifest(four)
+    state = replay.state_at(cfg, store, merger.shapes[0], four, manifest)
+    assert store.promote_version(four, manifest, state.params, state.outer, state.shadow)
+    merger._promotions.promoted[0] = (4, four.dir)
+    _round(store, cfg, merger, 6)  # version 7
+    assert records.light_ancestor(store.fragment_manifest(store.head(0))) == (4, four.dir)
+    assert _cold_merge_at(store, cfg, 7) == 3  # version 8, after replaying 5, 6, 7
+    assert _params_bits(store, cfg) == _params_bits(ref, cfg_ref)
+
+
+def _cold_merge_at(store, cfg, r: int) -> int:
+    ticks = []
+    fresh = Merger(cfg, store)
+    fresh.store.hit_fault = ticks.append
+    _round(store, cfg, fresh, r)
+    return ticks.count("merge.cold-replay")
+
+
+def test_a_merge_killed_before_its_promotions_marker_leaves_a_light_version_replayed_from_0(
+    tmp_path,
+):
+    # HEAD 3 (k = 4, background); `diloco merge` merges round 3 into version 4 (due: light,
+    # promoted in the background) and is SIGKILLed between the promoted payloads and full.json.
+    # Version 4 stays a plain light version: the next merge starts cold from version 0 (4
+    # replayed), names 0, applies each contribution once, and `diloco replay` is bit-exact
+    cfg = _cfg(4, "kill", background=True)
+    url = f"file://{tmp_path}/store"
+    store = new_store(cfg, url)
+    merger = Merger(cfg, store)
+    for r in range(3):
+        _round(store, cfg, merger, r)
+    theta = merger._warm[0][1]
+    for i, island in enumerate(("a", "b")):
+        publish_delta(store, cfg, island, 3, random_delta(theta, 300 + i), base_version=3)
+    env = dict(os.environ, DILOCO_FAULTS="light.before-promotion@1", JAX_PLATFORMS="cpu")
+    cmd = [sys.executable, "-m", "training.cli", "merge", "--store", url, "--experiment", "kill"]
+    done = subprocess.run(cmd, env=env, capture_output=True, timeout=120)
+    assert done.returncode == -9, done.stderr.decode()[-2000:]
+    assert store.head(0).version == 4
+    assert PROMOTION not in _files(store, 4)
+    assert promoted_payload("outer_state") in _files(store, 4)  # orphaned payloads, unread
+    assert _cold_merge_at(store, cfg, 4) == 4  # versions 1-4 replayed from version 0
+    zero = store.find_version(0, 0)
+    assert records.light_ancestor(store.fragment_manifest(store.head(0))) == (0, zero.dir)
+    chain = store.list_fragment_versions(0)
+    flat = [pg for m in chain for pg in m["applied"]]
+    assert sorted(flat) == sorted(f"{i}/{s:08d}-f000" for i in "ab" for s in range(5))
+    lines = []
+    assert replay.run(cfg, store, 0, None, 1, False, lines.append) == 0, lines

@@ -468,6 +468,14 @@ class SyncerConfig(_Frozen):
         "fragment's last full one (bounds a cold start's replay in time); 0: by count only. "
         "Only matters when full_every is above 1",
     )
+    full_in_background: bool = Field(
+        True,
+        description="write a due full version's state after its merge, beside the light "
+        "version the merge publishes, while the next merges go on (the fragment's next merge "
+        "waits for it); later versions replay from it once it is written. Off: the merge "
+        "writes the full version itself before publishing it. The last merges of a run are "
+        "always written full by the merge",
+    )
 
 
 class CheckpointConfig(_Frozen):

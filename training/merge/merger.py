@@ -41,6 +41,7 @@ from training.codecs import host as codecs
 from training.config.experiment import ExperimentConfig
 from training.merge import apply, quorum, replay, rules
 from training.merge.fetch import Prefetch
+from training.merge.promote import BackgroundPromotions
 from training.model import definition as model
 from training.model.runtime import fragment_names
 from training.protocol import broadcast, claims, rounds
@@ -138,6 +139,8 @@ class Merger:
         # syncer's last drain: a run ends on full versions)
         self.full_always = False
         self._stopped = False  # control/STOP as this pass read it (merge_once)
+        # syncer.full_in_background: due full versions written beside light ones, meanwhile
+        self._promotions = BackgroundPromotions(store)
 
     def _version(self, head: HeadPointer) -> tuple[dict, records.MergeState]:
         """The manifest of a committed version and its merge state, read and parsed once per
@@ -363,7 +366,11 @@ class Merger:
         )
         payloads, shadow = broadcast.version_payloads(params, shadow, self.cfg.codec, extra)
         full_at = self._full_ancestor(head, manifest)
-        light = not self._full_due(p, head.version + 1, full_at, tokens_merged)
+        due = self._full_due(p, head.version + 1, full_at, tokens_merged)
+        # a periodic full version goes light now and is promoted in the background (the
+        # ending ones are written full by the merge: a run ends on full versions)
+        later = due and self._full_later(tokens_merged)
+        light = not due or later
         if light and payloads is not None:
             payloads = {n: t for n, t in payloads.items() if n != broadcast.SHADOW}
         # a light version with an update leaves its params out (their checksum recorded),
@@ -385,7 +392,10 @@ class Merger:
             log.info("fragment %d: lost the head race at version %d", p, head.version + 1)
             result.lost_race = True
             return
-        self._keep_warm(p, new.dir, params, rules.state_tensors(state), shadow)
+        outer_tensors = rules.state_tensors(state)
+        self._keep_warm(p, new.dir, params, outer_tensors, shadow)
+        if later:
+            self._promotions.submit(new, params, outer_tensors, shadow)
         result.versions[p] = new.version
         result.applied += applied
         result.contributions += details
@@ -393,8 +403,29 @@ class Merger:
             d["merged_at"] = merged_at
 
     def _full_ancestor(self, head: HeadPointer, manifest: dict) -> tuple[int, str]:
-        """(version, dir) of the nearest full version at or below `head` (itself if full)."""
-        return records.light_ancestor(manifest) or (head.version, head.dir)
+        """(version, dir) of the nearest full version at or below `head` (itself if full), or
+        the newer light one this merger promoted since (merge/promote.py)."""
+        named = records.light_ancestor(manifest) or (head.version, head.dir)
+        return self._promotions.ancestor(
+            head.fragment, named, lambda v, d: self._on_chain(head, v, d)
+        )
+
+    def _on_chain(self, head: HeadPointer, version: int, directory: str) -> bool:
+        """Whether version `version` in `directory` is `head` or one of its ancestors (walks
+        parent_dir from `head`, the manifests read once)."""
+        at = head
+        while at.version > version:
+            manifest = self._version(at)[0]
+            at = HeadPointer(head.fragment, manifest["parent_version"], manifest["parent_dir"], 0)
+        return at.version == version and at.dir == directory
+
+    def _full_later(self, tokens: int) -> bool:
+        """Whether a due full version is written in the background (syncer.full_in_background,
+        full_every > 1), not by the merge: never for the run's ending merges (the last
+        drain, control/STOP, the token budget reached)."""
+        syncer = self.cfg.syncer
+        ending = self.full_always or self._stopped or tokens >= self.cfg.token_budget
+        return syncer.full_in_background and syncer.full_every > 1 and not ending
 
     def _full_due(self, p: int, version: int, full_at: tuple[int, str], tokens: int) -> bool:
         """Whether the new `version` is written full (docs/STORE.md, "Light versions"): always
@@ -451,6 +482,7 @@ class Merger:
         verified from the store. The shadow is None when broadcast is off or the version has
         none (then S = its params). Taken out of the warm set either way: the merge mutates
         them."""
+        self._promotions.wait(head.fragment)  # its arrays may still be being written
         warm = self._warm.pop(head.fragment, None)
         if warm is not None and warm[0] == head.dir:
             return warm[1], warm[2], warm[3] if broadcast.enabled(self.cfg) else None
@@ -499,6 +531,7 @@ class Merger:
         there instead of replaying the merges since its full ancestor. What the syncer does
         before its memory goes: on SIGTERM, before deferring when idle, at the end of `diloco
         merge`. Returns the fragments promoted now; a HEAD another merger moved is left."""
+        self._promotions.wait_all()
         promoted = []
         for p in self.fragments:
             warm = self._warm.get(p)
@@ -511,6 +544,7 @@ class Merger:
                 shadow = params  # S = Theta (a version made without a shadow)
             if self.store.promote_version(head, manifest, params, outer_tensors, shadow):
                 log.info("fragment %d: promoted light version %d", p, head.version)
+                self._promotions.promoted[p] = (head.version, head.dir)  # later ones name it
                 promoted.append(p)
         return promoted
 

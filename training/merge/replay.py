@@ -185,8 +185,8 @@ def _state_at(cfg, store, shapes, chain, v: int, tick=lambda version: None) -> S
         return State(v, *apply.load_arrays(cfg, store, pointer, manifest, shapes))
     if full_at[0] not in chain or chain[full_at[0]][0].dir != full_at[1]:
         raise _Stop(CANNOT, f"version {v}'s full ancestor {full_at[0]} is not on its chain")
-    state = _promoted(cfg, store, shapes, chain, v, full_at[0]) or State(
-        full_at[0], *apply.load_arrays(cfg, store, *chain[full_at[0]], shapes)
+    state = _promoted(cfg, store, shapes, chain, v, full_at[0]) or _ancestor(
+        cfg, store, shapes, chain, full_at[0]
     )
     for u in range(state.version + 1, v + 1):
         try:
@@ -195,6 +195,18 @@ def _state_at(cfg, store, shapes, chain, v: int, tick=lambda version: None) -> S
             detail = f"version {u} (light, from full {full_at[0]}): {stop.detail}"
             raise _Stop(stop.status, detail) from None
         tick(u)
+    return state
+
+
+def _ancestor(cfg, store: ExperimentStore, shapes, chain, full: int) -> State:
+    """The state of the full ancestor `full`: a full version's, loaded; or a promoted light
+    version's (a full version written in the background), from its promotion."""
+    pointer, manifest = chain[full]
+    if records.light_ancestor(manifest) is None:
+        return State(full, *apply.load_arrays(cfg, store, pointer, manifest, shapes))
+    state = _promoted(cfg, store, shapes, chain, full, full - 1)
+    if state is None:
+        raise _Stop(CANNOT, f"full ancestor {full} is light and its promotion cannot be read")
     return state
 
 

@@ -405,6 +405,7 @@ class ShardSyncer:
                 self._reload()
                 if self.view.finished(self.cfg):
                     self._last_drain()
+                    self._promote()  # waits for background writes still in flight
                     self.lease.release()
                     self.outcome.reason = "finished"
                     return self.outcome

@@ -169,7 +169,9 @@ def read_full(
     if records.light_ancestor(manifest) is None or CODEC_FIELD not in manifest:
         return _read_whole(store, head, manifest, shapes)
     chain = store.light_chain(head, manifest)
-    got = _read_whole(store, *chain[0], shapes)
+    first, first_manifest = chain[0]  # full, or promoted (light_chain checked it)
+    light_first = records.light_ancestor(first_manifest) is not None
+    got = _read_whole(store, first, first_manifest, shapes, promoted=light_first)
     tensors, nbytes = got.tensors, got.nbytes
     for pointer, m in chain[1:]:
         codec = m.get(CODEC_FIELD)
@@ -193,12 +195,28 @@ def read_full(
 
 
 def _read_whole(
-    store, head: HeadPointer, manifest: dict, shapes: Mapping[str, tuple[int, ...]]
+    store,
+    head: HeadPointer,
+    manifest: dict,
+    shapes: Mapping[str, tuple[int, ...]],
+    promoted: bool = False,
 ) -> Fetched:
-    """The `adoptable` payload of a version, verified (read_full's one read)."""
+    """The `adoptable` payload of a version, verified (read_full's one read); of a promoted
+    light version (`promoted`: a full ancestor written in the background,
+    training/store/promotions.py), its promoted shadow (or params)."""
     name = adoptable(manifest)
     limit = codecs.payload_limits(shapes, "fp32")[0]
-    tensors = store.load_payload(head, name, manifest, max_nbytes=limit)
+    if promoted:
+        arrays = store.load_promoted(head, manifest, {"params": limit})
+        if arrays is None:
+            raise CorruptObject(
+                f"fragment {head.fragment} version {head.version}: a light version read whole "
+                "without a readable promotion"
+            )
+        name = SHADOW if arrays[2] is not None else "params"
+        tensors = arrays[2] if arrays[2] is not None else arrays[0]
+    else:
+        tensors = store.load_payload(head, name, manifest, max_nbytes=limit)
     got = {n: (tuple(v.shape), v.dtype) for n, v in tensors.items()}
     if got != {n: (tuple(s), np.dtype(np.float32)) for n, s in shapes.items()}:
         raise CorruptObject(

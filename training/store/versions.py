@@ -312,7 +312,8 @@ class FragmentVersions:
     def light_chain(self, head: HeadPointer, manifest: dict) -> list[tuple[HeadPointer, dict]]:
         """[(pointer, manifest)] of the versions from the nearest full one at or below `head`
         to `head`, oldest first (only `head` itself when it is full): what a cold start replays
-        forward (docs/STORE.md, "Light versions"). Walks parent_dir from `head` (whose
+        forward (docs/STORE.md, "Light versions"). The nearest full one may be a promoted light
+        version (training/store/promotions.py); BadPromotion if its promotion is untrustworthy. Walks parent_dir from `head` (whose
         `manifest` was read through fragment_manifest); CorruptObject when the walk does not
         reach the full ancestor the light versions name."""
         full_at = records.light_ancestor(manifest)
@@ -323,17 +324,24 @@ class FragmentVersions:
             m = chain[-1][1]
             parent = HeadPointer(head.fragment, m["parent_version"], m["parent_dir"], 0)
             pm = self.fragment_manifest(parent)
-            if parent.version > full_at[0] and records.light_ancestor(pm) != full_at:
+            named = records.light_ancestor(pm)
+            # a version in between names the same ancestor, or an older one (it was merged
+            # before the ancestor's background promotion was committed)
+            if parent.version > full_at[0] and (named is None or named[0] > full_at[0]):
                 raise CorruptObject(
-                    f"{self.url}/{parent.dir}: a light version between {head.version} and its "
-                    f"full ancestor {full_at[0]} names another one"
+                    f"{self.url}/{parent.dir}: a version between {head.version} and its full "
+                    f"ancestor {full_at[0]} is full or names a newer one"
                 )
             chain.append((parent, pm))
         last, last_manifest = chain[-1]
-        if last.dir != full_at[1] or records.light_ancestor(last_manifest) is not None:
+        # the ancestor: a full version, or a light one with a promotion (promotions.py)
+        if last.dir != full_at[1] or (
+            records.light_ancestor(last_manifest) is not None
+            and self.promotion(last, last_manifest) is None
+        ):
             raise CorruptObject(
-                f"{self.url}/{head.dir}: its full ancestor {full_at[1]} is not a full version "
-                "on its chain"
+                f"{self.url}/{head.dir}: its full ancestor {full_at[1]} is not a full or "
+                "promoted version on its chain"
             )
         return chain[::-1]
 
