@@ -17,6 +17,15 @@ def test_light_versions_write_fewer_bytes_and_a_cold_start_replays_them(tmp_path
     # k = 4 over versions 1-4: three light versions (params + update) and one full one (params,
     # outer state, shadow, update): fewer bytes a merge than four full versions
     assert light_k4["bytes_per_merge"] < full["bytes_per_merge"]
-    # full_every 3: HEAD = 2, both versions after the full version 0 light, replayed cold
+    # the full version 4 written in the background (update + promoted params, outer state,
+    # shadow) or by the merge (the same four payloads): the same bytes
+    assert (
+        light_k4["bytes_per_merge"] == out["bytes"]["4 (written by the merge)"]["bytes_per_merge"]
+    )
+    # full_every 3: HEAD = 2, both versions after the full version 0 light, replayed cold,
+    # then promoted and loaded
     assert out["cold"]["3"]["head"] == 2
-    assert "| full_every | HEAD | cold start s |" in capsys.readouterr().out
+    assert out["cold"]["3"]["promoted_start_s"] > 0
+    assert "| full_every | HEAD | cold start s | cold start at a promoted HEAD" in (
+        capsys.readouterr().out
+    )

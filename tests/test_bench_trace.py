@@ -106,7 +106,7 @@ def test_a_light_version_is_traced_with_its_replayed_momentum(tmp_path):
     from training.bench import light
 
     def momentum_norm(k: int) -> float:
-        _, store, _ = light._chain("tiny", 1, k, 3, str(tmp_path))
+        _, store, _, _ = light._chain("tiny", 1, k, 3, str(tmp_path))
         tracer = MergeTracer(store)
         tracer.after_merge([SimpleNamespace(versions={0: 3})])
         return merges(tracer.records)[0]["momentum_norm"]

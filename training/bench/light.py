@@ -23,25 +23,26 @@ from training.store.experiment import ExperimentStore
 from training.store.registry import open_store
 
 
-def _config(preset: str, fragments: int, k: int):
+def _config(preset: str, fragments: int, k: int, background: bool = True):
     return parse_config(
         {
-            "name": f"light-{k}",
+            "name": f"light-{k}" + ("" if background else "-sync"),
             "model": {"preset": preset},
             "islands": [{"name": "a"}, {"name": "b"}],
             "codec": "int4",
             "fragments": {"count": fragments},
             "outer": {"method": "nesterov", "rounds": "steps"},
             "token_budget": 10**12,
-            "syncer": {"full_every": k, "full_every_s": 0},
+            "syncer": {"full_every": k, "full_every_s": 0, "full_in_background": background},
         }
     )
 
 
-def _chain(preset: str, fragments: int, k: int, merges: int, root: str):
-    """An experiment whose fragment 0 had `merges` merges; (cfg, store, seconds per merge)."""
-    cfg = _config(preset, fragments, k)
-    store = ExperimentStore(open_store(f"file://{root}/k{k}"), cfg.name)
+def _chain(preset: str, fragments: int, k: int, merges: int, root: str, background: bool = True):
+    """An experiment whose fragment 0 had `merges` merges; (cfg, store, seconds per merge,
+    the merger, warm)."""
+    cfg = _config(preset, fragments, k, background)
+    store = ExperimentStore(open_store(f"file://{root}/{cfg.name}"), cfg.name)
     store.write_config(cfg.model_dump(mode="json"))
     initial_version(cfg, store)
     merger = Merger(cfg, store)
@@ -63,15 +64,31 @@ def _chain(preset: str, fragments: int, k: int, merges: int, root: str):
         got = merger.merge_once().versions
         if got != {0: base + 1}:
             raise RuntimeError(f"merge {r}: expected version {base + 1} of fragment 0, got {got}")
-    return cfg, store, (time.monotonic() - started) / max(merges, 1)
+    merger._promotions.wait_all()  # background full versions: their writes counted in
+    return cfg, store, (time.monotonic() - started) / max(merges, 1), merger
 
 
 def _written(store, merges: int) -> float:
-    """Mean payload bytes of fragment 0's versions 1..merges (their manifests' nbytes)."""
+    """Mean payload bytes of fragment 0's versions 1..merges (their manifests' nbytes, and
+    their promotions': the full versions written in the background)."""
     chain = store.list_fragment_versions(0)[1:]
     if len(chain) != merges:
         raise RuntimeError(f"fragment 0 has {len(chain)} versions after {merges} merges")
-    return sum(sum(m["nbytes"].values()) for m in chain) / merges
+    total = 0
+    for m in chain:
+        total += sum(m["nbytes"].values())
+        head = store.find_version(0, m["version"])
+        promoted = store.promotion(head, m) if m.get("full") is False else None
+        total += sum(size for _, size in promoted.sums.values()) if promoted else 0
+    return total / merges
+
+
+def _cold_start(cfg, store, head) -> float:
+    """Seconds a new merger takes to hold `head`'s arrays (replayed, or loaded)."""
+    cold = Merger(cfg, store)
+    started = time.monotonic()
+    cold._fragment_arrays(head, store.fragment_manifest(head))
+    return time.monotonic() - started
 
 
 def table(out: dict) -> str:
@@ -87,8 +104,15 @@ def table(out: dict) -> str:
             f"| {k} | {r['bytes_per_merge'] / 1e6:.2f} MB | {r['bytes_per_merge'] / first:.2f} "
             f"| {r['merge_s']:.3f} |"
         )
-    rows += ["", "| full_every | HEAD | cold start s |", "|---|---|---|"]
-    rows += [f"| {k} | {r['head']} | {r['cold_start_s']:.3f} |" for k, r in out["cold"].items()]
+    rows += [
+        "",
+        "| full_every | HEAD | cold start s | cold start at a promoted HEAD s (after SIGTERM) |",
+        "|---|---|---|---|",
+    ]
+    rows += [
+        f"| {k} | {r['head']} | {r['cold_start_s']:.3f} | {r['promoted_start_s']:.3f} |"
+        for k, r in out["cold"].items()
+    ]
     return "\n".join(rows)
 
 
@@ -104,21 +128,28 @@ def main(argv: list[str] | None = None) -> int:
     out = {"preset": args.preset, "fragments": args.fragments, "bytes": {}, "cold": {}}
     with tempfile.TemporaryDirectory() as root:
         for k in args.bytes_k:
-            _, store, per = _chain(args.preset, args.fragments, k, args.bytes_merges, root)
-            out["bytes"][k] = {
-                "bytes_per_merge": _written(store, args.bytes_merges),
-                "merge_s": per,
-            }
-            print(json.dumps({k: out["bytes"][k]}), flush=True)
+            # k > 1: full versions in the background (the default), and written by the merge
+            for background in (True, False) if k > 1 else (True,):
+                label = str(k) if background or k == 1 else f"{k} (written by the merge)"
+                _, store, per, _ = _chain(
+                    args.preset, args.fragments, k, args.bytes_merges, root, background
+                )
+                out["bytes"][label] = {
+                    "bytes_per_merge": _written(store, args.bytes_merges),
+                    "merge_s": per,
+                }
+                print(json.dumps({label: out["bytes"][label]}), flush=True)
         for k in args.cold_k:
-            # HEAD = k - 1: the most light versions a cold start replays with full_every k
-            cfg, store, per = _chain(args.preset, args.fragments, k, max(k - 1, 1), f"{root}/cold")
+            # HEAD = k - 1: the most light versions a cold start replays with full_every k;
+            # then the same HEAD promoted (what a shard leaves on SIGTERM or before deferring)
+            cfg, store, per, warm = _chain(
+                args.preset, args.fragments, k, max(k - 1, 1), f"{root}/cold"
+            )
             head = store.head(0)
-            cold = Merger(cfg, store)
-            started = time.monotonic()
-            cold._fragment_arrays(head, store.fragment_manifest(head))
-            out["cold"][k] = {"head": head.version, "cold_start_s": time.monotonic() - started,
-                              "merge_s": per}  # fmt: skip
+            out["cold"][k] = {"head": head.version, "merge_s": per}
+            out["cold"][k]["cold_start_s"] = _cold_start(cfg, store, head)
+            warm.promote_heads()
+            out["cold"][k]["promoted_start_s"] = _cold_start(cfg, store, head)
             print(json.dumps({k: out["cold"][k]}), flush=True)
     print(table(out))
     if args.json:
