@@ -10,8 +10,8 @@ at each; a store without one runs no fault code.
 
 This module holds the I/O helpers and the config; pseudo-gradients, the ledger and the
 quarantine are in training/store/contributions.py, heartbeats, checkpoints, metrics and control
-in island_objects.py, the per-fragment version chains and snapshots in versions.py, garbage
-collection in gc.py, names in keys.py.
+in island_objects.py, the per-fragment version chains in versions.py, snapshots in snapshots.py,
+promotions of light versions in promotions.py, garbage collection in gc.py, names in keys.py.
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ from training.store.objectstore import CorruptObject, ObjectNotFound, ObjectStor
 from training.store.promotions import Promotions
 from training.store.record_fields import is_int
 from training.store.safejson import JSONLimits
+from training.store.snapshots import Snapshots
 from training.store.tensors import MAX_HEADER_BYTES, Checksum, decode_tensors
 from training.store.versions import FragmentVersions
 
@@ -88,7 +89,7 @@ class FaultPoints(Protocol):
 
 
 class ExperimentStore(
-    Contributions, FragmentVersions, Promotions, GarbageCollection, IslandObjects
+    Contributions, FragmentVersions, Snapshots, Promotions, GarbageCollection, IslandObjects
 ):
     """The objects of one experiment under `<store root>/<experiment>/` (layout: docs/STORE.md).
 

@@ -1,12 +1,11 @@
-"""Per-fragment global state (store layout 2): one version chain per fragment, and snapshots.
+"""Per-fragment global state (store layout 2): one version chain per fragment.
 
 Each fragment p has its own HEAD (`fragments/f{p:03d}/HEAD.json`, advanced only by compare-and-
 swap), its own chain of immutable version directories (params, outer-optimizer state, manifest
 written last) and its own slice of the ledger: a merge of fragment p writes only fragment p, and
-two merges of different fragments never contend. A *snapshot* is a vector of fragment versions
-(`snapshots/{time_ns}-{uuid8}.json`, JSON only): what evaluation, status, export and garbage
-collection name when they mean "the whole model at one point of the run". `snapshots/BEST.json`
-names the best evaluated snapshot. The protocol is in docs/STORE.md.
+two merges of different fragments never contend. Snapshots (the whole model: one version per
+fragment) are in training/store/snapshots.py, promotions of light versions in
+training/store/promotions.py. The protocol is in docs/STORE.md.
 
 A mixin of `ExperimentStore` (training/store/experiment.py), which supplies the I/O helpers.
 """
@@ -21,21 +20,17 @@ import numpy as np
 
 from training.store import merge_records as records
 from training.store import safejson
-from training.store.keys import BEST, FINAL, BadName, parse_fragment_dir
 from training.store.layout import (
     FRAGMENT_RESERVED,
     FragmentVersion,
     HeadPointer,
-    Snapshot,
     dump_json,
     fragment_dir,
     fragment_root,
     iso,
-    load_json,
     new_uuid8,
     now,
     parse_pseudograd_id,
-    unique_time_ns,
 )
 from training.store.objectstore import CorruptObject, ObjectNotFound, StoreError
 from training.store.record_fields import is_int
@@ -374,36 +369,6 @@ class FragmentVersions:
             directory = manifest.get("parent_dir")
         return chain[::-1]
 
-    def snapshot_history(self) -> list[Snapshot]:
-        """The models the merges made, oldest first: one Snapshot per committed fragment version
-        the store still holds (versions of all fragments in the order of their `created_at`,
-        ties by fragment), each the HEADs as they stood right after that version. It starts
-        with the oldest state every fragment's kept chain reaches. [] before the first version."""
-        chains = []
-        for p in range(self.num_fragments()):
-            head = self.head(p)
-            manifests = self.list_fragment_versions(p)
-            if head is None or not manifests:
-                return []
-            dirs = [m.get("parent_dir") for m in manifests[1:]] + [head.dir]
-            chains.append(list(zip(manifests, dirs, strict=True)))
-        events = sorted(
-            (_created(chain[i][0]), p, i)
-            for p, chain in enumerate(chains)
-            for i in range(1, len(chain))
-        )
-        at = [0] * len(chains)  # the index each fragment's chain has reached
-
-        def state(t: float) -> Snapshot:
-            parts = [chain[i] for chain, i in zip(chains, at, strict=True)]
-            return _snapshot([m for m, _ in parts], [str(d) for _, d in parts], t)
-
-        out = [state(max(_created(c[0][0]) for c in chains))]
-        for t, p, i in events:
-            at[p] = i
-            out.append(state(t))
-        return out
-
     def find_version(self, fragment: int, version: int) -> HeadPointer:
         """A pointer to committed version `version` of `fragment` (HEAD or an ancestor)."""
         head = self.head(fragment)
@@ -471,181 +436,3 @@ class FragmentVersions:
             for p, (d, m) in manifests.items()
         }
         return self.pending_after(cursors, [i for i in islands if isinstance(i, str)])
-
-    # snapshots -----------------------------------------------------------------------------
-    def current_snapshot(self) -> Snapshot | None:
-        """The snapshot of every fragment's HEAD now (None until every fragment has one).
-
-        `tokens_merged` is exact with P > 1: each fragment's contributions count the tokens
-        trained since that fragment's last publish, so the model holds the mean over fragments.
-        """
-        heads = self.heads()
-        if any(h is None for h in heads):
-            return None
-        manifests = self.parallel(self.fragment_manifest, heads)
-        return _snapshot(manifests, [h.dir for h in heads], max(_created(m) for m in manifests))
-
-    def record_snapshot(self, snapshot: Snapshot, extra: Mapping[str, Any] | None = None) -> str:
-        """Write `snapshot` as snapshots/{time_ns:020d}-{uuid8}.json; returns its name."""
-        name = f"snapshots/{unique_time_ns():020d}-{new_uuid8()}.json"
-        self.write_json(name, {**dict(extra or {}), **snapshot.to_dict()})
-        return name
-
-    def snapshots(self) -> list[dict[str, Any]]:
-        """Every recorded snapshot, oldest first (unreadable ones skipped and counted)."""
-        relatives = [
-            k
-            for k in self.list_keys("snapshots/")
-            if (n := self.parse_listed(k)) and n.kind == "snapshot"
-        ]
-        records = self.read_records(
-            relatives,
-            safejson.SNAPSHOT.max_bytes,
-            lambda data, rel: load_json(data, f"{self.url}/{rel}", safejson.SNAPSHOT),
-        )
-        return [record for _, record in records]
-
-    def snapshot_of(self, record: Mapping[str, Any]) -> Snapshot:
-        """The Snapshot a recorded snapshot (or an eval / BEST record) names; CorruptObject if
-        its versions and dirs do not describe committed fragment directories."""
-        versions, dirs = record.get("versions"), record.get("dirs")
-        if not (
-            isinstance(versions, list) and isinstance(dirs, list) and len(versions) == len(dirs)
-        ):
-            raise CorruptObject(f"{self.url}: invalid snapshot {safejson.show(dict(record), 200)}")
-        for p, (v, d) in enumerate(zip(versions, dirs, strict=True)):
-            try:
-                ok = is_int(v) and parse_fragment_dir(d, p)[1] == v
-            except BadName:
-                ok = False
-            if not ok:
-                raise CorruptObject(
-                    f"{self.url}: snapshot entry {p} is invalid: "
-                    f"{safejson.show(v)} {safejson.show(d)}"
-                )
-        tokens = record.get("tokens_merged", 0)
-        if not is_int(tokens):
-            raise CorruptObject(f"{self.url}: snapshot has invalid tokens_merged {tokens!r:.50}")
-        return Snapshot(tuple(versions), tuple(dirs), tokens)
-
-    def load_params(
-        self, snapshot: Snapshot | None = None, params_of=None
-    ) -> dict[str, np.ndarray]:
-        """The whole model's parameters at `snapshot` (default: every fragment's HEAD now),
-        verified fragment by fragment. ObjectNotFound before the first version. A light
-        version without params: `params_of(pointer, manifest)` gives them
-        (training/merge/replay.py `params_at`: replayed from its full ancestor, checked against
-        its params_crc32c); without one, LightVersion."""
-        snapshot = snapshot or self.current_snapshot()
-        if snapshot is None:
-            raise ObjectNotFound(f"{self.url}: no global version published yet")
-        pointers = [
-            HeadPointer(p, v, d, 0)
-            for p, (v, d) in enumerate(zip(snapshot.versions, snapshot.dirs, strict=True))
-        ]
-
-        def one(pointer: HeadPointer) -> dict[str, np.ndarray]:
-            manifest = self.fragment_manifest(pointer)
-            if params_of is not None and records.params_sum(manifest) is not None:
-                return params_of(pointer, manifest)
-            return self.load_fragment(pointer, manifest=manifest).params
-
-        params: dict[str, np.ndarray] = {}
-        for got in self.parallel(one, pointers):
-            params.update(got)
-        return params
-
-    def restore_snapshot(self, snapshot: Snapshot, reason: str, state_of=None) -> Snapshot | None:
-        """Make `snapshot`'s model the current one: each fragment whose HEAD is not already at
-        the snapshot's version gets a new version (HEAD + 1) holding that version's parameters
-        and outer state, and HEAD's manifest fields (merge_state with its cursors: nothing
-        applied becomes unapplied, nothing is applied again) but the restored version's
-        `tokens_merged` (the tokens in the model), plus `restored_from` ({"version", "dir",
-        "reason", "tokens_discarded": HEAD's tokens_merged minus the restored version's}).
-        Returns the new current snapshot, or None if a fragment's HEAD moved meanwhile (a merger is still at work: restore nothing more, retry later).
-        A light version holds no outer state (and under update broadcast no params):
-        `state_of(pointer, manifest)` gives (params, outer state) (training/merge/replay.py
-        `arrays_of`: replayed forward from its full ancestor, checked; without one,
-        LightVersion); the restore is a full version either way."""
-        for p, (v, d) in enumerate(zip(snapshot.versions, snapshot.dirs, strict=True)):
-            head = self.head(p)
-            if head is None or head.dir == d:
-                continue
-            pointer = HeadPointer(p, v, d, 0)
-            restored = self.fragment_manifest(pointer)
-            light = records.light_ancestor(restored) is not None
-            if light and state_of is not None:
-                params, outer = state_of(pointer, restored)
-            else:
-                old = self.load_fragment(pointer, outer_state=True, manifest=restored)
-                params, outer = old.params, old.outer_state
-            current = self.fragment_manifest(head)
-            extra = {
-                k: val
-                for k, val in current.items()
-                if k not in FRAGMENT_RESERVED and k != "update_codec"  # no update: S = params
-            }
-            # the tokens in the model are the restored version's; the discarded ones are said
-            tokens = int(restored.get("tokens_merged", 0))
-            discarded = int(current.get("tokens_merged", 0)) - tokens
-            extra["tokens_merged"] = tokens
-            extra["restored_from"] = {
-                "version": v,
-                "dir": d,
-                "reason": reason,
-                "tokens_discarded": discarded,
-            }
-            new = self.publish_fragment(p, head.version + 1, params, outer, extra, expected=head)
-            if new is None:
-                return None
-        return self.current_snapshot()
-
-    def best(self) -> dict[str, Any] | None:
-        """snapshots/BEST.json: the best evaluated snapshot with its eval record, or None."""
-        return self.read_json_or_none(BEST, safejson.SNAPSHOT)
-
-    def final(self) -> dict[str, Any] | None:
-        """snapshots/FINAL.json: the eval record of the model a finished run ends with (its
-        BEST restored when the last model was worse), or None while the run has not ended."""
-        return self.read_json_or_none(FINAL, safejson.SNAPSHOT)
-
-    def record_final(self, record: Mapping[str, Any]) -> bool:
-        """Write snapshots/FINAL.json once (create-only: the run's one finalize); False when it
-        exists already."""
-        return self.create_json(FINAL, dict(record))
-
-    def offer_best(self, record: Mapping[str, Any]) -> bool:
-        """Make `record` (an eval record naming a snapshot and its `loss`) BEST if its loss is
-        lower than BEST's, by compare-and-swap (racing evaluators keep the lowest). True if
-        it became BEST."""
-        loss = record.get("loss")
-        if not isinstance(loss, float | int) or not np.isfinite(loss):
-            return False
-        key = self.object_key(BEST)
-        for _ in range(10):
-            got = self.store.read_versioned(key, max_bytes=safejson.SNAPSHOT.max_bytes)
-            if got is not None:
-                current = load_json(got[0], f"{self.url}/{BEST}", safejson.SNAPSHOT).get("loss")
-                if isinstance(current, float | int) and current <= loss:
-                    return False
-            if self.store.compare_and_swap(key, dump_json(dict(record)), got and got[1]):
-                return True
-        return False
-
-
-def _created(manifest: Mapping[str, Any]) -> float:
-    """A committed version's `created_at` (0 when a manifest lacks it)."""
-    return float(manifest.get("created_at", 0.0))
-
-
-def _snapshot(manifests: Sequence[Mapping[str, Any]], dirs: Sequence[str], at: float) -> Snapshot:
-    """The model made of these fragment versions (one manifest and dir per fragment). Its
-    `tokens_merged` is the mean over fragments: each fragment's contributions count the tokens
-    trained since that fragment's last publish, so the model holds the mean."""
-    tokens = [int(m.get("tokens_merged", 0)) for m in manifests]
-    return Snapshot(
-        versions=tuple(int(m["version"]) for m in manifests),
-        dirs=tuple(dirs),
-        tokens_merged=sum(tokens) // len(tokens),
-        at=at,
-    )
