@@ -40,6 +40,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -254,12 +255,17 @@ def _measure(store, P, plan, payloads, round_s, rate, duration, late, publish_s)
     )
 
 
-def search(backend: str, N: int, S: int, a, url_for) -> dict:
-    """Double the rate from a.rate0 until a trial fails: the highest passing one is the row."""
+def search(backend: str, N: int, S: int, a, url_for, drop=lambda url: None) -> dict:
+    """Double the rate from a.rate0 until a trial fails: the highest passing one is the row.
+    Each trial's store is dropped after it (`drop(url)`: a file:// trial writes gigabytes)."""
     # start where a round is at most half the longest trial (two rounds fit in it)
     best, trials, rate = None, [], max(a.rate0, N * a.fragments / (a.max_trial_s / 2))
     while rate <= a.max_rate:
-        t = trial(url_for(), a.preset, a.fragments, N, S, rate, a)
+        url = url_for()
+        try:
+            t = trial(url, a.preset, a.fragments, N, S, rate, a)
+        finally:
+            drop(url)
         trials.append(t)
         print(_line(backend, N, S, t), flush=True)
         if not t["passed"]:
@@ -390,7 +396,7 @@ def main(argv: list[str]) -> int:
         ap.error(f"--shards {max(a.shards)} > --fragments {a.fragments}: a shard would idle")
     rows = []
     for backend in a.stores:
-        server = None
+        server, local = None, None
         if backend == "gcs":
             from training.bench.fetch import _start_server
 
@@ -398,15 +404,20 @@ def main(argv: list[str]) -> int:
             os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"
             root = "gs://bench"
         else:
-            root = "file://" + tempfile.mkdtemp(prefix="bench-syncer-")
+            local = tempfile.mkdtemp(prefix="bench-syncer-")
+            root = "file://" + local
 
         def url_for(root: str = root) -> str:
             return f"{root}/syncer-{uuid.uuid4().hex[:8]}"
 
+        def drop(url: str, local: str | None = local) -> None:
+            if local is not None:
+                shutil.rmtree(url.removeprefix("file://"), ignore_errors=True)
+
         try:
             for N in a.islands:
                 for S in a.shards:
-                    row = search(backend, N, S, a, url_for)
+                    row = search(backend, N, S, a, url_for, drop)
                     row["derived_12b"] = derive_12b(row)
                     rows.append(row)
                     if a.json_out:
@@ -414,6 +425,8 @@ def main(argv: list[str]) -> int:
         finally:
             if server is not None:
                 server.stop()
+            if local is not None:
+                shutil.rmtree(local, ignore_errors=True)
     print(format_table(rows))
     if a.json_out:
         _write(a, rows)
