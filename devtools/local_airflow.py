@@ -225,15 +225,21 @@ class LocalAirflow:
         return env
 
     def migrate_db(self, env: dict[str, str]) -> Path:
-        """`airflow db migrate` (its output in logs/db-migrate.log); returns the logs folder."""
+        """`airflow db migrate` (its output in logs/db-migrate.log); returns the logs folder.
+        A home used before (its DB exists) also gets `airflow dags reserialize`: its serialized
+        DAGs are an earlier checkout's, and until the DAG processor re-parses the files the API
+        would check a trigger against the old form (a field changed type: HTTP 400)."""
         logs = self.home / "logs"
         logs.mkdir(parents=True, exist_ok=True)
+        used = (self.home / "airflow.db").exists()
+        steps = [["db", "migrate"]] + ([["dags", "reserialize"]] if used else [])
         with open(logs / "db-migrate.log", "ab") as out:
-            rc = subprocess.call(
-                [*self.airflow_bin(), "db", "migrate"], env=env, stdout=out, stderr=out
-            )
-        if rc:
-            raise AirflowError(f"airflow db migrate failed ({rc}); see {logs / 'db-migrate.log'}")
+            for step in steps:
+                rc = subprocess.call([*self.airflow_bin(), *step], env=env, stdout=out, stderr=out)
+                if rc:
+                    raise AirflowError(
+                        f"airflow {' '.join(step)} failed ({rc}); see {logs / 'db-migrate.log'}"
+                    )
         return logs
 
     def airflow_bin(self) -> list[str]:

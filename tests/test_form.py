@@ -216,3 +216,18 @@ def test_a_bad_deployment_default_fails_the_dag_with_the_reason(monkeypatch, set
     monkeypatch.setenv("DILOCO_FORM_DEFAULTS", setting)
     with pytest.raises((ValueError, ParamValidationError)):
         form.experiment_params()
+
+
+def test_every_fields_default_passes_its_own_schema(params):
+    # a trigger with an untouched form must start: a boolean config field once became a
+    # "number" param whose default True the API refused (HTTP 400 on `make demo`)
+    for name, p in params.items():
+        p.resolve(p.value)
+
+
+def test_a_boolean_syncer_field_is_a_boolean_and_an_integers_bounds_are_exclusive(params):
+    assert params["syncer_full_in_background"].schema["type"] == "boolean"
+    assert params["syncer_full_in_background"].value is True
+    # full_every: 1 <= k <= 10000 in the config; exclusive 0 and 10001 in the form
+    schema = params["syncer_full_every"].schema
+    assert (schema["exclusiveMinimum"], schema["exclusiveMaximum"]) == (0, 10_001)

@@ -23,7 +23,7 @@ import re
 from typing import Any, get_args
 
 from airflow.sdk import Param
-from annotated_types import Gt
+from annotated_types import Ge, Gt, Le
 from pydantic import BaseModel
 
 from diloco_airflow import knobs
@@ -171,9 +171,17 @@ def _syncer_params() -> dict[str, Param]:
     """One Param per `SyncerConfig` field, named ``syncer_<field>``."""
     out = {}
     for name, info in SyncerConfig.model_fields.items():
-        kind = "integer" if info.annotation is int else "number"
-        gt = next((m.gt for m in info.metadata if isinstance(m, Gt)), None)
-        bounds = {} if gt is None else {"exclusiveMinimum": gt}
+        kind = {int: "integer", bool: "boolean"}.get(info.annotation, "number")
+        # the field's own bounds, exclusive (Airflow's form clamps what is typed to `minimum` /
+        # `maximum`); a float's inclusive bound is left to the config's one-line refusal
+        bounds = {}
+        for meta in info.metadata:
+            if isinstance(meta, Gt):
+                bounds["exclusiveMinimum"] = meta.gt
+            elif isinstance(meta, Ge) and kind == "integer":
+                bounds["exclusiveMinimum"] = meta.ge - 1
+            elif isinstance(meta, Le) and kind == "integer":
+                bounds["exclusiveMaximum"] = meta.le + 1
         out[f"syncer_{name}"] = Param(
             FORM_DEFAULTS.get(f"syncer_{name}", info.default),
             type=kind,

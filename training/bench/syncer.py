@@ -213,6 +213,8 @@ def trial(url: str, preset: str, P: int, N: int, S: int, rate: float, a) -> dict
 
 def _measure(store, P, plan, payloads, round_s, rate, duration, late, publish_s) -> dict:
     """The trial's numbers from the versions' manifests (the truth)."""
+    from training.store.experiment import HeadPointer
+
     applied: dict[str, int] = {}
     twice = []
     latencies = []
@@ -220,9 +222,14 @@ def _measure(store, P, plan, payloads, round_s, rate, duration, late, publish_s)
     versions = 0
     read_bytes = 0
     for p in range(P):
-        for m in store.list_fragment_versions(p)[1:]:
+        chain = store.list_fragment_versions(p)
+        dirs = [m["parent_dir"] for m in chain[1:]] + [store.head(p).dir]
+        for m, directory in list(zip(chain, dirs, strict=True))[1:]:
             versions += 1
             version_bytes += sum(int(v) for v in m.get("nbytes", {}).values())
+            if m.get("full") is False:  # a full version written in the background: its bytes
+                promoted = store.promotion(HeadPointer(p, m["version"], directory, 0), m)
+                version_bytes += sum(n for _, n in promoted.sums.values()) if promoted else 0
             for pg in m["applied"]:
                 if pg in applied:
                     twice.append(pg)
