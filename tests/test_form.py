@@ -222,7 +222,7 @@ def test_every_fields_default_passes_its_own_schema(params):
     # a trigger with an untouched form must start: a boolean config field once became a
     # "number" param whose default True the API refused (HTTP 400 on `make demo`)
     for name, p in params.items():
-        p.resolve(p.value)
+        assert p.resolve(p.value) == p.value, name
 
 
 def test_a_boolean_syncer_field_is_a_boolean_and_an_integers_bounds_are_exclusive(params):
