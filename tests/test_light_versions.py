@@ -267,10 +267,10 @@ def test_gc_keeps_what_the_kept_light_head_replays_from():
     assert store.head(0).version == 8
 
 
-def test_a_cold_start_killed_mid_replay_then_rerun_applies_each_contribution_once(tmp_path):
-    # HEAD 3 light (full 0); a `diloco merge` process starts cold, replays version 1, dies at
-    # the second replayed version; the rerun replays 1-3 again and merges round 3 once
-    cfg = _cfg(4, "kill")
+def killed_merge(tmp_path, faults: str, background: bool = False):
+    """HEAD 3 (k = 4) on a file:// store with round 3 published by islands a and b; a `diloco
+    merge` process run with DILOCO_FAULTS=`faults` must SIGKILL itself. (cfg, store, url)."""
+    cfg = _cfg(4, "kill", background)
     url = f"file://{tmp_path}/store"
     store = new_store(cfg, url)
     merger = Merger(cfg, store)
@@ -279,10 +279,17 @@ def test_a_cold_start_killed_mid_replay_then_rerun_applies_each_contribution_onc
     theta = merger._warm[0][1]
     for i, island in enumerate(("a", "b")):
         publish_delta(store, cfg, island, 3, random_delta(theta, 300 + i), base_version=3)
-    env = dict(os.environ, DILOCO_FAULTS="merge.cold-replay@2", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, DILOCO_FAULTS=faults, JAX_PLATFORMS="cpu")
     cmd = [sys.executable, "-m", "training.cli", "merge", "--store", url, "--experiment", "kill"]
     done = subprocess.run(cmd, env=env, capture_output=True, timeout=120)
     assert done.returncode == -9, done.stderr.decode()[-2000:]
+    return cfg, store, url
+
+
+def test_a_cold_start_killed_mid_replay_then_rerun_applies_each_contribution_once(tmp_path):
+    # HEAD 3 light (full 0); a `diloco merge` process starts cold, replays version 1, dies at
+    # the second replayed version; the rerun replays 1-3 again and merges round 3 once
+    cfg, store, url = killed_merge(tmp_path, "merge.cold-replay@2")
     assert store.head(0).version == 3  # killed before it merged anything
     assert cli.main(["merge", "--store", url, "--experiment", "kill"]) == 0
     chain = store.list_fragment_versions(0)

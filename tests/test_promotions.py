@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from tests.helpers import new_store, publish_delta, random_delta
-from tests.test_light_versions import _cfg, _params_bits, _round, _run
+from tests.test_light_versions import _cfg, _params_bits, _round, _run, killed_merge
 from training.config.sections import SyncerConfig
 from training.merge import replay
 from training.merge.merger import Merger
@@ -331,19 +331,7 @@ def test_a_merge_killed_before_its_promotions_marker_leaves_a_light_version_repl
     # promoted in the background) and is SIGKILLed between the promoted payloads and full.json.
     # Version 4 stays a plain light version: the next merge starts cold from version 0 (4
     # replayed), names 0, applies each contribution once, and `diloco replay` is bit-exact
-    cfg = _cfg(4, "kill", background=True)
-    url = f"file://{tmp_path}/store"
-    store = new_store(cfg, url)
-    merger = Merger(cfg, store)
-    for r in range(3):
-        _round(store, cfg, merger, r)
-    theta = merger._warm[0][1]
-    for i, island in enumerate(("a", "b")):
-        publish_delta(store, cfg, island, 3, random_delta(theta, 300 + i), base_version=3)
-    env = dict(os.environ, DILOCO_FAULTS="light.before-promotion@1", JAX_PLATFORMS="cpu")
-    cmd = [sys.executable, "-m", "training.cli", "merge", "--store", url, "--experiment", "kill"]
-    done = subprocess.run(cmd, env=env, capture_output=True, timeout=120)
-    assert done.returncode == -9, done.stderr.decode()[-2000:]
+    cfg, store, _ = killed_merge(tmp_path, "light.before-promotion@1", background=True)
     assert store.head(0).version == 4
     assert PROMOTION not in _files(store, 4)
     assert promoted_payload("outer_state") in _files(store, 4)  # orphaned payloads, unread
