@@ -203,18 +203,17 @@ def _read_whole(
 ) -> Fetched:
     """The `adoptable` payload of a version, verified (read_full's one read); of a promoted
     light version (`promoted`: a full ancestor written in the background,
-    training/store/promotions.py), its promoted shadow (or params)."""
+    training/store/promotions.py), its promoted shadow alone."""
     name = adoptable(manifest)
     limit = codecs.payload_limits(shapes, "fp32")[0]
-    if promoted:
-        arrays = store.load_promoted(head, manifest, {"params": limit})
-        if arrays is None:
+    if promoted:  # under update broadcast a promotion holds the merger's shadow
+        name = SHADOW
+        tensors = store.load_promoted_shadow(head, manifest, limit)
+        if tensors is None:
             raise CorruptObject(
                 f"fragment {head.fragment} version {head.version}: a light version read whole "
-                "without a readable promotion"
+                "without a readable promoted shadow"
             )
-        name = SHADOW if arrays[2] is not None else "params"
-        tensors = arrays[2] if arrays[2] is not None else arrays[0]
     else:
         tensors = store.load_payload(head, name, manifest, max_nbytes=limit)
     got = {n: (tuple(v.shape), v.dtype) for n, v in tensors.items()}

@@ -128,8 +128,33 @@ class Promotions:
     ) -> tuple[dict, dict, dict | None] | None:
         """(params, outer-state tensors, shadow or None) of the light version `head` names,
         from its promotion, each payload's size (at most `max_nbytes[name]`: the fragment's
-        float32 size; the shadow: the params') and checksum checked; writable arrays. None when it has no promotion,
-        or one that cannot be read or trusted (logged: the caller replays instead)."""
+        float32 size; the shadow: the params') and checksum checked; writable arrays. None
+        when it has no promotion, or one that cannot be read or trusted (logged: the caller
+        replays instead)."""
+        loaded = self._read_promoted(head, manifest, max_nbytes, records.PROMOTED_PAYLOADS)
+        if loaded is None:
+            return None
+        return loaded["params"], loaded["outer_state"], loaded.get("shadow")
+
+    def load_promoted_shadow(
+        self, head: HeadPointer, manifest: dict, max_nbytes: int | None = None
+    ) -> dict | None:
+        """The broadcast shadow alone of the light version `head` names, from its promotion
+        (what an island reading it whole adopts: no params, no outer state read), checked as
+        in load_promoted; None when there is none or it cannot be trusted (logged)."""
+        limits = None if max_nbytes is None else {"shadow": max_nbytes}
+        loaded = self._read_promoted(head, manifest, limits, ("shadow",))
+        return None if loaded is None else loaded.get("shadow")
+
+    def _read_promoted(
+        self,
+        head: HeadPointer,
+        manifest: dict,
+        max_nbytes: Mapping[str, int] | None,
+        names: tuple[str, ...],
+    ) -> dict[str, dict] | None:
+        """The promotion's payloads among `names`, by name (params from the version itself
+        where it keeps them); None when there is no promotion or it fails a check (logged)."""
         what = f"{self.url} fragment {head.fragment} version {head.version}"
         try:
             promoted = self.promotion(head, manifest)
@@ -137,7 +162,8 @@ class Promotions:
                 return None
             limits = dict(max_nbytes or {})
             limits.setdefault("shadow", limits.get("params"))  # the shadow: params' shapes
-            for name, (_, size) in promoted.sums.items():
+            wanted = {n: v for n, v in promoted.sums.items() if n in names}
+            for name, (_, size) in wanted.items():
                 limit = limits.get(name)
                 if limit is not None and size > limit:
                     raise CorruptObject(f"{what}: promoted {name} of {size} bytes is over {limit}")
@@ -145,9 +171,9 @@ class Promotions:
                 name: self.read_verified_tensors(
                     f"{head.dir}/{promoted_payload(name)}", ("crc32c", crc), size, what
                 )
-                for name, (crc, size) in promoted.sums.items()
+                for name, (crc, size) in wanted.items()
             }
-            if "params" not in loaded:
+            if "params" in names and "params" not in loaded:
                 loaded["params"] = self.load_fragment(
                     head, manifest=manifest, max_nbytes=max_nbytes
                 ).params
@@ -156,4 +182,4 @@ class Promotions:
         except StoreError as err:  # CorruptObject, ObjectNotFound (collected meanwhile)
             log.warning("%s: promotion passed over (replayed instead): %s", what, err)
             return None
-        return loaded["params"], loaded["outer_state"], loaded.get("shadow")
+        return loaded
