@@ -27,7 +27,12 @@ def small_config(name: str = "exp", islands=("a", "b"), **sections):
         "token_budget": 10**9,
         # rounds on the island's own step counter: publishes at fixed steps, whatever the wall
         # clock does (clock rounds are tested in tests/test_rounds.py with a fake clock)
-        "outer": {"rounds": "steps"},
+        "outer": {"rounds": "steps", "quorum": 1},
+        # one fragment, every island's contribution merged as it comes (the defaults: P = 4
+        # tensor fragments, the automatic quorum): these tests publish whole-model deltas to
+        # fragment 0; fragments: tests/test_fragments.py, test_tensors.py; the automatic
+        # quorum: tests/test_quorum_auto.py
+        "fragments": {"count": 1, "strategy": "strided"},
         # every version full (the default writes a full one every 8th): these tests read any
         # version whole; light versions are tested in tests/test_light_versions.py and in the
         # full_every = 4 rows of the crash, race and island-kill tests

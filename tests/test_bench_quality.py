@@ -49,12 +49,16 @@ def test_first_seed_reruns_that_seed_alone(summary, corpus, tmp_path):
 
 
 def test_trace_records_every_version_of_each_diloco_run(summary):
-    # --trace 1: one merge record per published version, numbered 1, 2, ... in each seed's run
+    # --trace 1: one merge record per published version, numbered 1, 2, ... per fragment in
+    # each seed's run (the default P = 4: every fragment's own versions)
     traces = summary["traces"]
     assert sorted(traces) == ["decoupled"] and len(traces["decoupled"]) == 2
     for records in traces["decoupled"]:
-        versions = [r["version"] for r in records if r["kind"] == "merge"]
-        assert versions == list(range(1, len(versions) + 1)) and versions
+        merges = [r for r in records if r["kind"] == "merge"]
+        assert {r["fragment"] for r in merges} == {0, 1, 2, 3}
+        for f in range(4):
+            versions = [r["version"] for r in merges if r["fragment"] == f]
+            assert versions == list(range(1, len(versions) + 1))
 
 
 def test_json_keeps_its_keys_and_adds_the_seed_statistics(summary):

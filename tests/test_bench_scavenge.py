@@ -60,3 +60,42 @@ def test_plot_writes_a_png_of_every_method(tmp_path):
     ]
     sb.plot({"rows": rows}, str(tmp_path / "s.png"))
     assert (tmp_path / "s.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _run(seed, base_losses, burst_times, burst_losses, own_rel):
+    """A bench output (one seed) with the curves compare() reads: the base run evaluated at
+    0, 10, 20; one +25% row."""
+    return dict(
+        assumptions={**sb.asdict(sb.Assumptions()), "seed": seed},
+        sets={},
+        base=dict(target_loss=base_losses[-1],
+                  curve=dict(times=[0.0, 10.0, 20.0], tokens=[0, 1, 2], losses=base_losses)),
+        rows=[dict(method="decoupled", burst=0.25, time_to_target_rel=own_rel,
+                   curve=dict(times=burst_times, tokens=[0] * len(burst_times),
+                              losses=burst_losses)),
+              dict(method="dp", burst=0.25, time_to_target_rel=0.9)],
+    )  # fmt: skip
+
+
+def test_compare_reads_both_settings_at_the_easier_target():
+    # baseline: target 2.0 at t = 20; its +25% run reaches 2.0 at t = 10 (0.5x, its own row).
+    # candidate: a better base run (target 1.8); the common target is the easier 2.0, which
+    # its base run reaches at 10 + 10 * (2.2 - 2.0) / (2.2 - 1.8) = 15 (0.75x the baseline's
+    # 20) and its +25% run at t = 8 (0.4x); its own row says 0.6x (1.8 at 12, of its 20)
+    base = _run(0, [3.0, 2.5, 2.0], [0.0, 10.0], [3.0, 2.0], 0.5)
+    cand = _run(0, [3.0, 2.2, 1.8], [0.0, 8.0, 12.0], [3.0, 2.0, 1.8], 0.6)
+    rows = {(r["kind"], r["burst"]): r for r in sb.compare([base], [cand])["rows"]}
+    assert rows["own base", 0.25]["diff"]["mean"] == pytest.approx(0.6 - 0.5)
+    assert rows["common target", 0.0]["candidate"] == [pytest.approx(0.75)]
+    assert rows["common target", 0.25]["candidate"] == [pytest.approx(0.4)]
+    assert rows["common target", 0.25]["diff"]["mean"] == pytest.approx(0.4 - 0.5)
+
+
+def test_compare_refuses_runs_of_other_assumptions_in_one_line():
+    base = _run(0, [3.0, 2.5, 2.0], [0.0, 10.0], [3.0, 2.0], 0.5)
+    cand = _run(0, [3.0, 2.2, 1.8], [0.0, 8.0, 12.0], [3.0, 2.0, 1.8], 0.6)
+    cand["assumptions"]["join_s"] = 1.0
+    with pytest.raises(ValueError, match="assumptions differ"):
+        sb.compare([base], [cand])
+    with pytest.raises(ValueError, match="no seed"):
+        sb.compare([base], [_run(1, [3.0, 2.5, 2.0], [0.0, 10.0], [3.0, 2.0], 0.5)])

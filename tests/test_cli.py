@@ -59,7 +59,8 @@ def test_init_then_status_and_a_corrupt_global_version(tmp_path, capsys):
     )
     assert code == 0 and "created version 0" in out
     code, out, _ = _run(capsys, "status", "--store", url, "--experiment", "e")
-    assert code == 0 and "fragment versions [0]" in out and "island-0" in out
+    # the default P = 4 tensor fragments, each at version 0
+    assert code == 0 and "fragment versions [0, 0, 0, 0]" in out and "island-0" in out
     store = ExperimentStore(open_store(url), "e")
     params = f"e/{store.head(0).dir}/params.safetensors"
     data = bytearray(store.store.read(params))

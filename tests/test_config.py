@@ -26,7 +26,7 @@ from training.config.experiment import (
         ({"name": "ok", "islands": []}, "at least one island"),
         ({"name": "ok", "islands": [{"name": "a"}, {"name": "a"}]}, "duplicate"),
         ({"name": "ok", "data": {"seq_len": 4096}}, "max_seq_len"),
-        ({"name": "ok", "fragments": {"count": 3}}, "fragments.count"),
+        ({"name": "ok", "fragments": {"count": 3, "strategy": "strided"}}, "fragments.count"),
         ({"name": "ok", "islands": [{"name": "x/y"}]}, "island name"),
     ],
 )

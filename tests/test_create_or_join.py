@@ -54,7 +54,8 @@ def test_both_create_the_same_experiment_with_its_first_eval(tmp_path, capsys, a
     cli_store, dag_store = _estore(by_cli), _estore(by_dag)
     assert _without_url(cli_store.read_config()) == _without_url(dag_store.read_config())
     cli_evals, dag_evals = cli_store.read_metrics("eval"), dag_store.read_metrics("eval")
-    assert [e["versions"] for e in cli_evals] == [e["versions"] for e in dag_evals] == [[0]]
+    # version 0 of each of the default P = 4 fragments
+    assert [e["versions"] for e in cli_evals] == [e["versions"] for e in dag_evals] == [[0] * 4]
     assert cli_evals[0]["loss"] == dag_evals[0]["loss"]  # same seed, same version 0
     assert f"{cli_evals[0]['loss']:.4f}" in out
 

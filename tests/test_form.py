@@ -44,9 +44,11 @@ def test_the_forms_defaults_are_the_librarys_but_for_its_own(params):
 
 
 def test_the_form_defaults_to_the_demos_measured_setup(params):
-    """H 20, P 2, S 2, three islands: docs/BENCHMARKS.md "The demo"."""
+    """H 20, S 2, three islands: docs/BENCHMARKS.md "The demo"; P the library's (4 tensor
+    fragments, issue 26)."""
     cfg = form.config_from_params(form.run_params(form.form_values(), "r"))
-    assert (cfg.inner.H, cfg.fragments.count, cfg.syncer.shards, len(cfg.islands)) == (20, 2, 2, 3)
+    assert (cfg.inner.H, cfg.fragments.count, cfg.syncer.shards, len(cfg.islands)) == (20, 4, 2, 3)
+    assert (cfg.fragments.strategy, cfg.outer.quorum) == ("tensors", "auto")
 
 
 def test_the_demo_triggers_the_forms_defaults():
@@ -147,6 +149,15 @@ def test_the_api_refuses_zero_where_the_config_needs_one(params, field):
         params[field].resolve(0)
 
 
+def test_the_quorum_is_a_number_or_auto(params):
+    assert params["quorum"].resolve("auto") == "auto"  # the default: the syncer chooses K
+    assert params["quorum"].resolve(2) == 2
+    with pytest.raises(ParamValidationError, match="does not match"):
+        params["quorum"].resolve("two")
+    cfg = form.config_from_params(form.run_params({**form.form_values(), "quorum": 2}, "r"))
+    assert cfg.outer.quorum == 2
+
+
 @pytest.mark.parametrize(
     "run_id, name",
     [
@@ -208,7 +219,7 @@ def test_a_deployment_sets_the_forms_defaults(monkeypatch):
     """DILOCO_FORM_DEFAULTS: what an untouched form, and so a scheduled run, trains."""
     monkeypatch.setenv("DILOCO_FORM_DEFAULTS", '{"token_budget": 1024, "H": 4}')
     values = form.form_values()
-    assert (values["token_budget"], values["H"], values["fragments"]) == (1024, 4, 2)
+    assert (values["token_budget"], values["H"], values["syncer_shards"]) == (1024, 4, 2)
 
 
 @pytest.mark.parametrize("setting", ['{"tokens": 5}', '{"H": 0}', "[1]"])

@@ -59,8 +59,8 @@ def test_the_form_refuses_in_one_line_then_runs_its_defaults_to_finished(tmp_pat
             names = ("H", "fragments", "store_url", "token_budget")
             field = {n: dialog.locator(f"input[name=element_{n}]") for n in names}
             expect(field["H"]).to_have_value(str(defaults["H"]), timeout=30_000)
-            assert (defaults["H"], defaults["fragments"], len(defaults["islands"])) == (20, 2, 3)
-            expect(field["fragments"]).to_have_value("2")
+            assert (defaults["H"], defaults["fragments"], len(defaults["islands"])) == (20, 4, 3)
+            expect(field["fragments"]).to_have_value("4")
 
             # out of bounds, kept as typed (the API refuses it; the input does not rewrite it)
             field["H"].fill("0")

@@ -130,6 +130,17 @@ def test_decoupled_overrides_reach_only_decoupled_runs() -> None:
     assert (sync.fragments.count, sync.inner.tau) == (1, 1)
 
 
+def test_decoupled_without_overrides_runs_the_defaults_and_sync_one_fragment() -> None:
+    # "with no overrides" (issue 26) means the config's defaults, not the bench's own P
+    from training.bench.wan.runner import experiment_config
+    from training.config.sections import FragmentConfig, OuterConfig
+
+    dec = experiment_config(bench.BenchParams(), "decoupled", "wan-dec")
+    assert dec.fragments == FragmentConfig()
+    assert dec.outer.quorum == OuterConfig().quorum
+    assert experiment_config(bench.BenchParams(), "sync", "wan-sync").fragments.count == 1
+
+
 # -- the 12B figure -----------------------------------------------------------------------------
 
 

@@ -280,7 +280,7 @@ class OuterConfig(_Frozen):
     nesterov: bool = Field(True, description="Nesterov momentum in the outer step")
     delay_period: int | None = Field(None, gt=0, description="Delayed Nesterov N; default M")
     quorum: Annotated[int, Field(gt=0)] | Literal["auto"] = Field(
-        1,
+        "auto",
         description='K: minimum islands per fragment merge; "auto": the syncer chooses K per '
         "fragment merge from the islands' heartbeats (live islands, download time per "
         "version) and the round period, so that the new versions fit half a round of the "
@@ -394,9 +394,9 @@ class OuterConfig(_Frozen):
 
 
 class FragmentConfig(_Frozen):
-    count: int = Field(1, gt=0, description="P: fragments, each published and merged apart")
+    count: int = Field(4, gt=0, description="P: fragments, each published and merged apart")
     strategy: Literal["strided", "balanced", "tensors"] = Field(
-        "strided", description="strided layers, balanced layer groups, or balanced single tensors"
+        "tensors", description="strided layers, balanced layer groups, or balanced single tensors"
     )
 
 

@@ -59,7 +59,7 @@ class BenchParams:
     steps: int = 200  # per region: the token budget is regions x steps x batch x seq_len
     batch_size: int = 8
     H: int = 24
-    fragments: int = 1
+    fragments: int = 1  # P of data-parallel and synchronous DiLoCo; Decoupled: the config's
     codec: str = "int4"
     gbps: tuple[float, ...] = model12b.GBPS
     dp_probe_steps: int = 3

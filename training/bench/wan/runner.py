@@ -35,7 +35,9 @@ def experiment_config(p: BenchParams, method: str, name: str, budget_factor: int
         "data.batch_size": p.batch_size,
         "data.seq_len": 64,
         "inner.H": p.H,
-        "fragments.count": p.fragments,
+        # the baselines on P fragments (the paper's synchronous DiLoCo: one); Decoupled DiLoCo
+        # on the config's defaults (the point of a run without --decoupled-set)
+        **({} if method == "decoupled" else {"fragments.count": p.fragments}),
         "codec": p.codec,
         "heartbeat_s": 1.0,
         "outer.method": "sync" if method in ("dp", "sync") else "decoupled",
@@ -213,7 +215,7 @@ class Runner:
             for g, mbit in rates.items():
                 wan.shape(mbit)
                 t0, before = time.time(), wan.counters()
-                need = 1 + p.cycles_per_phase * p.fragments  # an anchor publish, then full cycles
+                need = 1 + p.cycles_per_phase * cfg.fragments.count  # an anchor, then full cycles
 
                 def enough(t0=t0, need=need):
                     return all(_publishes_after(_lines(x), t0) >= need for x in logs)
