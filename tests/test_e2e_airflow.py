@@ -166,7 +166,7 @@ def test_a_run_triggered_like_the_form_merges_from_its_first_publish(airflow, gc
     )
     print(f"\n[e2e form] {s}")
     fragments = {c["fragment"] for m in merges for c in m["contributions"]}
-    assert fragments == {0, 1}, "both shards' fragments merged"
+    assert fragments == {0, 1, 2, 3}, "every fragment merged (the form's P = 4, on both shards)"
     assert s["applied_twice"] == 0
     from training.config.experiment import parse_config
 
