@@ -578,10 +578,7 @@ def main(argv: list[str]) -> int:
     print(format_table(out))
     print(f"\n{out['seconds']:.0f} s; assumptions: {out['assumptions']}")
     if args.json:
-        path = Path(args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(out, indent=2) + "\n")
-        print(f"wrote {path}")
+        _write_json(args.json, out)
     if args.plot:
         plot(out, args.plot)
     return 0
@@ -605,8 +602,12 @@ def _main_compare(p: argparse.ArgumentParser, args) -> int:
         p.error(str(e))
     print(format_compare(out))
     if args.json:
-        path = Path(args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(out, indent=2) + "\n")
-        print(f"wrote {path}")
+        _write_json(args.json, out)
     return 0
+
+
+def _write_json(name: str, out: dict) -> None:
+    path = Path(name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=2) + "\n")
+    print(f"wrote {path}")
