@@ -123,6 +123,9 @@ def method_config(cfg: ExperimentConfig, method: str) -> ExperimentConfig:
         overrides.update(DP_SETTINGS)
     if method in ("sync", "nesterov", "dp"):
         overrides["inner.dylu"] = False
+        # the papers' baselines on one fragment, whatever the library's default P (4 since
+        # issue 26): synchronous DiLoCo and naive asynchronous Nesterov as published
+        overrides["fragments.count"] = 1
     return with_overrides(cfg, overrides)
 
 

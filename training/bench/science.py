@@ -53,7 +53,7 @@ def rows_for(finding: str) -> list[dict]:
         mixed = {"islands": _islands([1.0, 1.0, SLOW, SLOW])}
         return [
             dict(label="K = M (synchronous)", jitter=JITTER, overrides={
-                **mixed, "outer.method": "sync", "inner.dylu": False}),
+                **mixed, "outer.method": "sync", "inner.dylu": False, "fragments.count": 1}),
             dict(label="K = 1, no grace", jitter=JITTER, overrides={
                 **mixed, **decoupled, "outer.quorum": 1, "outer.max_grace_s": 0.0}),
             dict(label="K = 1 + grace", jitter=JITTER, overrides={
