@@ -5,9 +5,10 @@ Starts Airflow (scheduler, triggerer, dag-processor, api-server; LocalExecutor o
 API v2 exactly as the form does (nothing else unpaused: the syncer's two shards and the evaluator
 are tasks of that run) with the form's defaults (the `tiny` preset, three local islands, H 20,
 P 4 tensor fragments, K auto, S 2) on a local-directory store under ./runs/, kills one island
-once mid-run so that its retry shows, prints every eval as it appears, then a summary (also written to runs/<experiment>-summary.json: eval losses against a
-single-process run of the same tokens, merges, publish-to-applied latency, tokens against the
-budget, bytes, anything applied twice), and stops every process it started.
+once mid-run so that its retry shows, prints every eval as it appears, then a summary (also
+written to runs/<experiment>-summary.json: eval losses against a single-process run of the same
+tokens, merges, publish-to-applied latency, tokens against the budget, bytes, anything applied
+twice), and stops every process it started.
 """
 
 from __future__ import annotations
