@@ -8,6 +8,7 @@ import json
 import pytest
 
 from training.bench import scavenge as sb
+from training.bench import scavenge_compare as sc
 
 
 def test_dp_burst_by_hand_join_restart_then_leave_restart():
@@ -84,7 +85,7 @@ def test_compare_reads_both_settings_at_the_easier_target():
     # 20) and its +25% run at t = 8 (0.4x); its own row says 0.6x (1.8 at 12, of its 20)
     base = _run(0, [3.0, 2.5, 2.0], [0.0, 10.0], [3.0, 2.0], 0.5)
     cand = _run(0, [3.0, 2.2, 1.8], [0.0, 8.0, 12.0], [3.0, 2.0, 1.8], 0.6)
-    rows = {(r["kind"], r["burst"]): r for r in sb.compare([base], [cand])["rows"]}
+    rows = {(r["kind"], r["burst"]): r for r in sc.compare([base], [cand])["rows"]}
     assert rows["own base", 0.25]["diff"]["mean"] == pytest.approx(0.6 - 0.5)
     assert rows["common target", 0.0]["candidate"] == [pytest.approx(0.75)]
     assert rows["common target", 0.25]["candidate"] == [pytest.approx(0.4)]
@@ -96,6 +97,6 @@ def test_compare_refuses_runs_of_other_assumptions_in_one_line():
     cand = _run(0, [3.0, 2.2, 1.8], [0.0, 8.0, 12.0], [3.0, 2.0, 1.8], 0.6)
     cand["assumptions"]["join_s"] = 1.0
     with pytest.raises(ValueError, match="assumptions differ"):
-        sb.compare([base], [cand])
+        sc.compare([base], [cand])
     with pytest.raises(ValueError, match="no seed"):
-        sb.compare([base], [_run(1, [3.0, 2.5, 2.0], [0.0, 10.0], [3.0, 2.0], 0.5)])
+        sc.compare([base], [_run(1, [3.0, 2.5, 2.0], [0.0, 10.0], [3.0, 2.0], 0.5)])

@@ -44,7 +44,6 @@ from pathlib import Path
 
 import numpy as np
 
-from training.bench import stats
 from training.bench.goodput_model import CALIBRATED_RECOVERY_S, SECONDS_PER_YEAR
 from training.bench.quality import base_config, parse_sets
 from training.bench.sim import VirtualClock, eval_set
@@ -335,7 +334,7 @@ def run(
                 curve=r["curve"].to_dict(),  # to the target: other targets read off it
             )
         )
-        progress(f"decoupled +{b:.0%}: {_x(rel)} [{time.perf_counter() - started:.0f} s]")
+        progress(f"decoupled +{b:.0%}: {ratio_text(rel)} [{time.perf_counter() - started:.0f} s]")
         window_s = (window_v[0] * scale, window_v[1] * scale)
         for failures in (False, True):
             d = run_dp(b, a.base_hours * 3600.0, a, window_s, reclaims, failures)
@@ -370,105 +369,7 @@ def run(
     )
 
 
-# -- two settings over seeds ------------------------------------------------------------------
-def compare(baseline: list[dict], candidate: list[dict]) -> dict:
-    """Two settings' runs of this bench (`run`'s outputs, one per seed, with curves), paired by
-    seed: per burst, (a) the row itself, wall-clock to the target against the setting's own
-    base run, and (b) wall-clock to a common target against the baseline's base run. (a) is
-    what the burst gains a setting; a setting whose base run is better gets a lower target of
-    its own, so (a) alone cannot say which setting reaches a given loss sooner. (b) can: the
-    common target of a seed is the higher (easier) of the two base runs' final losses, which
-    both settings' curves reach; the row "+0%" is the candidate's base run itself.
-    Differences are candidate - baseline, with a 95% t-interval over the seeds (`stats`)."""
-    by_seed = {r["assumptions"]["seed"]: r for r in baseline}
-    pairs = [(by_seed[c["assumptions"]["seed"]], c) for c in candidate
-             if c["assumptions"]["seed"] in by_seed]  # fmt: skip
-    if not pairs:
-        raise ValueError("no seed of the candidate's runs is among the baseline's")
-    for b, c in pairs:
-        if "curve" not in b["base"] or "curve" not in c["base"]:
-            raise ValueError(f"seed {b['assumptions']['seed']}: a run without curves (older JSON)")
-        if {**b["assumptions"], "seed": 0} != {**c["assumptions"], "seed": 0}:
-            raise ValueError(f"seed {b['assumptions']['seed']}: the runs' assumptions differ")
-    seeds = [b["assumptions"]["seed"] for b, _ in pairs]
-    bursts = sorted({r["burst"] for b, _ in pairs for r in b["rows"] if r["method"] == "decoupled"})
-    own: dict[float, tuple[list, list]] = {x: ([], []) for x in bursts}
-    common: dict[float, tuple[list, list]] = {x: ([], []) for x in [0.0, *bursts]}
-    for b, c in pairs:
-        target = max(b["base"]["target_loss"], c["base"]["target_loss"])
-        t_base = Curve(**b["base"]["curve"]).time_to(target)
-        common[0.0][0].append(1.0)
-        common[0.0][1].append(_rel(c["base"]["curve"], target, t_base))
-        rows_b, rows_c = _decoupled_rows(b), _decoupled_rows(c)
-        for x in bursts:
-            own[x][0].append(rows_b[x]["time_to_target_rel"])
-            own[x][1].append(rows_c[x]["time_to_target_rel"])
-            common[x][0].append(_rel(rows_b[x]["curve"], target, t_base))
-            common[x][1].append(_rel(rows_c[x]["curve"], target, t_base))
-
-    def summarise(kind: str, table: dict) -> list[dict]:
-        out = []
-        for x, (bs, cs) in table.items():
-            both = [(u, v) for u, v in zip(bs, cs, strict=True) if u is not None and v is not None]
-            diff = stats.paired_interval([v for _, v in both], [u for u, _ in both])
-            out.append(dict(kind=kind, burst=x, baseline=bs, candidate=cs,
-                            baseline_mean=_mean(bs), candidate_mean=_mean(cs),
-                            diff=diff.to_dict()))  # fmt: skip
-        return out
-
-    return dict(
-        seeds=seeds,
-        baseline_sets=pairs[0][0]["sets"],
-        candidate_sets=pairs[0][1]["sets"],
-        rows=summarise("own base", own) + summarise("common target", common),
-    )
-
-
-def _decoupled_rows(out: dict) -> dict[float, dict]:
-    rows = {r["burst"]: r for r in out["rows"] if r["method"] == "decoupled"}
-    if any("curve" not in r for r in rows.values()):
-        raise ValueError(f"seed {out['assumptions']['seed']}: a row without a curve (older JSON)")
-    return rows
-
-
-def _rel(curve: dict, target: float, t_base: float) -> float | None:
-    t = Curve(**curve).time_to(target)
-    return None if t is None else t / t_base
-
-
-def _mean(xs: list) -> float | None:
-    xs = [x for x in xs if x is not None]
-    return stats.mean_std(xs)[0] if xs else None
-
-
-def format_compare(out: dict) -> str:
-    """Markdown: per kind and burst, each seed's ratio for both settings, the means and the
-    paired difference (candidate - baseline; negative: the candidate is sooner)."""
-    lines = [
-        f"baseline {out['baseline_sets'] or 'the defaults'} against candidate "
-        f"{out['candidate_sets'] or 'the defaults'}, seeds {out['seeds']}",
-        "",
-        "| wall-clock to | burst | baseline per seed | candidate per seed | baseline mean | "
-        "candidate mean | candidate - baseline [95% CI] |",
-        "|---|---:|---|---|---:|---:|---|",
-    ]
-    for r in out["rows"]:
-        d = r["diff"]
-        ci = "" if d["lo"] is None else f" [{d['lo']:+.3f}, {d['hi']:+.3f}]"
-        what = (
-            "own target / own base"
-            if r["kind"] == "own base"
-            else "common target / baseline's base"
-        )
-        lines.append(
-            f"| {what} | +{r['burst']:.0%} | {' / '.join(_x(v) for v in r['baseline'])} | "
-            f"{' / '.join(_x(v) for v in r['candidate'])} | {_x(r['baseline_mean'])} | "
-            f"{_x(r['candidate_mean'])} | {d['mean']:+.3f}{ci} |"
-        )
-    return "\n".join(lines)
-
-
-def _x(v: float | None) -> str:
+def ratio_text(v: float | None) -> str:
     return "-" if v is None else f"{v:.2f}x"
 
 
@@ -491,7 +392,7 @@ def format_table(out: dict) -> str:
     ]
     for r in out["rows"]:
         lines.append(
-            f"| {LABELS[r['method']]} | +{r['burst']:.0%} | {_x(r['time_to_target_rel'])} "
+            f"| {LABELS[r['method']]} | +{r['burst']:.0%} | {ratio_text(r['time_to_target_rel'])} "
             f"({r['paper']:.2f}x) | {_pct(r['goodput'])} | {_pct(r['uptime'])} | "
             f"{r['reclaimed']} |"
         )
@@ -559,7 +460,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--against", metavar="JSON[,JSON...]", help="the candidate's runs, per seed")
     args = p.parse_args(argv)
     if args.compare or args.against:
-        return _main_compare(p, args)
+        from training.bench.scavenge_compare import main_compare
+
+        return main_compare(p, args)
     sets = parse_sets(args.set, p)
     a = Assumptions(
         base_hours=args.base_hours,
@@ -578,35 +481,13 @@ def main(argv: list[str]) -> int:
     print(format_table(out))
     print(f"\n{out['seconds']:.0f} s; assumptions: {out['assumptions']}")
     if args.json:
-        _write_json(args.json, out)
+        write_json(args.json, out)
     if args.plot:
         plot(out, args.plot)
     return 0
 
 
-def _main_compare(p: argparse.ArgumentParser, args) -> int:
-    if not (args.compare and args.against):
-        p.error("--compare and --against go together")
-    runs = []
-    for arg in (args.compare, args.against):
-        outs = []
-        for name in arg.split(","):
-            try:
-                outs.append(json.loads(Path(name).read_text()))
-            except (OSError, ValueError) as e:
-                p.error(f"{name}: {e}")
-        runs.append(outs)
-    try:
-        out = compare(*runs)
-    except (KeyError, ValueError) as e:
-        p.error(str(e))
-    print(format_compare(out))
-    if args.json:
-        _write_json(args.json, out)
-    return 0
-
-
-def _write_json(name: str, out: dict) -> None:
+def write_json(name: str, out: dict) -> None:
     path = Path(name)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=2) + "\n")
