@@ -90,9 +90,31 @@ def test_island_step_may_not_grow_faster_than_the_rate_on_the_island_clock():
     assert reason == "island_step went from 1000 to 16001 in 10 s (seq 4 -> 5): over 1000 steps/s"
 
 
-def test_a_lower_island_step_is_a_restart_from_an_older_checkpoint_and_passes():
+def test_steps_published_again_after_a_restart_are_refused():
+    # rule 7: seq 4 held steps 969..1000; a restart from an older checkpoint publishing steps
+    # 9..40 (32 steps ending at 40) counts steps already counted for this fragment
     prev = claim(seq=4, island_step=1000, at=NOW - 10)
-    assert check_claim(claim(seq=5, island_step=40, at=NOW), L, NOW, previous=prev) is None
+    reason = check_claim(claim(seq=5, island_step=40, at=NOW), L, NOW, previous=prev)
+    assert reason == (
+        "steps 9..40 overlap steps up to 1000 already counted for this fragment (seq 4): "
+        "counted once"
+    )
+
+
+def test_the_issue_36_double_count_is_refused():
+    # island-2 published f001 at island_step 31 (2 steps: 30..31, seq 30), was killed before
+    # its checkpoint, resumed from step 29 and published steps 30..31 of f001 again as seq 31
+    prev = claim(seq=30, steps=2, tokens=256, island_step=31, at=NOW - 10, fragment=1)
+    again = claim(seq=31, steps=2, tokens=256, island_step=31, at=NOW, fragment=1)
+    assert "overlap steps up to 31" in check_claim(again, L, NOW, previous=prev)
+
+
+def test_the_next_range_starting_right_after_the_last_passes():
+    # seq 4 held steps 969..1000; seq 5 holds 1001..1032: adjacent, not overlapping
+    prev = claim(seq=4, island_step=1000, at=NOW - 10)
+    assert check_claim(claim(seq=5, island_step=1032, at=NOW), L, NOW, previous=prev) is None
+    # one step earlier (1000..1031) overlaps by one
+    assert check_claim(claim(seq=5, island_step=1031, at=NOW), L, NOW, previous=prev)
 
 
 def test_more_steps_than_the_island_ever_did_is_refused():

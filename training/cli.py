@@ -134,8 +134,11 @@ def cmd_merge(args) -> int:
         signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
     while True:
         # read the exit condition before merging: a pass that starts after it held sees every
-        # pseudo-gradient the (done) islands committed
-        finishing = args.follow and estore.stop_requested(None) and _all_done(cfg, estore)
+        # pseudo-gradient the (done) islands committed. Every island done is the end, STOP or
+        # not (the merges of that last pass write it when they reach the budget): a run whose
+        # islands ended short of it (their own token limits, a contribution quarantined) ends
+        # too, as the syncer's does (training/merge/syncer.py `is_finished`)
+        finishing = args.follow and _all_done(cfg, estore)
         for r in merger.merge_all():
             if r.version is not None:
                 print(f"version {r.version}: applied {len(r.applied)}", flush=True)

@@ -5,6 +5,9 @@ reaches `point`. A killed process gets no chance to clean up, exactly like a pre
 
     island.step                 after an inner step (n counts steps of this process)
     pseudograd.payload-written  payload stored, commit marker not yet written
+    pseudograd.committed        commit marker written (the island's checkpoint not yet)
+    checkpoint.mid-state        an island checkpoint's first chunk of state written, the rest not
+    checkpoint.before-latest    an island checkpoint's state and meta written, LATEST.json not yet
     global.payload-written      new global version's tensors stored, manifest not yet
     global.before-cas           manifest written, HEAD not yet swapped
     global.after-cas            HEAD swapped, ledger not yet written

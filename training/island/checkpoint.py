@@ -26,6 +26,15 @@ When (`checkpoint_due`, `ExperimentConfig.checkpoint`): after `every_rounds` pub
 `every_s` seconds, and always on SIGTERM and on finishing (Island.run). The loss bound that
 policy implies is in training/config/experiment.py's `CheckpointConfig`.
 
+Each step counted once (docs/STORE.md "Each step counted once"): the island publishes its P
+fragments one after another and checkpoints after them, so a kill in between leaves
+contributions committed past the checkpoint it resumes from. Its own manifests are the truth:
+at its start it lists those from the checkpoint's seq on (`committed_ahead` folds them in,
+with what the checkpoint already carried in `meta["committed_to"]`), numbers its next
+publishes after them, and for each such fragment trains through those steps again without
+publishing them: at the committed island_step its anchor moves to its parameters as a publish
+would (`Publisher.skip`), and it counts on from there.
+
 Everything read back is untrusted (`parse_state`): exactly the model's parameters and the
 optimizer's leaves with their shapes and dtypes, anchors exactly where `meta` says, residuals
 only for known tensors; anything else is `BadCheckpoint`, with a one-line reason.
@@ -33,6 +42,7 @@ only for known tensors; anything else is `BadCheckpoint`, with a one-line reason
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,6 +60,30 @@ def checkpoint_due(policy: CheckpointConfig, rounds_since: int, seconds_since: f
     by_rounds = policy.every_rounds > 0 and rounds_since >= policy.every_rounds
     by_time = policy.every_s is not None and seconds_since >= policy.every_s
     return by_rounds or by_time
+
+
+Ahead = tuple[int, int]
+"""A fragment's contribution committed past the island's step: (its island_step, its seq)."""
+
+
+def committed_ahead(
+    step: int,
+    carried: Sequence[Sequence[int] | None],
+    found: Iterable[tuple[int, int, int]],
+) -> list[Ahead | None]:
+    """Per fragment, the contribution committed furthest past step `step` (None: none): of
+    `carried` (a checkpoint's `committed_to`, one entry per fragment) and `found` ((fragment,
+    seq, island_step) of the island's own committed manifests from the checkpoint's seq on).
+    Those at or before `step` are no news: the state already counts them."""
+    out: list[Ahead | None] = [
+        (int(a[0]), int(a[1])) if a is not None and a[0] > step else None for a in carried
+    ]
+    for p, seq, island_step in found:
+        if 0 <= p < len(out) and island_step > step:
+            current = out[p]
+            if current is None or island_step > current[0]:
+                out[p] = (island_step, seq)
+    return out
 
 
 def anchor_kind(kind: str, published_at: int, step: int) -> str:

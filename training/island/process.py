@@ -22,8 +22,13 @@ Contract with the store (see docs/STORE.md):
   continue that the store does not (`IslandState.checkpoint`; never the global base: it names
   each fragment's version). Its LATEST.json is committed only after every publish its meta
   counts. A restarted island resumes from it and then adopts the newest global version: it
-  loses at most the steps since that checkpoint (the bound: `CheckpointConfig`), and a sequence
-  number already committed is never published twice (the store returns the first).
+  loses at most the steps since that checkpoint (the bound: `CheckpointConfig`);
+- each step counted once: a restarted island lists its own contributions committed past its
+  checkpoint (its manifests are the truth), numbers its publishes after them and never
+  publishes those steps of those fragments again (training/island/checkpoint.py
+  `committed_ahead`); the merger refuses overlapping step ranges as a second line of defence
+  (training/protocol/claims.py, rule 7). Checkpoint writes that never committed (a directory
+  without LATEST, a temp file cut off) are collected at the start.
 
 Off the critical path (`background=True`, what `diloco island` runs): uploads, heartbeats,
 budget and stop checks run in an I/O thread (in submission order: a pseudo-gradient's marker is
@@ -69,6 +74,7 @@ from training.model.runtime import corpus_for, fragment_names, loop_for, shared
 from training.protocol import broadcast, rounds
 from training.protocol.fragments import fragments_due
 from training.store.experiment import ExperimentStore
+from training.store.layout import pseudograd_id
 
 if TYPE_CHECKING:  # chaos is the entry point's to build and hand over
     from training.faults.chaos import IslandChaos
@@ -224,6 +230,9 @@ class Island:
             self.goodput.charge("checkpoint_restore", t)
         # the open intervals the checkpoint's anchors hold count on (their steps and tokens)
         self.publisher.resume(self.state.step_count, ckpt[1].get("since") if ckpt else None)
+        self._committed_past_checkpoint()
+        if self.writer:
+            self.store.collect_uncommitted_checkpoints(self.name)
         beat = (self.store.heartbeats().get(self.name) or {}) if self.writer else {}
         self.lost_steps = self.goodput.resume(
             ckpt[1].get("goodput") if ckpt else None,
@@ -237,6 +246,55 @@ class Island:
             self._learn_round_clock()
         self._ckpt_rounds, self._ckpt_at = 0, self._now_if_timed()
         self.checkpointed_step = self.state.step_count
+
+    def _committed_past_checkpoint(self) -> None:
+        """What the island's previous process committed after the state it starts from: its
+        own manifests from the state's seq on (process 0's listing, agreed). The next seq
+        follows them, and each fragment they reach past the state's step is not published
+        again up to there (checkpoint.committed_ahead; `_skip_committed`)."""
+        state = self.state
+
+        def listed() -> list[list[int]]:
+            after = state.seq - 1 if state.seq > 0 else None
+            out = []
+            for ref in self.store.list_pseudograds(self.name, after_seq=after):
+                m = ref.manifest
+                step, nbytes = m.get("island_step"), m.get("nbytes", 0)
+                if isinstance(step, int) and not isinstance(step, bool):
+                    nbytes = nbytes if isinstance(nbytes, int) else 0
+                    out.append([ref.fragment, ref.seq, step, nbytes])
+            return out
+
+        found = self.group.agree(listed)
+        if not found:
+            return
+        state.committed_to = checkpointing.committed_ahead(
+            state.step_count, state.committed_to, [(p, q, s) for p, q, s, _ in found]
+        )
+        state.seq = max(state.seq, 1 + max(q for _, q, _, _ in found))
+        state.publishes += len(found)
+        state.bytes_sent += sum(n for *_, n in found)
+        for p, ahead in enumerate(state.committed_to):
+            if ahead is not None:
+                log.info(
+                    "island %s: fragment %d is committed up to step %d (seq %d) past step "
+                    "%d: those steps are not published again",
+                    self.name,
+                    p,
+                    *ahead,
+                    state.step_count,
+                )
+
+    def _skip_committed(self) -> None:
+        """Each fragment whose committed contribution (`state.committed_to`) the island has
+        now trained up to: its anchor moves as that publish's did (`Publisher.skip`), and its
+        merge is awaited or looked for as after a publish."""
+        state = self.state
+        for p, ahead in enumerate(state.committed_to):
+            if ahead is not None and state.step_count >= ahead[0]:
+                self.publisher.skip(state, p)
+                seq = ahead[1]
+                self.adopter.published(p, seq, pseudograd_id(self.name, seq, p), state.step_count)
 
     def loader_at(self, cursor: dict | None) -> BatchLoader:
         """The island's batches from data cursor `cursor` (None: the first): its whole
@@ -324,7 +382,9 @@ class Island:
         self._timed = True
         result = StepResult(loss)
         for p in self.group.agree(lambda: [int(f) for f in self._due(now)]):
-            result.published.append(self.publish(p))
+            if state.committed_to[p] is None:  # else: committed by the previous process
+                result.published.append(self.publish(p))
+        self._skip_committed()
         if result.published:
             if self.round_clock is None and self.writer:
                 self._learn_round_clock()
@@ -495,7 +555,7 @@ class Island:
         done = self.group.agree(
             lambda: not self._stop and not self.group.peer_stopping() and self.finished()
         )
-        if done and not self.blocked():
+        if done:  # blocked or not (sync): the other fragments' last steps still count
             self.publish_remainder()
         t = self.goodput.now()
         self.io.drain()
@@ -518,6 +578,12 @@ class Island:
 
     def publish_remainder(self) -> list[str]:
         """On finishing, publish every fragment trained since its last publish, so the island's
-        last partial interval reaches the global model instead of being dropped."""
-        since = self.publisher.since
-        return [self.publish(p, final=True) for p in range(self.P) if since[p]["steps"] > 0]
+        last partial interval reaches the global model instead of being dropped. A fragment
+        still short of what the previous process committed (`state.committed_to`) has
+        nothing of its own to send: those steps are counted already."""
+        since, ahead = self.publisher.since, self.state.committed_to
+        return [
+            self.publish(p, final=True)
+            for p in range(self.P)
+            if since[p]["steps"] > 0 and ahead[p] is None
+        ]

@@ -175,6 +175,20 @@ class Publisher:
         self.reset([p], state.step_count)
         return pseudograd_id(self.name, seq, p), seq
 
+    def skip(self, state: IslandState, p: int) -> None:
+        """Fragment p's steps up to now are in a contribution the island's previous process
+        committed past its checkpoint (training/island/checkpoint.py `committed_ahead`): move
+        the anchor to the parameters and count on from here, as that publish did, uploading
+        nothing. The codec residual of those tensors is dropped (that publish consumed the
+        one before it; its own is gone with the process)."""
+        names = self.frags[p]
+        state.anchor.update(self.loop.copy({n: state.params[n] for n in names}))
+        for n in names:
+            state.residual.pop(n, None)
+        state.anchor_from[p], state.published_at[p] = "published", state.step_count
+        state.committed_to[p] = None
+        self.reset([p], state.step_count)
+
     # -- heartbeats and the budget --------------------------------------------------------------
 
     def heartbeat_record(

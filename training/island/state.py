@@ -48,6 +48,9 @@ class IslandState:
     published_at: list[int]  # per fragment: the step of its last publish (-1: none since resume)
     shadows: dict[int, broadcast.Shadow]  # per fragment: its adopted S_v (broadcast "codec")
     loader: BatchLoader  # the island's batches, and its cursor
+    # per fragment: (island_step, seq) of a contribution the island's previous process
+    # committed past this state's step, whose steps it does not publish again (checkpoint.py)
+    committed_to: list[checkpointing.Ahead | None] | None = None
     seq: int = 0  # the next pseudo-gradient sequence number
     step_count: int = 0
     tokens: int = 0
@@ -139,7 +142,14 @@ class IslandState:
             publishes=int(meta.get("publishes", 0)),
             bytes_sent=int(meta.get("bytes_sent", 0)),
             bytes_received=int(meta.get("bytes_received", 0)),
+            committed_to=checkpointing.committed_ahead(
+                step, meta.get("committed_to") or [None] * len(frags), ()
+            ),
         )
+
+    def __post_init__(self) -> None:
+        if self.committed_to is None:
+            self.committed_to = [None] * len(self.base_version)
 
     def checkpoint(
         self, loop, frags: Sequence[Sequence[str]], copy: bool = False
@@ -172,6 +182,7 @@ class IslandState:
             bytes_received=self.bytes_received,
             publishes=self.publishes,
             cursor=self.loader.state(),
+            committed_to=[None if a is None else list(a) for a in self.committed_to],
         )
         return tensors, meta
 

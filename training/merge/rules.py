@@ -378,10 +378,13 @@ def select(
     if method in ("nesterov", "delayed_nesterov"):
         return [[c] for c in cands], None
     if method == "sync":
+        # a round: each active island's oldest contribution, once every active island has
+        # one; with none active (all done or gone) their last ones are merged as they are,
+        # a round at a time, so a run's end never waits for islands that will not publish
         first: dict[str, Candidate] = {}
         for c in cands:
             first.setdefault(c.island, c)
-        if active and active <= set(first):
+        if active <= set(first):
             return [[first[i] for i in sorted(first)]], None
         return [], None
     k = cfg.outer.quorum if quorum is None else quorum

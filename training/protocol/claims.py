@@ -17,11 +17,17 @@ no store access; the merger gathers the facts):
    `tau * count + max_steps_per_s * (now - T_b + skew)` steps. When the merger's clock and
    T_b disagree by more than the skew (a virtual-clock bench, a clock-less version 0) the rule
    is skipped: only merger-side facts switch it off, never anything an island writes.
-5. Against its previous contribution (any fragment, lower seq): `island_step` may not grow
-   faster than `max_steps_per_s` on the island's own clock (a lower island_step is a restart
-   from an older checkpoint and passes), and `steps <= island_step`.
+5. Against its previous contribution to the fragment (lower seq): `island_step` may not grow
+   faster than `max_steps_per_s` on the island's own clock, and `steps <= island_step`.
 6. Against its heartbeat: a contribution published after the heartbeat's `time` is at most
    `max_steps_per_s * (published_at - time + skew)` steps past the heartbeat's `step`.
+7. Exactly once for the island's work (docs/STORE.md "Each step counted once"): a contribution
+   holds the island's steps `(island_step - steps, island_step]`; those ranges of one island
+   on one fragment never overlap. A contribution whose range starts before the end of its
+   previous one (applied, or accepted earlier in the same merge) counts steps that are
+   already counted: an island restarted from a checkpoint older than its last publish that
+   published those steps again. The island itself never does (training/island/process.py
+   learns what it committed past its checkpoint); this is the second line of defence.
 
 `max_steps_per_s` must exceed the fastest honest island (the default, 1000 steps/s, is 50x the
 tiny model on one CPU core); it is also the pace at which a lying island can push the token
@@ -135,7 +141,8 @@ def check_claim(
 
     `base_time`: when the merger published the claim's base version (merger clock, as `now`);
     `earlier`: this island's contributions for the same fragment accepted before this one and
-    not yet merged; `previous`: this island's last accepted contribution (any fragment);
+    not yet merged; `previous`: this island's last accepted contribution to the same fragment
+    (applied, as the fragment's merge state keeps it, or accepted earlier in this merge);
     `heartbeat`: its latest heartbeat.
     """
     steps, tokens = claim.steps, claim.tokens
@@ -168,12 +175,15 @@ def check_claim(
 def _against_history(
     claim: Claim, limits: Limits, previous: Claim | None, heartbeat: Beat | None
 ) -> str | None:
-    """Rules 5 and 6: the island's own clock and step counter."""
+    """Rules 5, 6 and 7: the island's own clock and step counter."""
     s1, t1 = claim.island_step, claim.published_at
     if s1 is None:
         return None
     if claim.steps > s1:
         return f"claims {claim.steps} steps but its island_step is {s1}"
+    overlap = overlapping(claim, previous)
+    if overlap is not None:
+        return overlap
     skew, rate = limits.clock_skew_s, limits.max_steps_per_s
     if t1 is None:
         return None
@@ -191,6 +201,21 @@ def _against_history(
                 f"island_step {s1} is over {bound:.0f}: its heartbeat said step "
                 f"{heartbeat.step} {t1 - heartbeat.time:.3g} s before it published"
             )
+    return None
+
+
+def overlapping(claim: Claim, previous: Claim | None) -> str | None:
+    """Rule 7: the reason `claim`'s steps overlap those of `previous` (the same island's
+    contribution to the same fragment with a lower seq), or None. Ranges are
+    `(island_step - steps, island_step]`; a claim without island_step is not judged."""
+    if previous is None or previous.island_step is None or claim.island_step is None:
+        return None
+    first = claim.island_step - claim.steps + 1
+    if previous.seq < claim.seq and first <= previous.island_step:
+        return (
+            f"steps {first}..{claim.island_step} overlap steps up to {previous.island_step} "
+            f"already counted for this fragment (seq {previous.seq}): counted once"
+        )
     return None
 
 

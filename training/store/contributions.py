@@ -93,6 +93,7 @@ class Contributions:
             "created_at": now(),
         }
         if self.create_json(f"{stem}.json", full):
+            self.hit_fault("pseudograd.committed")
             return self._pg_ref(island, seq, fragment, json.loads(dump_json(full)))
         # Someone committed this pseudo-gradient in between; theirs stands, ours is unreferenced.
         self.store.delete(self.object_key(payload))

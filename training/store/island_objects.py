@@ -113,10 +113,12 @@ class IslandObjects:
 
         def chunks() -> Iterator[Any]:  # one attempt of the streamed write, hashed as it goes
             digest, nbytes = hashlib.sha256(), 0
-            for chunk in stream_tensors(tensors):
+            for i, chunk in enumerate(stream_tensors(tensors)):
                 digest.update(chunk)
                 nbytes += len(chunk) if isinstance(chunk, bytes) else chunk.nbytes
                 yield chunk
+                if i == 0:
+                    self.hit_fault("checkpoint.mid-state")
             written.update(sha256=digest.hexdigest(), nbytes=nbytes)
 
         self.store.write_stream(self.object_key(f"{directory}/state.safetensors"), chunks)
@@ -125,20 +127,52 @@ class IslandObjects:
         self.write_json(f"{directory}/meta.json", {**meta, **fixed, "sha256": digest})
         if before_commit is not None:
             before_commit()
+        self.hit_fault("checkpoint.before-latest")
         latest = {"step": step, "dir": directory, "sha256": digest, "nbytes": nbytes}
         self.write_json(f"checkpoints/{island}/LATEST.json", latest)
-        self.prune_checkpoints(island, step)
+        self.prune_checkpoints(island, step, directory)
 
-    def prune_checkpoints(self, island: str, latest_step: int) -> int:
+    def prune_checkpoints(
+        self, island: str, latest_step: int, latest_dir: str | None = None
+    ) -> int:
         """Delete `island`'s checkpoint directories older than step `latest_step` (that of its
-        committed LATEST.json): none can be restored any more, as garbage collection would
-        decide (`plan_gc`'s checkpoint rule). Returns the directories deleted."""
+        committed LATEST.json), and given `latest_dir` (that LATEST's directory) the others of
+        the same step (a finishing island checkpoints twice at its last step): none can be
+        restored any more, as garbage collection would decide (`plan_gc`'s checkpoint rule).
+        Returns the directories deleted."""
         validate_name("island", island)
         names = self.list_named(f"checkpoints/{island}/", "checkpoint-file")
-        old = sorted({n.dir for n in names if n.island == island and n.step < latest_step})
+        old = sorted(
+            {
+                n.dir
+                for n in names
+                if n.island == island
+                and (
+                    n.step < latest_step
+                    or (latest_dir is not None and n.step == latest_step and n.dir != latest_dir)
+                )
+            }
+        )
         for directory in old:
             self.delete_prefix(f"{directory}/")
         return len(old)
+
+    def collect_uncommitted_checkpoints(self, island: str) -> int:
+        """Delete what checkpoint writes of `island` that never committed left: every
+        checkpoint directory but the one its LATEST.json names (a newer one was cut off before
+        its LATEST, an older one is superseded), and the temp files of writes cut off midway
+        (`ObjectStore.drop_abandoned_writes`). Only at the island's start, when no write of
+        its checkpoints is in flight. Returns the directories and temp files removed."""
+        validate_name("island", island)
+        latest = self.checkpoint_pointer(island)
+        keep = None if latest is None else latest.dir
+        names = self.list_named(f"checkpoints/{island}/", "checkpoint-file")
+        stale = sorted({n.dir for n in names if n.island == island and n.dir != keep})
+        for directory in stale:
+            self.delete_prefix(f"{directory}/")
+        return len(stale) + self.store.drop_abandoned_writes(
+            self.object_key(f"checkpoints/{island}/")
+        )
 
     def load_checkpoint(self, island: str) -> tuple[dict[str, np.ndarray], dict[str, Any]] | None:
         """(tensors, meta) of the checkpoint LATEST.json points to, or None if there is none.

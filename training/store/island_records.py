@@ -107,7 +107,8 @@ def parse_checkpoint_meta(data: Any, island: str, step: int | None = None) -> di
     """A checkpoint's meta.json: names `island` and `step`; if present, base_version an int or
     a list of ints >= 0, seq and tokens ints >= 0, anchor a list (as long as base_version)
     of ANCHOR_KINDS, publishes, bytes_sent and bytes_received ints >= 0, since one open interval
-    per fragment (`_check_interval`). BadCheckpoint."""
+    per fragment (`_check_interval`), committed_to null or [island_step, seq] per fragment
+    (`_is_ahead`). BadCheckpoint."""
     m = load_object(data, safejson.CHECKPOINT_META, BadCheckpoint, f"checkpoint meta of {island}")
     f = Fields(m, BadCheckpoint, f"checkpoint meta of {island}")
     if m.get("island") != island:
@@ -130,6 +131,13 @@ def parse_checkpoint_meta(data: Any, island: str, step: int | None = None) -> di
         and all(isinstance(k, str) and k in ANCHOR_KINDS for k in anchor)
     ):
         f.fail(f"anchor {show(anchor)} is not one of {ANCHOR_KINDS} per fragment")
+    ahead = m.get("committed_to")
+    if ahead is not None and not (
+        isinstance(ahead, list)
+        and len(ahead) == len(bases)
+        and all(a is None or _is_ahead(a, got) for a in ahead)
+    ):
+        f.fail(f"committed_to {show(ahead)} is not null or [island_step > step, seq] per fragment")
     since = m.get("since")
     if since is not None:
         if not isinstance(since, list) or len(since) != len(bases):
@@ -137,6 +145,19 @@ def parse_checkpoint_meta(data: Any, island: str, step: int | None = None) -> di
         for p, interval in enumerate(since):
             _check_interval(interval, got, f"checkpoint meta of {island}: since[{p}]")
     return m
+
+
+def _is_ahead(value: Any, step: int) -> bool:
+    """One fragment's `committed_to` entry: [island_step, seq] of a contribution committed
+    past the checkpoint's `step` (training/island/checkpoint.py `committed_ahead`)."""
+    return (
+        isinstance(value, list)
+        and len(value) == 2
+        and is_int(value[0])
+        and step < value[0] < 10**10
+        and is_int(value[1])
+        and 0 <= value[1] <= MAX_SEQ
+    )
 
 
 # the counts of a fragment's open interval a checkpoint keeps (training/island/publish.py)

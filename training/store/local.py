@@ -372,6 +372,22 @@ class LocalStore(ObjectStore):
             return False
         return True
 
+    def drop_abandoned_writes(self, prefix: str) -> int:
+        """The temp files (`.NAME.tmp-*`, `_write_temp`) under directory `prefix`, then its
+        subdirectories left with no object (`remove_empty_dir`), deepest first."""
+        top = self.root.joinpath(*validate_prefix(prefix).strip("/").split("/"))
+        removed, directories = 0, []
+        for dirpath, _, filenames in os.walk(top):
+            for name in filenames:
+                if name.startswith(".") and ".tmp-" in name:
+                    Path(dirpath, name).unlink(missing_ok=True)
+                    removed += 1
+            if Path(dirpath) != top:
+                directories.append(Path(dirpath))
+        for directory in sorted(directories, key=lambda d: -len(d.parts)):
+            self.remove_empty_dir(directory.relative_to(self.root).as_posix() + "/")
+        return removed
+
     def check(self) -> None:
         existing = self.root
         while not existing.exists() and existing != existing.parent:

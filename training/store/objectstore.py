@@ -297,5 +297,13 @@ class ObjectStore(ABC):
         suffixes). Stores without directories have nothing to drop: False."""
         return False
 
+    def drop_abandoned_writes(self, prefix: str) -> int:
+        """Remove what writers that died left under directory `prefix` (ending in '/'): the
+        temp files of writes that never committed, then the subdirectories that leaves empty.
+        Only for a prefix nobody is writing under now (the caller's promise: an island at its
+        start, for its own checkpoints). Stores whose writes appear whole or not at all (GCS,
+        memory) leave nothing behind: 0. Returns the temp files removed."""
+        return 0
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.url!r})"
