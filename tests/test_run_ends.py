@@ -54,7 +54,9 @@ METHODS = {
 
 def _env() -> dict[str, str]:
     env = dict(os.environ, JAX_PLATFORMS="cpu", GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT="false")
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "plugins"), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(ROOT), str(ROOT / "plugins"), env.get("PYTHONPATH", "")]
+    )
     return env
 
 
@@ -93,7 +95,9 @@ def _run(url: str, method: str, P: int) -> ExperimentStore:
         for proc in procs.values():
             proc.kill()
     for who, proc in procs.items():
-        assert proc.returncode == 0, f"{who} of {method} P={P}: rc {proc.returncode}\n{out.get(who, '')[-3000:]}"
+        assert proc.returncode == 0, (
+            f"{who} of {method} P={P}: rc {proc.returncode}\n{out.get(who, '')[-3000:]}"
+        )
     return store
 
 
