@@ -80,7 +80,32 @@ def test_shards_default_to_island_order():
 
 def test_config_json_is_stable():
     cfg = ExperimentConfig(name="exp")
-    assert json.loads(cfg.to_json())["outer"]["lr"] == 0.7
+    assert json.loads(cfg.to_json())["outer"]["lr"] == 0.5
+
+
+def test_the_form_and_the_library_start_the_same_experiment():
+    """One set of defaults (issue 36): every training field the trigger form offers defaults
+    to the library's (the form's own defaults are only its name, store and islands)."""
+    from diloco_airflow import params
+
+    from training.config.experiment import parse_config
+
+    form = params.experiment_params()
+    library = json.loads(ExperimentConfig(name="exp").to_json())
+    for param, field in params.FIELD_MAP.items():
+        if param in params.FORM_DEFAULTS:
+            continue
+        value = library
+        for part in field.split("."):
+            value = value[part]
+        if param == "chaos":  # the form's {} is "no overrides": the library's chaos section
+            assert parse_config({"name": "x", "chaos": form[param].value}).chaos == (
+                ExperimentConfig(name="x").chaos
+            )
+            continue
+        assert form[param].value == value, f"{param} ({field})"
+    for name in ("shards", "poll_s", "eval_every_s"):
+        assert form[f"syncer_{name}"].value == library["syncer"][name], name
 
 
 def test_dp_is_refused_as_a_merge_method_with_the_reason():

@@ -48,7 +48,7 @@ SEQ_LEN, BATCH = 64, 8
 STEPS = 300  # inner steps per island (about)
 # the run ends when the merge has applied this many tokens: 2 islands x 300 steps x 8 x 64
 BUDGET = len(ISLANDS) * STEPS * BATCH * SEQ_LEN
-PROCESS_TIMEOUT_S = 240
+PROCESS_TIMEOUT_S = 480  # P = 4 on fake-gcs-server, 2 cores: four times the merges of P = 1
 SAMPLING = ("--max-tokens", "32", "--temperature", "0.8", "--top-k", "40", "--seed", "0")
 
 
@@ -112,34 +112,26 @@ def _prepare(capsys, raw: str, tokenizer: str, corpus: str) -> dict:
         return json.loads(f.read())
 
 
-def _init(capsys, tmp_path: Path, store: str, corpus: str, tokenizer: str) -> None:
-    config = {
-        # the gemma family: its export also has a transformers form (--format hf)
-        "model": {"preset": "gemma-tiny", "max_seq_len": SEQ_LEN},  # vocab: the tokenizer's
-        "data": {
-            "source": corpus,
-            "tokenizer": tokenizer,
-            "seq_len": SEQ_LEN,
-            "batch_size": BATCH,
-            "eval_batches": 8,
-        },
-        "inner": {"H": 10, "warmup_steps": 5, "tau": 0},
-        # DiLoCo's synchronous rounds: every H steps both islands' pseudo-gradients make one
-        # outer step (final eval 4.76). The default decoupled method diverged on this run:
-        # final eval 7.0 and 9.4 with its clock rounds, 8.4 and 10.5 with step rounds, while
-        # the islands' own loss was 5.7 (merges of 2-4 contributions, some stale; open issue)
-        "outer": {"method": "sync"},
-        # one fragment, as measured above (the library's default is 4 since issue 26): with P = 4
-        # the merge makes four times the outer steps on fake-gcs-server and, on 2 cores, was
-        # still at version 30 of ~31 when PROCESS_TIMEOUT_S ran out
-        "fragments": {"count": 1},
-        "islands": [{"name": name} for name in ISLANDS],
-        "token_budget": BUDGET,
-        "heartbeat_s": 1.0,
-    }
+def doc_experiment(bucket: str) -> dict:
+    """docs/DATA.md's `experiment.json` (step 3 of "From text to a model"), as printed, with
+    its bucket `gs://B` this test's: the walkthrough runs on the library's defaults."""
+    text = (ROOT / "docs" / "DATA.md").read_text()
+    block = text.split("3. An experiment on them", 1)[1].split("```json", 1)[1].split("```", 1)[0]
+    return json.loads(block.replace("gs://B/", f"{bucket}/"))
+
+
+def _init(capsys, tmp_path: Path, store: str, bucket: str) -> dict:
+    config = doc_experiment(bucket)
+    # gemma: its export also has a transformers form (--format hf); the rest is the library's
+    assert config["model"]["preset"] == "gemma-tiny" and "outer" not in config
+    assert (config["data"]["seq_len"], config["data"]["batch_size"]) == (SEQ_LEN, BATCH)
+    assert config["token_budget"] == BUDGET and [i["name"] for i in config["islands"]] == list(
+        ISLANDS
+    )
     path = tmp_path / "experiment.json"
     path.write_text(json.dumps(config))
     _main(capsys, "init", "--store", store, "--name", EXP, "--config", str(path))
+    return config
 
 
 def _train(store: str) -> None:
@@ -253,7 +245,7 @@ def test_text_in_a_trained_exported_sampled_model_out(gcs_bucket, tmp_path, caps
     assert (index["documents"], index["tokenizer"]["sha256"]) == (documents, tok.sha256)
     assert len(index["shards"]) == 2  # 2.0 MiB of JSON lines in units of --chunk-mb 1
 
-    _init(capsys, tmp_path, store, corpus, tokenizer)
+    _init(capsys, tmp_path, store, root)
     first = _eval(capsys, store, "--version", "0")
     _train(store)
     last = _eval(capsys, store, "--record")  # recorded: metrics/eval, BEST, TensorBoard

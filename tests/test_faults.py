@@ -86,7 +86,7 @@ def test_a_publish_visits_its_fault_point_through_the_stores_plan():
     plan = Recorder()
     store = new_store(cfg).with_faults(plan)
     publish_delta(store, cfg, "a", 0, random_delta(store.load_params(), 0))
-    assert plan.visits == ["pseudograd.payload-written"]
+    assert plan.visits == ["pseudograd.payload-written", "pseudograd.committed"]
 
 
 def test_a_store_without_a_plan_ignores_diloco_faults_in_the_environment(monkeypatch):
@@ -143,6 +143,6 @@ def test_only_fault_plan_from_env_reads_diloco_faults():
         for path in sorted((ROOT / folder).rglob("*.py")):
             found += _reads_of_the_variable(path)
     assert found == [
-        "training/faults/points.py:33 in <module>",  # FAULTS_ENV = "DILOCO_FAULTS"
-        "training/faults/points.py:64 in from_env",
+        "training/faults/points.py:36 in <module>",  # FAULTS_ENV = "DILOCO_FAULTS"
+        "training/faults/points.py:67 in from_env",
     ]

@@ -52,7 +52,7 @@ def exp(request, tmp_path) -> ExperimentStore:
     store.store.write(f"gc/{IN_FLIGHT}/params.safetensors", b"in flight")
     store.store.write("gc/pseudograds/a/00000007-f000-deadbeef.safetensors", b"orphan")
     store.write_heartbeat("b", {"base_version": [2, 1], "time": 0.0})
-    store.prune_checkpoints = lambda island, step: 0  # a's process died before it pruned
+    store.prune_checkpoints = lambda *_: 0  # a's process died before it pruned
     for step in (10, 20, 30):
         base = [3, 2] if step == 30 else [4, 3]
         store.save_checkpoint("a", step, {"x": np.zeros(2, np.float32)}, {"base_version": base})

@@ -91,23 +91,13 @@ FORM_DEFAULTS: dict[str, Any] = {
     "experiment_name": None,  # a new experiment per run: `experiment_of`
     "store_url": None,
     "islands": None,
-    # the configuration docs/BENCHMARKS.md measures ("The demo": +2 to +4.6% over a single
-    # process at 2M tokens; the library's H 32, P 1, S 1 on two islands: +7 to +12%); P is the
-    # library's (4 tensor fragments, issue 26: the setting that reaches the WAN target)
-    "H": 20,
-    "syncer_shards": 2,
-    "inner_lr": 0.002,
-    "outer_lr": 0.5,
-    "outer_momentum": 0.8,
-    "heartbeat_s": 2.0,
-    "syncer_poll_s": 0.2,
-    "syncer_eval_every_s": 10.0,
 }
-"""Params whose default is the form's own, not the config's. The config has no default name;
+"""Params whose default is the form's own, not the config's: the config has no default name;
 its store default is a relative path (`DILOCO_DEFAULT_STORE` instead) and its islands default
 has no backend choice (the form's: three islands, `DEFAULT_ISLANDS`, on the first backend
-offered). The training settings are those of the measured demo (`make demo` uses this form's
-defaults: `form_values`); the config's own defaults stay the library's (`diloco init`)."""
+offered). Every training setting is the library's default (`diloco init` and the form start
+the same experiment; issue 36), which is the configuration the demo measures
+(docs/BENCHMARKS.md, "The demo")."""
 
 
 RUN_PREFIX = "diloco"

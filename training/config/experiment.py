@@ -63,7 +63,7 @@ class ExperimentConfig(_Frozen):
         description="the islands (joiners are appended by a join)",
     )
     token_budget: int = Field(2_000_000, gt=0, description="total tokens merged, all islands")
-    heartbeat_s: float = Field(5.0, gt=0, description="seconds between an island's heartbeats")
+    heartbeat_s: float = Field(2.0, gt=0, description="seconds between an island's heartbeats")
     syncer: SyncerConfig = Field(SyncerConfig(), description="the syncer on Airflow")
     checkpoint: CheckpointConfig = Field(
         CheckpointConfig(), description="when islands checkpoint (training/island/checkpoint.py)"
@@ -100,6 +100,13 @@ class ExperimentConfig(_Frozen):
             )
         for isl in self.islands:
             _check_island_hardware(isl, self.data.batch_size)
+        if (
+            self.syncer.shards > self.fragments.count
+            and "shards" not in self.syncer.model_fields_set
+        ):
+            # the default S (2) on fewer fragments: one shard per fragment
+            syncer = self.syncer.model_copy(update={"shards": self.fragments.count})
+            object.__setattr__(self, "syncer", syncer)
         if self.syncer.shards > self.fragments.count:
             raise ValueError(
                 f"syncer.shards {self.syncer.shards} exceeds fragments.count "
