@@ -57,9 +57,11 @@ def test_bench_methods_differ_from_data_parallel_in_their_tuned_settings():
     dp = json.loads(quality.method_config(cfg, "dp").to_json())
     dec = json.loads(quality.method_config(cfg, "decoupled").to_json())
     diff = stats.config_diff(dec, dp, ignore=["outer.method"])
-    # the baselines on one fragment, Decoupled on the library's default P = 4
+    # the baselines on one fragment (so one syncer shard), Decoupled on the library's default
+    # P = 4 and S = 2
     assert diff == {
         "inner.lr": (0.002, 0.003),
         "inner.dylu": (True, False),
         "fragments.count": (4, 1),
+        "syncer.shards": (2, 1),
     }

@@ -100,18 +100,11 @@ class ExperimentConfig(_Frozen):
             )
         for isl in self.islands:
             _check_island_hardware(isl, self.data.batch_size)
-        if (
-            self.syncer.shards > self.fragments.count
-            and "shards" not in self.syncer.model_fields_set
-        ):
-            # the default S (2) on fewer fragments: one shard per fragment
+        if self.syncer.shards > self.fragments.count:
+            # a shard beyond the P fragments would merge nothing: S is at most P (the default
+            # S = 2 on one fragment is one shard)
             syncer = self.syncer.model_copy(update={"shards": self.fragments.count})
             object.__setattr__(self, "syncer", syncer)
-        if self.syncer.shards > self.fragments.count:
-            raise ValueError(
-                f"syncer.shards {self.syncer.shards} exceeds fragments.count "
-                f"{self.fragments.count}: a shard would own no fragment"
-            )
         return self
 
     @property

@@ -410,8 +410,8 @@ class SyncerConfig(_Frozen):
         2,
         gt=0,
         description="merge shards S: fragment p is merged by shard p % S, each shard a mapped "
-        "Airflow task of the experiment's run (at most P, the fragments; left unset, at most "
-        "one per fragment)",
+        "Airflow task of the experiment's run; at most P, the fragments (more are cut to P: a "
+        "shard beyond them would merge nothing)",
     )
     idle_s: float = Field(
         300.0,
