@@ -15,10 +15,18 @@ An adopt is two halves: `fetch` (store reads only: the island's fetch thread's, 
 mode) and `apply` (on the devices, at the first step boundary after the reads are in).
 Multi-host islands adopt what process 0 fetched (`agreed`): the same (fragment, version) list on
 every process, each with its own read of those immutable versions.
+
+One bad object stops no one (docs/STORE.md "What a reader does with a bad object"): a version
+that no complete representation of reads (broadcast.read_full tries them all) is logged once,
+with the reason, and passed over: the island keeps training on the version it has and takes
+the next one the syncer publishes. At a start, a fragment whose newest version does not read
+starts from the newest of its older versions that does (`read_heads`); the island exits only
+when none does.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from functools import partial
 from typing import Any
@@ -31,6 +39,10 @@ from training.island.state import IslandState, shadow_of
 from training.model.runtime import shared
 from training.protocol import broadcast
 from training.store import merge_records
+from training.store.layout import HeadPointer
+from training.store.objectstore import CorruptObject
+
+log = logging.getLogger("diloco.island")
 
 
 class Adopter:
@@ -56,6 +68,7 @@ class Adopter:
         self.H = H
         self.pending: dict[int, int] = {}
         self.wait: dict[int, tuple[int, int]] = {}
+        self.unreadable: dict[str, str] = {}  # version directory -> why it does not read
         self.awaiting: dict[int, str] = {}
         self.fetches: list[Any] = []
 
@@ -77,9 +90,50 @@ class Adopter:
         return head, self.read_full(head)
 
     def read_heads(self) -> tuple[list, list[broadcast.Fetched]]:
-        """Every fragment's newest version (as process 0 saw it) and its parameters."""
+        """Every fragment's newest readable version (as process 0 saw it) and its parameters:
+        a head that does not read is passed over for its newest older version that does."""
         heads = self.agreed_heads(self.store.heads(range(len(self.frags))))
-        return heads, self.store.parallel(self.read_full, heads)
+        got = self.store.parallel(self._newest_readable, heads)
+        versions = self.group.agree(lambda: [pointer.version for pointer, _ in got])
+        out_heads, out_got = [], []
+        for (pointer, fetched), version in zip(got, versions, strict=True):
+            if pointer.version != version:  # a follower takes the version process 0 read
+                pointer = self.store.find_version(pointer.fragment, version)
+                fetched = self.read_full(pointer)
+            out_heads.append(pointer)
+            out_got.append(fetched)
+        return out_heads, out_got
+
+    def _newest_readable(self, head) -> tuple[Any, broadcast.Fetched]:
+        """`head`, or the newest of its ancestors whose parameters read, and those parameters
+        (RuntimeError, one line, when none does: the island cannot train)."""
+        pointer = head
+        while True:
+            try:
+                return pointer, self.read_full(pointer)
+            except CorruptObject as err:
+                self._unreadable(pointer, err)
+                manifest = self.store.fragment_manifest(pointer)
+                parent_dir, parent = manifest.get("parent_dir"), manifest.get("parent_version")
+                if not isinstance(parent_dir, str) or not isinstance(parent, int):
+                    raise RuntimeError(
+                        f"island {self.name}: no version of fragment {head.fragment} reads "
+                        f"(the last tried, {pointer.version}: {err})"
+                    ) from None
+                pointer = HeadPointer(head.fragment, parent, parent_dir, 0)
+
+    def _unreadable(self, head, err: Exception) -> None:
+        """Log once that `head`'s version does not read, and why; it is passed over."""
+        if head.dir not in self.unreadable:
+            self.unreadable[head.dir] = str(err)
+            log.warning(
+                "island %s: fragment %d version %d does not read, passed over (keeps training on "
+                "what it has): %s",
+                self.name,
+                head.fragment,
+                head.version,
+                err,
+            )
 
     def shapes(self, p: int) -> dict[str, tuple[int, ...]]:
         return {n: tuple(self.loop.param_shapes[n]) for n in self.frags[p]}
@@ -116,17 +170,30 @@ class Adopter:
             if head is None or head.version <= state.base_version[p]:
                 out.append((p, None, None))
                 continue
+            if head.dir in self.unreadable:  # logged once; the next version is looked for
+                out.append((p, head, None))
+                continue
             manifest = self.store.fragment_manifest(head)
             if wants[p] is not None and merged_seq(manifest, self.name) < wants[p]:
                 out.append((p, head, None))
                 continue
             started = self.clock()
-            if broadcast.enabled(self.cfg):
-                got = broadcast.fetch(
-                    self.store, head, manifest, state.shadows.get(p), self.cfg.codec, self.shapes(p)
-                )
-            else:
-                got = broadcast.read_full(self.store, head, manifest, self.shapes(p))
+            try:
+                if broadcast.enabled(self.cfg):
+                    got = broadcast.fetch(
+                        self.store,
+                        head,
+                        manifest,
+                        state.shadows.get(p),
+                        self.cfg.codec,
+                        self.shapes(p),
+                    )
+                else:
+                    got = broadcast.read_full(self.store, head, manifest, self.shapes(p))
+            except CorruptObject as err:
+                self._unreadable(head, err)
+                out.append((p, head, None))
+                continue
             self._timed(self.clock() - started, head.version - state.base_version[p])
             out.append((p, head, got))
         return out

@@ -163,15 +163,64 @@ def read_full(
 ) -> Fetched:
     """S_v of `head`'s version read whole (the `adoptable` payload, verified: at most the
     fragment's float32 size, checksum, then exactly the fragment's tensors in float32). A
-    light version (syncer.full_every > 1) holds no shadow: its S_v is its nearest full
-    ancestor's, read whole, plus the updates after it, each checked and added with `step`
-    in order (the merger's arithmetic: the same bits)."""
+    light version (syncer.full_every > 1) holds no shadow: its S_v is a promoted version's
+    shadow at or below it, or its full ancestor's, plus the updates after it, each checked and
+    added with `step` in order (the merger's arithmetic: the same bits).
+
+    Fall back, never die (docs/STORE.md "What a reader does with a bad object"): a light
+    version's complete representations are tried nearest first: its own promotion, a promoted
+    version between it and its full ancestor, then the full ancestor; one that fails a check
+    (checksum, shape, finiteness, a refused update on its way) is logged and the next one
+    tried. CorruptObject only when none of them reads."""
     if records.light_ancestor(manifest) is None or CODEC_FIELD not in manifest:
         return _read_whole(store, head, manifest, shapes)
-    chain = store.light_chain(head, manifest)
-    first, first_manifest = chain[0]  # full, or promoted (light_chain checked it)
-    light_first = records.light_ancestor(first_manifest) is not None
-    got = _read_whole(store, first, first_manifest, shapes, promoted=light_first)
+    chain = store.light_chain(head, manifest)  # [(the full ancestor or promoted), ..., head]
+    failed: list[str] = []
+    for i in reversed(range(len(chain))):
+        pointer, m = chain[i]
+        light = records.light_ancestor(m) is not None
+        if i > 0 and not _promoted(store, pointer, m):
+            continue
+        try:
+            return _chain_from(store, head, chain[i:], shapes, light)
+        except (CorruptObject, ObjectNotFound) as err:
+            failed.append(f"from version {pointer.version}: {err}")
+            if i > 0:
+                log.warning(
+                    "fragment %d version %d read from version %d's promotion: %s; trying an "
+                    "older representation",
+                    head.fragment,
+                    head.version,
+                    pointer.version,
+                    err,
+                )
+    raise CorruptObject(
+        f"fragment {head.fragment} version {head.version}: no complete representation reads ("
+        + "; ".join(failed)
+        + ")"
+    )
+
+
+def _promoted(store, pointer: HeadPointer, manifest: dict) -> bool:
+    """Whether the light version `pointer` has a promotion that parses and names it (its
+    payloads are checked when read); an untrustworthy marker counts as none."""
+    try:
+        return store.promotion(pointer, manifest) is not None
+    except (CorruptObject, ObjectNotFound):
+        return False
+
+
+def _chain_from(
+    store,
+    head: HeadPointer,
+    chain: list,
+    shapes: Mapping[str, tuple[int, ...]],
+    promoted: bool,
+) -> Fetched:
+    """S_v of `head` from `chain[0]` read whole (its promoted shadow when `promoted`) and the
+    updates of the versions after it, checked and stepped in order."""
+    first, first_manifest = chain[0]
+    got = _read_whole(store, first, first_manifest, shapes, promoted=promoted)
     tensors, nbytes = got.tensors, got.nbytes
     for pointer, m in chain[1:]:
         codec = m.get(CODEC_FIELD)
@@ -221,6 +270,12 @@ def _read_whole(
         raise CorruptObject(
             f"fragment {head.fragment} version {head.version}: {name} does not hold the "
             "fragment's float32 tensors"
+        )
+    bad = sorted(n for n, v in tensors.items() if not np.isfinite(v).all())
+    if bad:
+        raise CorruptObject(
+            f"fragment {head.fragment} version {head.version}: {name} tensor {bad[0]!r} has "
+            "non-finite values"
         )
     return Fetched(tensors, codecs.payload_nbytes(tensors), "full")
 

@@ -177,6 +177,10 @@ class Promotions:
                 loaded["params"] = self.load_fragment(
                     head, manifest=manifest, max_nbytes=max_nbytes
                 ).params
+            for name, tensors in loaded.items():  # checksums say nothing of what was summed
+                bad = sorted(n for n, v in tensors.items() if not np.isfinite(v).all())
+                if bad:
+                    raise CorruptObject(f"{what}: promoted {name} {bad[0]!r} has non-finite values")
         except (TransientStoreError, StoreUnreachable):
             raise  # the store's fault, not the promotion's
         except StoreError as err:  # CorruptObject, ObjectNotFound (collected meanwhile)
