@@ -13,6 +13,8 @@ light), int4 with update broadcast, nesterov; islands a and b publish every roun
    it, names version 6 once, and adopts full version 8 when it comes.
 3. NaN in a promotion whose checksums match (written through the store's own promote): the
    cold merger passes it over, replays from version 4 and merges the bits of a warm merger.
+4. BEST or FINAL naming a copy of HEAD's directory (valid checksums) that no HEAD swap named:
+   `diloco export` refuses it in one line, the finalize does not restore it.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import numpy as np
 import pytest
 
 from tests.gcs_fixture import BACKENDS, gcs_bucket  # noqa: F401  (fixture)
-from tests.helpers import new_store, publish_delta, random_delta
+from tests.helpers import new_store, publish_delta, random_delta, small_config
 from tests.test_light_versions import _cfg, _params_bits, _round
 from training.island.process import Island
 from training.merge.merger import Merger
@@ -141,3 +143,53 @@ def test_nan_in_a_promoted_shadow_is_not_what_an_island_reads(tmp_path, request)
     assert {n: v.tobytes() for n, v in got.tensors.items()} == {
         n: v.tobytes() for n, v in shadow.items()
     }
+
+
+# -- 3. pointers stay on the chain -------------------------------------------------------------
+
+
+def _forged_pointer(store, which: str) -> str:
+    """Copy HEAD's directory, files and checksums intact, to a directory of the same version
+    that no HEAD swap ever named (`...-0badf00d`), and point `which` (BEST or FINAL) at it."""
+    head = store.head(0)
+    forged = f"{head.dir.rsplit('-', 1)[0]}-0badf00d"
+    for key in store.list_keys(f"{head.dir}/"):
+        data = store.store.read(store.object_key(key))
+        store.store.write(store.object_key(forged + key[len(head.dir) :]), data)
+    record = {"versions": [head.version], "dirs": [forged], "loss": 0.1, "tokens_merged": 1}
+    store.write_json(f"snapshots/{which}.json", record)
+    return forged
+
+
+@pytest.mark.parametrize("which", ["BEST", "FINAL"])
+def test_export_refuses_a_pointer_off_the_chain(which, tmp_path, capsys):
+    from training import cli
+
+    cfg = small_config("ptr", outer={"method": "nesterov"})
+    url = f"file://{tmp_path}/store"
+    store = new_store(cfg, url)
+    publish_delta(store, cfg, "a", 0, random_delta(store.load_params(), 0))
+    Merger(cfg, store).merge_all()
+    forged = _forged_pointer(store, which)
+    argv = ["export", "--store", url, "--experiment", "ptr", "--out", str(tmp_path / "out")]
+    code = cli.main([*argv, "--snapshot", which.lower()])
+    err = capsys.readouterr().err
+    assert code == 2 and not (tmp_path / "out").exists()
+    assert f"{forged}, which is not a committed version on the fragment's chain" in err
+    assert cli.main([*argv, "--snapshot", "head"]) == 0  # the chain itself exports
+
+
+def test_finalize_passes_over_a_best_off_the_chain(tmp_path, caplog):
+    from training.merge import replay
+    from training.model.evaluate import finish_at_best
+
+    cfg = small_config("ptr", outer={"method": "nesterov"})
+    store = new_store(cfg, f"file://{tmp_path}/store")
+    publish_delta(store, cfg, "a", 0, random_delta(store.load_params(), 0))
+    Merger(cfg, store).merge_all()
+    _forged_pointer(store, "BEST")
+    final = {"loss": 5.0, "versions": [1]}
+    with caplog.at_level(logging.WARNING, logger="diloco.eval"):
+        out = finish_at_best(cfg, store, final, replay.arrays_of(cfg, store))
+    assert out["restored"] is False and store.head(0).version == 1  # nothing restored
+    assert any("BEST passed over" in r.getMessage() for r in caplog.records)

@@ -197,12 +197,12 @@ def _pick_snapshot(cfg, estore, which: str):
         record = estore.best()
         if record is None:
             raise ConfigError("--snapshot best: no evaluated snapshot recorded yet")
-        return estore.snapshot_of(record)
+        return estore.on_chain(estore.snapshot_of(record))
     if which == "final":
         record = estore.final()
         if record is None:
             raise ConfigError("--snapshot final: the run has not ended (no snapshots/FINAL.json)")
-        return estore.snapshot_of(record)
+        return estore.on_chain(estore.snapshot_of(record))
     if which.isdigit():
         return _at_version(cfg, estore, int(which))
     raise ConfigError(f"--snapshot {which!r}: use head, best, final or a version number")

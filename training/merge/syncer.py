@@ -181,12 +181,18 @@ def claim_finalize(estore: ExperimentStore, run_id: str) -> str | None:
     `control/finalized.json`. None when the claim is this run's (new, or a retry of the same
     run); else the run id that holds it (its finalize ran: do not evaluate or restore again)."""
     from training.store.keys import FINALIZED
+    from training.store.objectstore import CorruptObject
+    from training.store.safejson import FINALIZED as CLAIM_LIMITS
     from training.store.syncer_records import finalized_record, parse_finalized
 
     key = f"{estore.experiment}/{FINALIZED}"
     if estore.store.create(key, finalized_record(run_id, time.time())):
         return None
-    holder = parse_finalized(estore.store.read(key)).run_id
+    try:  # bounded before it is read: a claim is a run id and a time
+        holder = parse_finalized(estore.store.read(key, max_bytes=CLAIM_LIMITS.max_bytes)).run_id
+    except CorruptObject as err:  # ObjectTooLarge, BadFinalized: held, by whom unknown
+        log.warning("%s: %s: a finalize claim that does not read holds it", key, err)
+        return "(an unreadable claim)"
     return None if holder == run_id else holder
 
 

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import logging
 import time
 
 from training.config.experiment import ExperimentConfig
 from training.data.corpus import eval_batches
 from training.model.runtime import corpus_for, loop_for
 from training.store.layout import Snapshot, iso
-from training.store.objectstore import ObjectNotFound
+from training.store.objectstore import CorruptObject, ObjectNotFound
 from training.store.tensorboard import ScalarWriter
+
+log = logging.getLogger("diloco.eval")
 
 
 def held_out_batches(cfg: ExperimentConfig):
@@ -142,7 +145,11 @@ def finish_at_best(cfg: ExperimentConfig, store, final: dict, state_of=None) -> 
     out = {"restored": False, "final": final, "before": final}
     if not best or not best["loss"] < final["loss"] * (1 - RESTORE_MARGIN):
         return out
-    snapshot = store.snapshot_of(best)
+    try:
+        snapshot = store.on_chain(store.snapshot_of(best))
+    except CorruptObject as err:  # BEST off the chain: the run ends on its last model
+        log.warning("BEST passed over, not restored: %s", err)
+        return out
     reason = f"final eval {final['loss']:.4f} worse than the best {best['loss']:.4f}"
     if store.restore_snapshot(snapshot, reason, state_of) is None:
         return out

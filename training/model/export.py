@@ -13,6 +13,8 @@ describes, finite values, and the tokenizer file checked against its recorded sh
 from __future__ import annotations
 
 import json
+import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +23,7 @@ import numpy as np
 from training.config.experiment import ConfigError, ModelConfig
 from training.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 from training.store import safejson
+from training.store.tensors import MAX_HEADER_BYTES
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
@@ -51,8 +54,22 @@ def write_export(
     return config
 
 
+def _regular(path: Path) -> int:
+    """The size of `path`, a regular file (ConfigError otherwise: a FIFO or a device would
+    block or never end a read)."""
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        raise ConfigError(f"{path}: {exc.strerror}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise ConfigError(f"{path}: not a regular file")
+    return st.st_size
+
+
 def _read_config(root: Path) -> dict[str, Any]:
     path = root / CONFIG
+    if path.exists() or path.is_symlink():
+        _regular(path)
     try:
         with open(path, "rb") as f:
             data = f.read(safejson.CONFIG.max_bytes + 1)
@@ -75,6 +92,7 @@ def _tokenizer(root: Path, identity: Any) -> Tokenizer:
     name = identity.get("file")
     if not isinstance(name, str) or "/" in name or name.startswith("."):
         raise ConfigError(f"{root / CONFIG}: the tokenizer file is not named")
+    _regular(root / name)
     try:
         tok = load_tokenizer(str(root / name))
     except ValueError as exc:
@@ -99,6 +117,24 @@ def load_export(root: str | Path) -> tuple[ModelConfig, dict[str, np.ndarray], T
     except ValueError as exc:
         first = str(exc).strip().splitlines()
         raise ConfigError(f"{root / CONFIG}: bad model section: {first[-1][:200]}") from None
+    # the sizes the config claims, against the weights' file before anything is built or read:
+    # float32 parameters plus a safetensors header of at most MAX_HEADER_BYTES
+    try:
+        count = mcfg.param_count()
+    except ConfigError as exc:
+        raise ConfigError(f"{root / CONFIG}: {exc}") from None
+    size = _regular(root / WEIGHTS)
+    with open(root / WEIGHTS, "rb") as f:
+        head = f.read(8)
+    header = int.from_bytes(head, "little") if len(head) == 8 else -1
+    if not 0 <= header <= MAX_HEADER_BYTES:
+        raise ConfigError(f"{root / WEIGHTS}: not a safetensors file of a model this size")
+    exact = mcfg.factory is None  # a factory model's count is its own (abstract_params)
+    if exact and size != 8 + header + 4 * count:
+        raise ConfigError(
+            f"{root / WEIGHTS}: {size - 8 - header:,} bytes of tensors, but {CONFIG} describes "
+            f"{count:,} float32 parameters ({4 * count:,} bytes)"
+        )
     tok = _tokenizer(root, config.get("tokenizer"))
     if tok.vocab_size > mcfg.dims()["vocab_size"]:
         raise ConfigError(f"{root}: tokenizer vocabulary {tok.vocab_size} > the model's")

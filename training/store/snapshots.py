@@ -121,6 +121,25 @@ class Snapshots:
             raise CorruptObject(f"{self.url}: snapshot has invalid tokens_merged {tokens!r:.50}")
         return Snapshot(tuple(versions), tuple(dirs), tokens)
 
+    def on_chain(self, snapshot: Snapshot) -> Snapshot:
+        """`snapshot`, once every fragment's (version, dir) is checked to be a committed
+        version on that fragment's own chain (HEAD or an ancestor, by the parent_dir links
+        from HEAD: `find_version`); CorruptObject naming the first that is not. The one rule
+        for every pointer that names versions to read or restore: BEST, FINAL, a restore
+        (docs/STORE.md "What a reader does with a bad object"): a well-formed directory name
+        with valid checksums is not enough, a forged directory off the chain is refused."""
+        for p, (v, d) in enumerate(zip(snapshot.versions, snapshot.dirs, strict=True)):
+            try:
+                found = self.find_version(p, v).dir
+            except ObjectNotFound:
+                found = None
+            if found != d:
+                raise CorruptObject(
+                    f"{self.url}: the snapshot names fragment {p} version {v} in {d}, which is "
+                    "not a committed version on the fragment's chain"
+                )
+        return snapshot
+
     def load_params(
         self, snapshot: Snapshot | None = None, params_of=None
     ) -> dict[str, np.ndarray]:
@@ -159,7 +178,9 @@ class Snapshots:
         A light version holds no outer state (and under update broadcast no params):
         `state_of(pointer, manifest)` gives (params, outer state) (training/merge/replay.py
         `arrays_of`: replayed forward from its full ancestor, checked; without one,
-        LightVersion); the restore is a full version either way."""
+        LightVersion); the restore is a full version either way. Only committed versions on
+        each fragment's chain are restored (`on_chain`; CorruptObject otherwise)."""
+        self.on_chain(snapshot)
         for p, (v, d) in enumerate(zip(snapshot.versions, snapshot.dirs, strict=True)):
             head = self.head(p)
             if head is None or head.dir == d:
