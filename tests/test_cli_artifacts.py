@@ -118,3 +118,73 @@ def test_records_carry_iso_times_beside_epoch_ones(merged):
     beat = estore.heartbeats()["a"]
     merge = estore.read_metrics("merge")[0]
     assert [r["at_iso"] for r in (stop, beat, merge)] == [iso(r["at"]) for r in (stop, beat, merge)]
+
+
+# -- delete, export into a used directory (issue 38) ------------------------------------------
+
+
+def _one_merge(url: str, name: str):
+    cfg = small_config(name, outer={"method": "nesterov"})
+    estore = new_store(cfg, url)
+    publish_delta(estore, cfg, "a", 0, random_delta(estore.load_params(), 0))
+    Merger(cfg, estore).merge_all()
+    return estore
+
+
+def test_delete_is_refused_while_an_island_runs_and_then_removes_everything(tmp_path, capsys):
+    url = f"file://{tmp_path}/store"
+    estore = _one_merge(url, "gone")
+    estore.write_heartbeat("a", dict(step=4, tokens=512))  # now: island a is alive
+    argv = ("delete", "--store", url, "--experiment", "gone", "--yes")
+    code, _, err = _run(capsys, *argv)
+    assert code == 2 and "islands ['a'] are running" in err and estore.list_keys("")
+    estore.mark_done("a", {})
+    code, out, _ = _run(capsys, *argv)
+    assert code == 0 and out.startswith("deleted gone: ") and estore.list_keys("") == []
+
+
+def test_delete_without_yes_off_a_terminal_is_refused(tmp_path, capsys, monkeypatch):
+    url = f"file://{tmp_path}/store"
+    estore = _one_merge(url, "kept")
+    monkeypatch.setattr(sys.stdin, "isatty", lambda: False)
+    code, _, err = _run(capsys, "delete", "--store", url, "--experiment", "kept")
+    assert code == 2 and "pass --yes" in err and estore.list_keys("")
+
+
+def test_export_refuses_a_used_directory_unless_overwrite_and_records_what_it_holds(
+    tmp_path, capsys
+):
+    url = f"file://{tmp_path}/store"
+    _one_merge(url, "ex")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "tokenizer.json").write_text("another model's")
+    argv = ("export", "--store", url, "--experiment", "ex", "--out", str(out))
+    code, _, err = _run(capsys, *argv)
+    assert code == 2 and "exists and is not empty" in err
+    assert sorted(p.name for p in out.iterdir()) == ["tokenizer.json"]  # untouched
+    code, _, _ = _run(capsys, *argv, "--overwrite")
+    assert code == 0
+    names = sorted(p.name for p in out.iterdir())
+    assert names == ["config.json", "export.json", "model.safetensors"]  # replaced whole
+    record = json.loads((out / "export.json").read_text())
+    assert (record["experiment"], record["snapshot"], record["versions"]) == ("ex", "head", [1])
+    assert record["tokens_merged"] == 512 and record["tokenizer"]["kind"] == "byte"
+
+
+def test_the_untrained_model_is_never_best_and_sample_says_it_is_untrained(tmp_path, capsys):
+    from training.model.evaluate import evaluate_current
+
+    url = f"file://{tmp_path}/store"
+    cfg = small_config("fresh", outer={"method": "nesterov"})  # each contribution merged
+    estore = new_store(cfg, url)
+    assert evaluate_current(cfg, estore)["best"] is False and estore.best() is None
+    argv = ("sample", "--store", url, "--experiment", "fresh", "--prompt", "The")
+    code, out, err = _run(capsys, *argv, "--max-tokens", "4")
+    assert code == 0 and out.startswith("The")
+    assert "merged no training yet: this samples the untrained (random) model" in err
+    publish_delta(estore, cfg, "a", 0, random_delta(estore.load_params(), 0))
+    Merger(cfg, estore).merge_all()
+    assert evaluate_current(cfg, estore)["best"] is True and estore.best()["versions"] == [1]
+    code, out, err = _run(capsys, *argv, "--max-tokens", "4")
+    assert code == 0 and "untrained" not in err

@@ -81,3 +81,53 @@ def test_init_logs_no_tpu_probe():
     from diloco_airflow.experiment_setup import JAX_PROBE_LOGGER
 
     assert logging.getLogger(JAX_PROBE_LOGGER).getEffectiveLevel() == logging.WARNING
+
+
+# -- bad input loses nothing (issue 38 item 4) -----------------------------------------------
+
+
+def _init_cli(capsys, store: str, *sets: str) -> tuple[int, str]:
+    from training import cli
+
+    argv = ["init", "--store", store, "--name", "bad", "--set", "model.preset=tiny"]
+    for item in sets:
+        argv += ["--set", item]
+    code = cli.main(argv)
+    return code, capsys.readouterr().err.strip()
+
+
+def test_a_data_source_that_does_not_exist_is_refused_before_anything_is_written(tmp_path, capsys):
+    store = f"file://{tmp_path}/store"
+    code, err = _init_cli(capsys, store, "data.source=/nope/corpus")
+    assert code == 2 and "\n" not in err
+    assert "data.source: data source '/nope/corpus' does not exist" in err
+    assert not (tmp_path / "store").exists()  # no config.json, no version 0: nothing to undo
+    again, _ = _init_cli(capsys, store, "data.source=/nope/corpus")
+    assert again == 2  # refused again, not "already initialized"
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the corrected path: some text to train on. " * 3000)
+    fixed, err = _init_cli(capsys, store, f"data.source={corpus}", "token_budget=100000")
+    assert fixed == 0, err  # the corrected path is taken: nothing of the first try is in the way
+
+
+def test_a_mistyped_config_key_says_what_it_meant(tmp_path, capsys):
+    code, err = _init_cli(capsys, f"file://{tmp_path}/store", "outer.lrr=0.5")
+    assert code == 2 and "outer.lrr: unknown field (did you mean 'outer.lr'?)" in err
+    assert not (tmp_path / "store").exists()
+
+
+def test_a_failed_init_after_writing_removes_what_it_wrote(tmp_path, monkeypatch):
+    from training.merge import create
+
+    def broken_eval(*_):
+        raise RuntimeError("the first eval failed")
+
+    monkeypatch.setattr(create, "evaluate_current", broken_eval)
+    from tests.helpers import small_config
+    from training.store.experiment import ExperimentStore
+    from training.store.registry import open_store
+
+    estore = ExperimentStore(open_store(f"file://{tmp_path}/store"), "gone")
+    with pytest.raises(RuntimeError, match="the first eval failed"):
+        create.create_or_join(small_config("gone"), estore)
+    assert estore.list_keys("") == []  # no config.json, no version 0

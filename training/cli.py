@@ -7,11 +7,13 @@ its argument parser per subcommand, kept together so each command reads in one p
     diloco merge   --store URL --experiment NAME [--follow]
     diloco eval    --store URL --experiment NAME [--version N] [--record]
     diloco export  --store URL --experiment NAME --out DIR [--snapshot head|best|final|N]
+                   [--format safetensors|orbax|hf] [--overwrite]
     diloco sample  --store URL --experiment NAME --prompt TEXT [--snapshot head|best|final|N]
     diloco sample  --from DIR --prompt TEXT (an export directory)
                    [--max-tokens N --temperature T --top-k K --seed S]
     diloco status  --store URL --experiment NAME [--json]
     diloco stop    --store URL --experiment NAME [--island NAME]
+    diloco delete  --store URL --experiment NAME [--yes]   (not while its islands run)
     diloco list    --store URL [--json]
     diloco history --store URL --experiment NAME [--json]
     diloco report  --store URL --experiment NAME --out DIR
@@ -28,6 +30,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import shutil
 import signal
 import sys
 import threading
@@ -217,25 +221,54 @@ def cmd_export(args) -> int:
     from training.merge import replay
     from training.model.export import write_export
 
-    cfg, estore = _load(args)
-    params = estore.load_params(
-        _pick_snapshot(cfg, estore, args.snapshot), replay.params_of(cfg, estore)
-    )
     out = pathlib.Path(args.out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not args.overwrite:
+        raise ConfigError(
+            f"--out {out}: exists and is not empty (another model's files would stay beside "
+            "this one's): choose a new directory, or --overwrite to replace it whole"
+        )
+    cfg, estore = _load(args)
+    snapshot = _pick_snapshot(cfg, estore, args.snapshot) or estore.current_snapshot()
+    params = estore.load_params(snapshot, replay.params_of(cfg, estore))
     what, tok = {"snapshot": args.snapshot, "experiment": args.experiment}, tokenizer_for(cfg)
-    if args.format == "hf":  # transformers' layout only (training/model/export_hf.py)
-        from training.model.export_hf import write_hf
+    record = {"best": estore.best, "final": estore.final}.get(args.snapshot, lambda: None)()
+    provenance = {
+        "experiment": args.experiment,
+        "store": estore.url,
+        "snapshot": args.snapshot,
+        "versions": list(snapshot.versions) if snapshot else None,
+        "dirs": list(snapshot.dirs) if snapshot else None,
+        "tokens_merged": snapshot.tokens_merged if snapshot else None,
+        "eval_loss": record.get("loss") if record else None,
+        "tokenizer": tok.identity(),
+        "format": args.format,
+    }
+    # written beside the target, then put in its place: a failed export leaves the target as
+    # it was, and --overwrite replaces it whole (no file of the model before stays)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        if args.format == "hf":  # transformers' layout only (training/model/export_hf.py)
+            from training.model.export_hf import write_hf
 
-        write_hf(out, cfg, params, tok, what)
-        print(json.dumps({"out": str(out), "format": "hf", "tensors": len(params)}))
-        return 0
-    write_export(out, cfg, params, tok, what)
-    if args.format == "orbax":  # a flat {flax path: array} tree that orbax restores as such
-        import orbax.checkpoint as ocp
+            write_hf(tmp, cfg, params, tok, what)
+        else:
+            write_export(tmp, cfg, params, tok, what)
+        if args.format == "orbax":  # a flat {flax path: array} tree that orbax restores as such
+            import orbax.checkpoint as ocp
 
-        with ocp.StandardCheckpointer() as ckpt:
-            ckpt.save((out / "orbax").absolute(), params)
-    print(json.dumps({"out": str(out), "tensors": len(params)}))
+            with ocp.StandardCheckpointer() as ckpt:
+                ckpt.save((tmp / "orbax").absolute(), params)
+        (tmp / "export.json").write_text(json.dumps(provenance, indent=1) + "\n")
+        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        if out.exists():
+            out.rename(old)
+        tmp.rename(out)
+        shutil.rmtree(old, ignore_errors=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    line = {"out": str(out), "tensors": len(params)}
+    print(json.dumps({**line, "format": "hf"} if args.format == "hf" else line))
     return 0
 
 
@@ -255,10 +288,15 @@ def cmd_sample(args) -> int:
         raise ConfigError("sample: give --store and --experiment, or --from DIR")
     else:
         cfg, estore = _load(args)
-        params = estore.load_params(
-            _pick_snapshot(cfg, estore, args.snapshot), replay.params_of(cfg, estore)
-        )
+        snapshot = _pick_snapshot(cfg, estore, args.snapshot) or estore.current_snapshot()
+        params = estore.load_params(snapshot, replay.params_of(cfg, estore))
         mcfg, tok = cfg.model, tokenizer_for(cfg)
+        if snapshot is not None and snapshot.tokens_merged == 0:
+            print(
+                f"note: {args.experiment} has merged no training yet: this samples the "
+                "untrained (random) model of version 0",
+                file=sys.stderr,
+            )
     ids = sample(
         mcfg, params, tok.encode(args.prompt), args.max_tokens,
         args.temperature, args.top_k, args.seed,
@@ -280,6 +318,44 @@ def cmd_stop(args) -> int:
     estore = _open(args.store, args.experiment)
     estore.request_stop(args.island)
     print(f"stop requested for {args.island or 'all islands'} of {args.experiment}")
+    return 0
+
+
+def running_islands(cfg, estore, now: float) -> list[str]:
+    """The islands of `cfg` that look alive: a heartbeat within 3 heartbeats (at least 60 s)
+    of `now` and no done marker."""
+    window = max(60.0, 3 * cfg.heartbeat_s)
+    done, beats = set(estore.done()), estore.heartbeats()
+    return sorted(
+        name
+        for name, beat in beats.items()
+        if name not in done
+        and isinstance(beat.get("at"), int | float)
+        and now - beat["at"] < window
+    )
+
+
+def cmd_delete(args) -> int:
+    """Delete an experiment: every object under its prefix. Refused while its islands run;
+    asks for the experiment's name on a terminal, or takes --yes."""
+    import time
+
+    cfg, estore = _load(args)
+    alive = running_islands(cfg, estore, time.time())
+    if alive:
+        raise ConfigError(
+            f"delete {args.experiment}: islands {alive} are running (heartbeats in the last "
+            "minute): stop them first (diloco stop) and wait for them to end"
+        )
+    if not args.yes:
+        if not sys.stdin.isatty():
+            raise ConfigError(f"delete {args.experiment}: pass --yes to delete without a prompt")
+        typed = input(f"delete {estore.url} and everything in it? type its name to confirm: ")
+        if typed.strip() != args.experiment:
+            print("not deleted")
+            return 1
+    count = estore.delete_prefix("")
+    print(f"deleted {args.experiment}: {count} objects")
     return 0
 
 
@@ -460,7 +536,12 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(fn=cmd_eval)
 
     sp = with_store(sub.add_parser("export", help="a snapshot as safetensors + config.json"))
-    sp.add_argument("--out", required=True, help="the directory to write")
+    sp.add_argument("--out", required=True, help="the directory to write (new or empty)")
+    sp.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace a non-empty --out whole (the new export is written beside it first)",
+    )
     sp.add_argument(
         "--snapshot",
         default="head",
@@ -500,6 +581,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp = with_store(sub.add_parser("stop", help="ask islands to stop"))
     sp.add_argument("--island", default=None)
     sp.set_defaults(fn=cmd_stop)
+
+    sp = with_store(sub.add_parser("delete", help="delete an experiment (not while it runs)"))
+    sp.add_argument("--yes", action="store_true", help="delete without asking for its name")
+    sp.set_defaults(fn=cmd_delete)
 
     sp = with_store(sub.add_parser("list", help="the experiments in a store"), experiment=False)
     sp.add_argument("--json", action="store_true")

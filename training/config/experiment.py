@@ -10,8 +10,10 @@ join, the budget check).
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -224,8 +226,20 @@ def _one_line(err: ValidationError) -> str:
     first = err.errors()[0]
     loc = ".".join(str(p) for p in first["loc"]) or "config"
     msg = first["msg"].removeprefix("Value error, ")
+    if first["type"] == "extra_forbidden":
+        msg = f"unknown field{did_you_mean(first['loc'])}"
     more = f" (+{err.error_count() - 1} more)" if err.error_count() > 1 else ""
     return f"{loc}: {msg}{more}"
+
+
+def did_you_mean(loc: Sequence[Any]) -> str:
+    """ " (did you mean 'outer.lr'?)" for an unknown field at `loc` (a pydantic error's
+    location, or a dotted name split on dots) that is close to a known one; "" otherwise."""
+    dotted = ".".join("[]" if isinstance(p, int) or str(p).isdigit() else str(p) for p in loc)
+    dotted = dotted.replace(".[]", "[]")
+    known = list(field_docs())
+    close = difflib.get_close_matches(dotted, known, n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def parse_config(data: dict[str, Any]) -> ExperimentConfig:
@@ -262,7 +276,9 @@ def with_overrides(cfg: ExperimentConfig, overrides: dict[str, Any]) -> Experime
         *parents, leaf = dotted.split(".")
         for key in parents:
             if not isinstance(node.get(key), dict):
-                raise ConfigError(f"invalid config: unknown field {dotted!r}")
+                raise ConfigError(
+                    f"invalid config: unknown field {dotted!r}{did_you_mean(dotted.split('.'))}"
+                )
             node = node[key]
         node[leaf] = value
     return parse_config(data)

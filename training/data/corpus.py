@@ -328,6 +328,28 @@ def _prepared(source: str) -> bool:
     return is_prepared(source)
 
 
+def check_source(source: str) -> None:
+    """That `source` can be read, before anything is made of it (`diloco init`, the Airflow
+    `init` task): the built-in corpus, a prepared corpus's index.json, or files that exist.
+    Reads a listing and at most an index; ValueError (one line) naming what is wrong."""
+    if source == BUILTIN_SOURCE:
+        return
+    if source.startswith("builtin:"):
+        raise ValueError(f"unknown built-in corpus {source!r}; known: {BUILTIN_SOURCE!r}")
+    if _prepared(source):
+        from training.data.stream import read_index  # stream imports this module
+
+        read_index(source)
+        return
+    try:
+        fs, files, _ = expand_source(source)
+        missing = not fs.exists(files[0])
+    except (OSError, ValueError) as err:
+        raise ValueError(f"data source {source!r} cannot be read: {err}") from None
+    if missing:
+        raise ValueError(f"data source {source!r} does not exist")
+
+
 def load_corpus(
     source: str = BUILTIN_SOURCE,
     eval_fraction: float = 0.05,

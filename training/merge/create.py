@@ -19,12 +19,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from training.config.experiment import (
+    ConfigError,
     ExperimentConfig,
     check_budget,
     check_same_settings,
     join_islands,
     parse_config,
 )
+from training.data.corpus import check_source
 from training.data.tokenizer import bind_tokenizer
 from training.merge.merger import initial_version
 from training.model.definition import definition
@@ -69,11 +71,16 @@ class InitResult:
 def validate(cfg: ExperimentConfig, checks: Sequence[Check] = ()) -> None:
     """Everything a config must pass before anything is written, in this order: the token
     budget (`check_budget`), the caller's `checks`, the model (`definition`: a model.factory
-    that does not resolve). Raises ConfigError (one line)."""
+    that does not resolve), the data source (`check_source`: it exists and reads). Raises
+    ConfigError (one line)."""
     check_budget(cfg)
     for check in checks:
         check(cfg)
     definition(cfg.model)
+    try:
+        check_source(cfg.data.source)
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"data.source: {err}") from None
 
 
 def add_islands(estore: ExperimentStore, islands: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
@@ -134,12 +141,18 @@ def create_or_join(
         stop = estore.stop_requested(None)
         if stop:
             log.warning("experiment %s has a stop marker: its islands stop at once", cfg.name)
-    version0 = initial_version(in_force, estore) == 0
-    log.info("experiment %s: %s", cfg.name, "created version 0" if version0 else "exists")
-    first = None
-    if version0:
-        first = evaluate_current(in_force, estore)
-        log.info("initial eval: %s", first)
+    try:
+        version0 = initial_version(in_force, estore) == 0
+        log.info("experiment %s: %s", cfg.name, "created version 0" if version0 else "exists")
+        first = None
+        if version0:
+            first = evaluate_current(in_force, estore)
+            log.info("initial eval: %s", first)
+    except Exception:
+        if created:  # a failed init leaves no experiment behind: what this call made goes
+            log.warning("experiment %s: init failed, removing what it wrote", cfg.name)
+            estore.delete_prefix("")
+        raise
     return InitResult(
         created=created,
         config=in_force,

@@ -38,7 +38,8 @@ def evaluate_snapshot(
     """Evaluate the model at `snapshot` (default: every fragment's HEAD now).
 
     With `record`, the snapshot is written to snapshots/, the result to metrics/eval, and it
-    becomes snapshots/BEST.json if its loss is the lowest so far. Returns the eval record:
+    becomes snapshots/BEST.json if its loss is the lowest so far and it holds trained tokens
+    (version 0, the untrained model, never does). Returns the eval record:
     `loss`, `tokens_merged`, `versions` and `dirs` (the snapshot), `at` and `at_iso`. `late`:
     an older model evaluated now; `at` is when the model was made (snapshot.at, so curves stay
     in model order) and `evaluated_at` when it was evaluated. `params_of`: the params of a
@@ -68,7 +69,9 @@ def evaluate_snapshot(
                 at,
             )
             tb.flush()
-        out["best"] = store.offer_best(out)
+        # BEST is a trained model (its Asset event exports it): the untrained version 0's
+        # evaluation is recorded, never offered
+        out["best"] = out["tokens_merged"] > 0 and store.offer_best(out)
     return out
 
 
