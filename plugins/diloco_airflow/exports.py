@@ -24,6 +24,7 @@ from diloco_airflow.assets import snapshot_id
 
 log = logging.getLogger(__name__)
 
+
 def _best_id(store_url: str, experiment: str) -> str | None:
     best = store.open_experiment(store_url, experiment).best()
     return snapshot_id(best) if best else None
