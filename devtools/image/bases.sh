@@ -13,6 +13,16 @@ AF_IMAGE=localhost/diloco-base-airflow:3.3.2-python3.11
 
 missing=()
 for tool in podman runc mmdebstrap; do command -v "$tool" >/dev/null 2>&1 || missing+=("$tool"); done
+# said before it is done (docs/AIRFLOW.md, "Building the image here"): what this changes on the
+# machine beyond podman's own image storage
+echo "make image: this machine-wide setup comes first (as root):"
+if ((${#missing[@]})); then
+  echo "  - apt-get install ${missing[*]} (Debian's packages)"
+fi
+if [ ! -e /etc/containers/containers.conf ]; then
+  echo "  - write /etc/containers/containers.conf (default ulimits, runtime runc; there is none yet)"
+fi
+((${#missing[@]})) || [ ! -e /etc/containers/containers.conf ] || echo "  - nothing: all in place"
 if ((${#missing[@]})); then
   echo "installing ${missing[*]} (apt-get)"
   apt-get install -y -q --no-install-recommends podman runc mmdebstrap >/dev/null \
