@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 import uuid
+from pathlib import Path
 
 import numpy as np
 
@@ -170,3 +174,29 @@ def tokens_discarded(store: ExperimentStore) -> int:
         for p in range(store.num_fragments())
     ]
     return sum(found) // len(found)
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def cli_env(**extra: str) -> dict[str, str]:
+    """The environment of a `diloco` subprocess of the tests: this tree (and the plugins) on
+    its path, CPU JAX, gcsfs usable against fake-gcs-server (docs: PLATFORM.md)."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT="false")
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(ROOT), str(ROOT / "plugins"), env.get("PYTHONPATH", "")]
+    )
+    return {**env, **extra}
+
+
+def cli_process(*argv: str, **env: str) -> subprocess.Popen:
+    """`diloco ARGV` as a separate process, as a user starts it (stdout and stderr to one
+    text pipe)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "training.cli", *argv],
+        env=cli_env(**env),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )

@@ -23,8 +23,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -35,6 +33,7 @@ import numpy as np
 import pytest
 
 from tests.gcs_fixture import gcs_bucket  # noqa: F401  (fixture)
+from tests.helpers import cli_process
 from tests.test_tokenizer import train_bpe
 from training import cli
 
@@ -50,23 +49,6 @@ STEPS = 300  # inner steps per island (about)
 BUDGET = len(ISLANDS) * STEPS * BATCH * SEQ_LEN
 PROCESS_TIMEOUT_S = 480  # P = 4 on fake-gcs-server, 2 cores: four times the merges of P = 1
 SAMPLING = ("--max-tokens", "32", "--temperature", "0.8", "--top-k", "40", "--seed", "0")
-
-
-def _env() -> dict[str, str]:
-    """The subprocesses import this tree and reach the fake-gcs-server of this session."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu", GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT="false")
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(ROOT), str(ROOT / "plugins"), env.get("PYTHONPATH", "")]
-    )
-    return env
-
-
-def _diloco(*argv: str) -> subprocess.Popen:
-    """`diloco ARGV` as a separate process (stdout and stderr to one pipe)."""
-    cmd = [sys.executable, "-m", "training.cli", *argv]
-    return subprocess.Popen(
-        cmd, env=_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
 
 
 def _main(capsys, *argv: str) -> str:
@@ -137,8 +119,8 @@ def _init(capsys, tmp_path: Path, store: str, bucket: str) -> dict:
 def _train(store: str) -> None:
     """Two islands and the merge, until the budget's stop and both islands done."""
     base = ["--store", store, "--experiment", EXP]
-    procs = [_diloco("island", *base, "--island", name) for name in ISLANDS]
-    procs.append(_diloco("merge", *base, "--follow", "--poll", "0.5"))
+    procs = [cli_process("island", *base, "--island", name) for name in ISLANDS]
+    procs.append(cli_process("merge", *base, "--follow", "--poll", "0.5"))
     deadline = time.monotonic() + PROCESS_TIMEOUT_S
     try:
         for proc in procs:

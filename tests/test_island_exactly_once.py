@@ -21,7 +21,6 @@ bug) and no gap (a step lost); their tokens add up to the 2,560 trained, nothing
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import uuid
@@ -31,7 +30,7 @@ import numpy as np
 import pytest
 
 from tests.gcs_fixture import gcs_bucket  # noqa: F401  (fixture)
-from tests.helpers import new_store, small_config
+from tests.helpers import cli_env, new_store, small_config
 from training.config.experiment import parse_config
 from training.island.process import Island
 from training.merge.merger import Merger, initial_version
@@ -40,17 +39,15 @@ from training.store.registry import open_store
 
 pytestmark = pytest.mark.integration
 
-ROOT = Path(__file__).resolve().parents[1]
 STEPS, PER_STEP = 20, 4 * 32  # small_config: batch 4 x seq 32
 
 
 def _island(url: str, faults: str = "") -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "training.cli", "island", "--store", url]
-    cmd += ["--experiment", "once", "--island", "a"]
-    env = dict(os.environ, DILOCO_FAULTS=faults, JAX_PLATFORMS="cpu")
-    env["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    argv = ["-m", "training.cli", "island", "--store", url, "--experiment", "once", "--island", "a"]
+    env = cli_env(DILOCO_FAULTS=faults)
+    return subprocess.run(
+        [sys.executable, *argv], env=env, capture_output=True, text=True, timeout=300
+    )
 
 
 def _experiment(url: str, P: int) -> ExperimentStore:

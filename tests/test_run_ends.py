@@ -18,16 +18,12 @@ limit).
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import uuid
-from pathlib import Path
 
 import pytest
 
 from tests.gcs_fixture import gcs_bucket  # noqa: F401  (fixture)
-from tests.helpers import small_config
+from tests.helpers import cli_process, small_config
 from training.config.experiment import parse_config
 from training.merge.merger import initial_version
 from training.model.evaluate import RESTORE_MARGIN
@@ -36,7 +32,6 @@ from training.store.registry import open_store
 
 pytestmark = pytest.mark.integration
 
-ROOT = Path(__file__).resolve().parents[1]
 ISLANDS = ("a", "b")
 H, PER_STEP = 4, 4 * 32  # small_config: batch 4 x seq 32 tokens a step
 BUDGET = 2 * 24 * PER_STEP  # two islands x 24 steps: 6,144 tokens
@@ -49,24 +44,6 @@ METHODS = {
     "nesterov": {"method": "nesterov", "rounds": "clock"},
     "delayed_nesterov": {"method": "delayed_nesterov", "rounds": "clock"},
 }
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ, JAX_PLATFORMS="cpu", GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT="false")
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(ROOT), str(ROOT / "plugins"), env.get("PYTHONPATH", "")]
-    )
-    return env
-
-
-def _cli(*args: str) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "training.cli", *args],
-        env=_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
 
 
 def _run(url: str, method: str, P: int) -> ExperimentStore:
@@ -84,8 +61,8 @@ def _run(url: str, method: str, P: int) -> ExperimentStore:
     store.write_config(json.loads(cfg.to_json()))
     initial_version(cfg, store)
     where = ("--store", url, "--experiment", name)
-    procs = {i: _cli("island", *where, "--island", i) for i in ISLANDS}
-    procs["merge"] = _cli("merge", *where, "--follow", "--poll", "0.2")
+    procs = {i: cli_process("island", *where, "--island", i) for i in ISLANDS}
+    procs["merge"] = cli_process("merge", *where, "--follow", "--poll", "0.2")
     out = {}
     try:
         for who, proc in procs.items():
