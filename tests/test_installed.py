@@ -48,11 +48,18 @@ def _clean_env(**extra: str) -> dict[str, str]:
     return {**env, **extra}
 
 
-def deploy_block() -> str:
-    """docs/AIRFLOW.md's deploy block ("Deploying: one package and four DAG files"), as printed."""
+def doc_block(heading: str, fence: str = "```sh") -> str:
+    """The first code block under `heading` in docs/AIRFLOW.md, as printed."""
     text = (ROOT / "docs" / "AIRFLOW.md").read_text()
-    section = text.split("## Deploying: one package and four DAG files", 1)[1]
-    return section.split("```sh", 1)[1].split("```", 1)[0]
+    return text.split(heading, 1)[1].split(fence, 1)[1].split("```", 1)[0]
+
+
+def deploy_block() -> str:
+    """The deploy block ("Deploying: one package and four DAG files") and the pools block
+    after it ("Pools"), as printed."""
+    deploy = doc_block("## Deploying: one package and four DAG files")
+    pools = doc_block("## Pools", "```\n")
+    return deploy + pools
 
 
 @pytest.fixture(scope="module")
