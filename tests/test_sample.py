@@ -137,7 +137,6 @@ def test_sample_from_an_export_directory_equals_sample_from_the_store(tmp_path, 
 
 
 def test_an_export_whose_tensor_does_not_fit_the_model_is_refused_in_one_line(tmp_path, capsys):
-    import numpy as np
     from safetensors.numpy import load_file, save
 
     from training import cli
