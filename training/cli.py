@@ -30,8 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
-import shutil
 import signal
 import sys
 import threading
@@ -213,60 +211,22 @@ def _pick_snapshot(cfg, estore, which: str):
 
 
 def cmd_export(args) -> int:
-    """The snapshot as one safetensors file plus config.json (sizes, family, tokenizer) and the
-    tokenizer's file (training/model/export.py)."""
+    """The snapshot as one safetensors file plus config.json (sizes, family, tokenizer), the
+    tokenizer's file and export.json (training/model/export.py `export_to`)."""
     import pathlib
 
     from training.data.tokenizer import tokenizer_for
     from training.merge import replay
-    from training.model.export import write_export
+    from training.model.export import check_out, export_to
 
     out = pathlib.Path(args.out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not args.overwrite:
-        raise ConfigError(
-            f"--out {out}: exists and is not empty (another model's files would stay beside "
-            "this one's): choose a new directory, or --overwrite to replace it whole"
-        )
+    check_out(out, args.overwrite)  # before anything is read
     cfg, estore = _load(args)
     snapshot = _pick_snapshot(cfg, estore, args.snapshot) or estore.current_snapshot()
     params = estore.load_params(snapshot, replay.params_of(cfg, estore))
-    what, tok = {"snapshot": args.snapshot, "experiment": args.experiment}, tokenizer_for(cfg)
     record = {"best": estore.best, "final": estore.final}.get(args.snapshot, lambda: None)()
-    provenance = {
-        "experiment": args.experiment,
-        "store": estore.url,
-        "snapshot": args.snapshot,
-        "versions": list(snapshot.versions) if snapshot else None,
-        "dirs": list(snapshot.dirs) if snapshot else None,
-        "tokens_merged": snapshot.tokens_merged if snapshot else None,
-        "eval_loss": record.get("loss") if record else None,
-        "tokenizer": tok.identity(),
-        "format": args.format,
-    }
-    # written beside the target, then put in its place: a failed export leaves the target as
-    # it was, and --overwrite replaces it whole (no file of the model before stays)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        if args.format == "hf":  # transformers' layout only (training/model/export_hf.py)
-            from training.model.export_hf import write_hf
-
-            write_hf(tmp, cfg, params, tok, what)
-        else:
-            write_export(tmp, cfg, params, tok, what)
-        if args.format == "orbax":  # a flat {flax path: array} tree that orbax restores as such
-            import orbax.checkpoint as ocp
-
-            with ocp.StandardCheckpointer() as ckpt:
-                ckpt.save((tmp / "orbax").absolute(), params)
-        (tmp / "export.json").write_text(json.dumps(provenance, indent=1) + "\n")
-        old = out.with_name(f".{out.name}.old-{os.getpid()}")
-        if out.exists():
-            out.rename(old)
-        tmp.rename(out)
-        shutil.rmtree(old, ignore_errors=True)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    what = {"snapshot": args.snapshot, "experiment": args.experiment}
+    export_to(out, cfg, params, tokenizer_for(cfg), what, args.format, estore.url, snapshot, record)
     line = {"out": str(out), "tensors": len(params)}
     print(json.dumps({**line, "format": "hf"} if args.format == "hf" else line))
     return 0
@@ -322,16 +282,19 @@ def cmd_stop(args) -> int:
 
 
 def running_islands(cfg, estore, now: float) -> list[str]:
-    """The islands of `cfg` that look alive: a heartbeat within 3 heartbeats (at least 60 s)
-    of `now` and no done marker."""
-    window = max(60.0, 3 * cfg.heartbeat_s)
+    """The islands of `cfg` that may still run: no done marker and a heartbeat that the stall
+    rule (training/protocol/stall.py `wait_timeout_s`: what Airflow waits before it calls an
+    island stalled) does not call too old at `now`."""
+    from training.protocol import stall
+
     done, beats = set(estore.done()), estore.heartbeats()
+    limit = stall.wait_timeout_s(cfg.heartbeat_s)
     return sorted(
-        name
-        for name, beat in beats.items()
-        if name not in done
-        and isinstance(beat.get("at"), int | float)
-        and now - beat["at"] < window
+        i.name
+        for i in cfg.islands
+        if i.name not in done
+        and isinstance((beats.get(i.name) or {}).get("at"), int | float)
+        and not stall.beat_too_old(beats[i.name]["at"], now, limit)
     )
 
 
@@ -344,8 +307,8 @@ def cmd_delete(args) -> int:
     alive = running_islands(cfg, estore, time.time())
     if alive:
         raise ConfigError(
-            f"delete {args.experiment}: islands {alive} are running (heartbeats in the last "
-            "minute): stop them first (diloco stop) and wait for them to end"
+            f"delete {args.experiment}: islands {alive} are running (their heartbeats are not "
+            "stale yet): stop them first (diloco stop) and wait for them to end"
         )
     if not args.yes:
         if not sys.stdin.isatty():

@@ -121,7 +121,7 @@ class IslandWaitOperator(BaseOperator):
 
     def trigger_kwargs(self, island: IslandEntry) -> dict[str, Any]:
         """The (serializable) arguments of the island's trigger, launched now."""
-        from diloco_airflow import stall
+        from training.protocol import stall
 
         return dict(
             spec=island.spec.to_dict(),

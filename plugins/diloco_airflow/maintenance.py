@@ -8,8 +8,9 @@ import logging
 import time
 from typing import Any
 
-from diloco_airflow import stall, store
+from diloco_airflow import store
 from diloco_airflow.island_entry import IslandEntry
+from training.protocol import stall
 
 log = logging.getLogger(__name__)
 

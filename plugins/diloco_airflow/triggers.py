@@ -14,7 +14,8 @@ from typing import Any
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
-from diloco_airflow import stall, store
+from diloco_airflow import store
+from training.protocol import stall
 
 # how many consecutive failed polls (store or backend unreachable) before giving up
 MAX_POLL_ERRORS = 10

@@ -39,7 +39,7 @@ from training.island.state import IslandState, shadow_of
 from training.model.runtime import shared
 from training.protocol import broadcast
 from training.store import merge_records
-from training.store.layout import HeadPointer
+from training.store.layout import parent_of
 from training.store.objectstore import CorruptObject
 
 log = logging.getLogger("diloco.island")
@@ -113,14 +113,13 @@ class Adopter:
                 return pointer, self.read_full(pointer)
             except CorruptObject as err:
                 self._unreadable(pointer, err)
-                manifest = self.store.fragment_manifest(pointer)
-                parent_dir, parent = manifest.get("parent_dir"), manifest.get("parent_version")
-                if not isinstance(parent_dir, str) or not isinstance(parent, int):
+                parent = parent_of(pointer, self.store.fragment_manifest(pointer))
+                if parent is None:
                     raise RuntimeError(
                         f"island {self.name}: no version of fragment {head.fragment} reads "
                         f"(the last tried, {pointer.version}: {err})"
                     ) from None
-                pointer = HeadPointer(head.fragment, parent, parent_dir, 0)
+                pointer = parent
 
     def _unreadable(self, head, err: Exception) -> None:
         """Log once that `head`'s version does not read, and why; it is passed over."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import stat
 from pathlib import Path
 from typing import Any
@@ -52,6 +53,67 @@ def write_export(
     }
     (out / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return config
+
+
+def check_out(out: Path, overwrite: bool) -> None:
+    """ConfigError (one line) when `out` holds anything and `overwrite` is not given: another
+    model's files would stay beside this one's (its tokenizer.json beside a byte model)."""
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
+        raise ConfigError(
+            f"--out {out}: exists and is not empty (another model's files would stay beside "
+            "this one's): choose a new directory, or --overwrite to replace it whole"
+        )
+
+
+def export_to(
+    out: Path,
+    cfg,
+    params: dict[str, np.ndarray],
+    tok: Tokenizer,
+    what: dict[str, Any],
+    fmt: str,
+    store_url: str,
+    snapshot,
+    record: dict[str, Any] | None,
+) -> None:
+    """`params` of `snapshot` (None: HEADs that were empty) exported to `out` in format `fmt`
+    ("safetensors", "orbax": also an Orbax tree in out/orbax, "hf": transformers' layout),
+    with export.json: experiment, store, snapshot, versions, dirs, tokens, eval loss (of BEST's
+    or FINAL's `record`), tokenizer, format. Written beside `out`, then swapped in: a failed
+    export leaves `out` as it was, and a replaced one keeps none of its files."""
+    provenance = {
+        "experiment": what["experiment"],
+        "store": store_url,
+        "snapshot": what["snapshot"],
+        "versions": list(snapshot.versions) if snapshot else None,
+        "dirs": list(snapshot.dirs) if snapshot else None,
+        "tokens_merged": snapshot.tokens_merged if snapshot else None,
+        "eval_loss": record.get("loss") if record else None,
+        "tokenizer": tok.identity(),
+        "format": fmt,
+    }
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        if fmt == "hf":  # transformers' layout only (training/model/export_hf.py)
+            from training.model.export_hf import write_hf
+
+            write_hf(tmp, cfg, params, tok, what)
+        else:
+            write_export(tmp, cfg, params, tok, what)
+        if fmt == "orbax":  # a flat {flax path: array} tree that orbax restores as such
+            import orbax.checkpoint as ocp
+
+            with ocp.StandardCheckpointer() as ckpt:
+                ckpt.save((tmp / "orbax").absolute(), params)
+        (tmp / "export.json").write_text(json.dumps(provenance, indent=1) + "\n")
+        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        if out.exists():
+            out.rename(old)
+        tmp.rename(out)
+        shutil.rmtree(old, ignore_errors=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _regular(path: Path) -> int:

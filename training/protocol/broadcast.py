@@ -34,7 +34,7 @@ import numpy as np
 
 from training.codecs import host as codecs
 from training.store import merge_records as records
-from training.store.layout import HeadPointer
+from training.store.layout import HeadPointer, parent_of
 from training.store.objectstore import CorruptObject, ObjectNotFound
 
 log = logging.getLogger("diloco.broadcast")
@@ -292,10 +292,9 @@ def _chain(store, head: HeadPointer, manifest: dict, shadow: Shadow, codec: str,
         pointer, m = chain[-1]
         if pointer.version == shadow.version + 1:
             return chain[::-1] if m.get("parent_dir") == shadow.dir else None
-        parent_dir, parent_version = m.get("parent_dir"), m.get("parent_version")
-        if not isinstance(parent_dir, str) or not isinstance(parent_version, int):
+        parent = parent_of(pointer, m)
+        if parent is None:
             return None
-        parent = HeadPointer(head.fragment, parent_version, parent_dir, 0)
         chain.append((parent, store.fragment_manifest(parent)))
 
 

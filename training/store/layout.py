@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -115,6 +116,15 @@ class HeadPointer:
     version: int
     dir: str
     generation: Generation
+
+
+def parent_of(pointer: HeadPointer, manifest: Mapping[str, Any]) -> HeadPointer | None:
+    """The version before `pointer`'s on its chain, from its `manifest`'s parent_dir and
+    parent_version (None when it names none: version 0, or a manifest without them)."""
+    parent_dir, parent_version = manifest.get("parent_dir"), manifest.get("parent_version")
+    if not isinstance(parent_dir, str) or not isinstance(parent_version, int):
+        return None
+    return HeadPointer(pointer.fragment, parent_version, parent_dir, 0)
 
 
 @dataclass(frozen=True, eq=False)

@@ -1,9 +1,11 @@
 """When an island counts as stalled: its process runs, its heartbeat has stopped.
 
-One rule, two users: the island's wait task (through `IslandTrigger`) stops a stalled island
+One rule, its users: the island's wait task (through `IslandTrigger`) stops a stalled island
 after `wait_timeout_s` so that its retry relaunches it; the maintenance DAG, a backstop for an
 island whose wait task is not running, after `maintenance_timeout_s` (twice as long, so that it
-never races the wait task). ``DILOCO_HEARTBEAT_TIMEOUT_S`` (`knobs`) overrides the wait's.
+never races the wait task); `diloco delete` refuses while an island's heartbeat is younger than
+`wait_timeout_s` (it may still be running). Pure, no imports: the Airflow layer
+(plugins/diloco_airflow) and the library use it alike. ``DILOCO_HEARTBEAT_TIMEOUT_S`` (`knobs`) overrides the wait's.
 An island that never beat is stalled `startup_timeout_s` after its launch (the trigger's
 argument: compiling a large model takes a while).
 """
