@@ -330,3 +330,36 @@ def test_a_merger_reuses_the_arrays_of_the_version_it_published():
     calls = []
     stores[0].load_fragment = lambda *a, **k: calls.append(1) or real(*a, **k)
     assert mergers[0].merge_once().version == 4 and calls == [1]
+
+
+def test_a_warm_merge_carries_its_norms_and_gives_a_cold_merges_bits(monkeypatch):
+    """The params norm comes from the outer step that wrote them and the averaging step's norm
+    from the last vote's fold (no pass over either): the bits of a fresh merger, which reads
+    the version back and computes both by a pass (int4 votes of two islands, RDA)."""
+    from training.merge import stream as merge_stream
+
+    cfg = small_config(codec="int4", outer={"method": "decoupled", "quorum": 2})
+    stores = [new_store(cfg), new_store(cfg)]
+    warm = Merger(cfg, stores[0])
+    theta = stores[0].load_params()
+    real, passes = merge_stream.chunk_sq_of, []
+
+    def counted(*args, **kwargs):
+        passes.append(1)
+        return real(*args, **kwargs)
+
+    for version in range(3):
+        for s in stores:
+            for n, island in enumerate("ab"):
+                delta = random_delta(theta, 10 * version + n)
+                publish_delta(s, cfg, island, version, delta, base_version=version)
+        passes.clear()
+        monkeypatch.setattr(merge_stream, "chunk_sq_of", counted)
+        assert len(warm.merge_once().applied) == 2
+        monkeypatch.setattr(merge_stream, "chunk_sq_of", real)
+        # version 0 is read (its norm by a pass); then the merger's own versions: none
+        assert passes == ([1] if version == 0 else [])
+        assert len(Merger(cfg, stores[1]).merge_once().applied) == 2  # cold: reads, passes
+        want = stores[1].load_params()
+        for k, v in stores[0].load_params().items():
+            assert v.tobytes() == want[k].tobytes(), (version, k)

@@ -194,3 +194,88 @@ def test_native_outer_step_matches_numpy(method, momentum, nesterov, final, seen
         return np.random.default_rng(seeds[n] + k).normal(size=shapes[n]).astype(np.float32)
 
     assert _bits(run(rules.outer_step_)) == _bits(numpy_only(run, rules.outer_step_))
+
+
+def _numpy_sq(x: np.ndarray) -> float:
+    """The definition (training/merge/stream.py `sq`): numpy's pairwise float64 sum."""
+    return float(np.add.reduce(np.square(x, dtype=np.float64)))
+
+
+@needs_native
+def test_native_sum_of_squares_is_numpys_on_every_length():
+    # numpy's pairwise sum changes its shape at 8 and 128 elements and splits above 128 at
+    # n / 2 rounded down to a multiple of 8: every length to 300 walks each branch, the chunk
+    # lengths (and one past) the ones a merge uses
+    rng = np.random.default_rng(11)
+    lengths = [*range(301), 1000, 4097, codecs.chunk_step() - 1, codecs.chunk_step()]
+    for n in lengths:
+        x = (rng.standard_t(3, n) * 10.0 ** rng.integers(-20, 20)).astype(np.float32)
+        got = native.chunk_sumsq(x, max(n, 1))
+        assert got.tolist() == ([_numpy_sq(x)] if n else []), n
+
+
+@needs_native
+def test_native_chunk_sums_are_each_chunks():
+    # 3 chunks and 77 elements: four sums, the last of 77 elements
+    x = _tensors()["chunks"]
+    step = kernels.CHUNK
+    got = native.chunk_sumsq(x, step)
+    want = [_numpy_sq(x[s : s + step]) for s in range(0, x.size, step)]
+    assert len(want) == 4 and got.tolist() == want
+
+
+@needs_native
+@pytest.mark.parametrize("codec", ["int8", "int4", "int2"])
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_decode_span_is_decode_chunk_per_chunk_with_its_sums(codec, accumulate):
+    x = np.random.default_rng(5).normal(0, 1, 2 * codecs.chunk_step() + 1001).astype(np.float32)
+    payload, _ = codecs.encode({"w": x}, codec)
+    codes = codecs.tensor_codes(payload, "w", codec)
+    base = np.random.default_rng(6).normal(0, 1, x.size).astype(np.float32)
+    want, want_sums = base.copy(), []
+    for s, e in codecs.chunk_spans(x.size):
+        codecs.decode_chunk(codes, s, e, want[s:e], accumulate=accumulate)
+        want_sums.append(_numpy_sq(want[s:e]))
+    got, sums = base.copy(), np.empty(3, np.float64)
+    assert codecs.decode_span(codes, 0, x.size, got, accumulate=accumulate, sums=sums)
+    assert _bits([got]) == _bits([want]) and sums.tolist() == want_sums
+
+
+@needs_native
+def test_decode_span_stops_at_the_chunk_with_a_bad_code():
+    x = np.random.default_rng(5).normal(0, 1, 3 * codecs.chunk_step()).astype(np.float32)
+    payload, _ = codecs.encode({"w": x}, "int8")
+    bad_at = codecs.chunk_step() + 5  # in the second chunk: one chunk done before it
+    payload["w"].reshape(-1)[bad_at] = -128
+    codes = codecs.tensor_codes(payload, "w", "int8")
+    sums = np.full(3, -1.0)
+    with pytest.raises(codecs.BadCodes, match="codes outside") as err:
+        codecs.decode_span(
+            codes, 0, x.size, np.empty(codecs.chunk_step(), np.float32), scratch=True, sums=sums
+        )
+    assert err.value.done == 1 and sums[0] >= 0 and sums[1:].tolist() == [-1.0, -1.0]
+
+
+@needs_native
+@pytest.mark.parametrize("method", ["decoupled", "delayed_nesterov"])
+def test_outer_step_carries_the_new_params_norm_terms(method, numpy_only):
+    from training.config.experiment import OuterConfig
+    from training.merge import rules
+    from training.merge import stream as merge_stream
+
+    outer = OuterConfig(method=method, lr=0.7, momentum=0.9)
+    shapes = {"w": (3 * kernels.CHUNK + 77,), "b": (7,)}
+
+    def run():
+        rng = np.random.default_rng(3)
+        params = {n: rng.normal(size=s).astype(np.float32) for n, s in shapes.items()}
+        delta = {n: rng.normal(size=s).astype(np.float32) for n, s in shapes.items()}
+        carried: dict = {}
+        rules.outer_step_(
+            outer, 4, params, rules.init_state(outer, shapes), delta, params_sq=carried
+        )
+        return carried, merge_stream.chunk_sq_of(params)
+
+    carried, recomputed = run()
+    assert carried == recomputed  # the C pass's terms are a norm pass's, term by term
+    assert numpy_only(run) == (carried, recomputed)  # and the numpy loop's

@@ -303,6 +303,57 @@ def decode_range(
     return out
 
 
+def decode_chunks(
+    kind: str,
+    data: np.ndarray,
+    scales: np.ndarray,
+    s: int,
+    e: int,
+    block: int,
+    step: int,
+    out: np.ndarray,
+    *,
+    scratch: bool,
+    accumulate: bool,
+    levels: int,
+    sums: np.ndarray | None,
+) -> int | None:
+    """decode_range over the chunks of `step` elements of [s, e) (s and step multiples of
+    chunk_step(block)) in one C call (native.c `decode_chunks`): each
+    chunk decoded into (or, `accumulate`, added to) `out` at its offset from s, or at out[0]
+    when `scratch` (a one-chunk buffer); `sums[k]`, when given, the float64 sum of squares of
+    chunk k as it stands in `out` after it (numpy's pairwise order: native.chunk_sumsq).
+    Returns the chunks done (fewer than [s, e) holds: that chunk has a code outside
+    [-levels, levels]; levels 0: no check), or None when the C loops cannot take it (the
+    caller loops decode_range: the same bits)."""
+    lib = native.library()
+    if (
+        lib is None
+        or step % chunk_step(block)
+        or s % chunk_step(block)
+        or levels not in (0, _CODE_LEVELS[kind])
+        or data.itemsize != 1
+        or not native.fits_float32(out, scales)
+        or not data.flags.c_contiguous
+        or (sums is not None and (sums.dtype != np.float64 or not sums.flags.c_contiguous))
+    ):
+        return None
+    return lib.decode_chunks(
+        _KIND[kind],
+        data.ctypes.data,
+        scales.ctypes.data,
+        s,
+        e,
+        block,
+        step,
+        out.ctypes.data,
+        int(scratch),
+        int(accumulate),
+        int(bool(levels)),
+        None if sums is None else sums.ctypes.data,
+    )
+
+
 def decode_quantized(
     data: np.ndarray, scales: np.ndarray, n: int, block: int, kind: str, levels: int = 127
 ) -> np.ndarray:

@@ -308,3 +308,85 @@ void outer_step(int64_t n, float *restrict p, float *restrict g, float *restrict
         }
     }
 }
+
+/* The sum of squares of x[0, n) in float64, bit for bit numpy's
+   np.add.reduce(np.square(x, dtype=np.float64)) on a contiguous array (numpy's pairwise_sum,
+   numpy/_core/src/umath/loops_utils.h.src: below 8 elements one by one; up to 128 eight
+   running sums added as ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7)), then the rest one
+   by one; above, split at n / 2 rounded down to a multiple of 8), started from 0.0 as numpy's
+   reduction does. Each square is exact (24 + 24 mantissa bits < 53). tests/test_native.py
+   holds it to numpy on every length up to 300 and on chunk sizes. */
+static double pw_sumsq(const float *x, int64_t n) {
+    if (n < 8) {
+        double res = 0.0;
+        for (int64_t i = 0; i < n; i++) {
+            double v = (double)x[i];
+            res += v * v;
+        }
+        return res;
+    }
+    if (n <= 128) {
+        double r[8], res;
+        for (int j = 0; j < 8; j++) {
+            double v = (double)x[j];
+            r[j] = v * v;
+        }
+        int64_t i;
+        for (i = 8; i < n - (n % 8); i += 8)
+            for (int j = 0; j < 8; j++) {
+                double v = (double)x[i + j];
+                r[j] += v * v;
+            }
+        res = ((r[0] + r[1]) + (r[2] + r[3])) + ((r[4] + r[5]) + (r[6] + r[7]));
+        for (; i < n; i++) {
+            double v = (double)x[i];
+            res += v * v;
+        }
+        return res;
+    }
+    int64_t n2 = n / 2;
+    n2 -= n2 % 8;
+    return pw_sumsq(x, n2) + pw_sumsq(x + n2, n - n2);
+}
+
+/* sums[k] = 0.0 + pw_sumsq of the k-th chunk of `step` elements of x[0, n) (the last one
+   shorter): a norm's per-chunk terms, added in chunk order by the caller. */
+void sumsq_chunks(const float *x, int64_t n, int64_t step, double *sums) {
+    for (int64_t s = 0, k = 0; s < n; s += step, k++)
+        sums[k] = pw_sumsq(x + s, s + step < n ? step : n - s);
+}
+
+/* decode_quantized chunk by chunk over elements [s, e) of a quantized tensor (s a multiple
+   of `step`, step of the block and of the codes per byte): each chunk decoded (accumulate 0)
+   or added (accumulate 1) into out, at out + (c - s) for a chunk starting at c, or always at
+   out[0] when `scratch` (a one-chunk buffer); then, when sums is not NULL, sums[k] = the
+   pw_sumsq of the chunk as it stands in out after it (the decoded values, or the sums). One
+   call per tensor (or per thread's range of its chunks) instead of one per chunk, and the
+   squares while the chunk is in cache instead of a float64 copy. Returns the number of
+   chunks done: fewer than the range holds when a chunk's codes are invalid (check set). */
+int64_t decode_chunks(int kind, const uint8_t *data, const float *scales, int64_t s, int64_t e,
+                      int64_t block, int64_t step, float *out, int scratch, int accumulate,
+                      int check, double *sums) {
+    int64_t k = 0;
+    for (int64_t c = s; c < e; c += step, k++) {
+        int64_t ce = c + step < e ? c + step : e;
+        float *o = scratch ? out : out + (c - s);
+        if (decode_quantized(kind, data, scales, c, ce, block, o, accumulate, check)) return k;
+        if (sums) sums[k] = pw_sumsq(o, ce - c);
+    }
+    return k;
+}
+
+/* outer_step chunk by chunk (element by element the same arithmetic: the same bits), and
+   sums[k] = the pw_sumsq of the k-th chunk of `step` elements of the updated p: the new
+   parameters' norm terms while they are in cache (the next merge's params norm, carried). */
+void outer_step_sq(int64_t n, float *p, float *g, float *m, float *d, const float *factors,
+                   int nf, int mode, int nesterov, int flush, float lr, float beta, float inv,
+                   int64_t step, double *sums) {
+    for (int64_t s = 0, k = 0; s < n; s += step, k++) {
+        int64_t len = s + step < n ? step : n - s;
+        outer_step(len, p + s, g + s, m ? m + s : m, d ? d + s : d, factors, nf, mode, nesterov,
+                   flush, lr, beta, inv);
+        sums[k] = pw_sumsq(p + s, len);
+    }
+}

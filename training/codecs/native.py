@@ -1,7 +1,8 @@
 """The C loops of training/codecs/native.c, compiled on first use and called through ctypes.
 
-The loops: the codecs' encode and decode (training/codecs/kernels.py) and the merge's outer
-step (training/merge_rules.outer_step_). `library()` returns the loaded library, or None when
+The loops: the codecs' encode and decode (training/codecs/kernels.py), the merge's outer
+step (training/merge/rules.outer_step_) and the float64 sums of squares of its norms (numpy's
+pairwise order, bit for bit: `chunk_sumsq` here, training/merge/stream.py). `library()` returns the loaded library, or None when
 it cannot be had: no C compiler (`$CC`, else `cc`), a failed build, an unwritable cache, or
 `DILOCO_NATIVE=0`. Then the callers run their numpy code, which gives the same bits (the C
 file's docstring says how; tests/test_native.py compares the two). Nothing else changes: the
@@ -107,6 +108,12 @@ def _load(path: Path):
     lib.decode_quantized.restype = cint
     lib.outer_step.argtypes = [i64, vp, vp, vp, vp, vp, cint, cint, cint, cint] + [cfloat] * 3
     lib.outer_step.restype = None
+    lib.sumsq_chunks.argtypes = [vp, i64, i64, vp]
+    lib.sumsq_chunks.restype = None
+    lib.decode_chunks.argtypes = [cint, vp, vp, i64, i64, i64, i64, vp, cint, cint, cint, vp]
+    lib.decode_chunks.restype = i64
+    lib.outer_step_sq.argtypes = lib.outer_step.argtypes + [i64, vp]
+    lib.outer_step_sq.restype = None
     return lib
 
 
@@ -150,3 +157,15 @@ def address(a: np.ndarray | None) -> int | None:
     if not a.flags.c_contiguous:
         raise ValueError("native codecs need contiguous arrays")
     return a.ctypes.data
+
+
+def chunk_sumsq(x: np.ndarray, step: int) -> np.ndarray | None:
+    """Per chunk of `step` elements of the flat float32 array `x` (the last one shorter), the
+    float64 sum of its squares as numpy's np.add.reduce(np.square(chunk, dtype=np.float64))
+    gives it, bit for bit; None when the C loops are not loaded or `x` does not fit them."""
+    lib = library()
+    if lib is None or not fits_float32(x):
+        return None
+    sums = np.empty(-(-x.size // step), np.float64)
+    lib.sumsq_chunks(address(x), x.size, step, sums.ctypes.data)
+    return sums

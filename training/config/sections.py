@@ -449,6 +449,16 @@ class SyncerConfig(_Frozen):
         "many besides the current one (k/8 of the fragment's float32 bytes at int4); 1: one "
         "after another (no gain measured on a local fake-gcs-server: docs/BENCHMARKS.md)",
     )
+    memory_gib: float | None = Field(
+        None,
+        gt=0,
+        le=65536,
+        description="the memory one merge shard may use, GiB: it keeps each of its fragments' "
+        "state (params, outer state, broadcast shadow) resident between merges within it, less "
+        "one merge's working memory (training/merge/memory.py; docs/AIRFLOW.md, \"What a "
+        'shard needs"); a shard that cannot fit one merge refuses to start. None: the '
+        "memory the machine (or its container) has available when the shard starts",
+    )
     lease_s: float = Field(
         60.0,
         gt=0,

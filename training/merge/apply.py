@@ -57,6 +57,9 @@ class Applied:
     applied: list[rules.Candidate]
     details: list[dict]
     norms: list
+    # the new params' per-chunk sums of squares (rules.outer_step_), for the next merge's
+    # params norm without a pass (None: no outer step ran)
+    params_sq: dict[str, list[float]] | None = None
 
 
 # The fields of a manifest's `contributions` records that replay re-applies a merge from (with
@@ -107,22 +110,32 @@ def apply_groups(
     caps: Sequence[Mapping[str, float]],
     active: int,
     io: Io,
+    arena: merge_stream.Arena | None = None,
+    params_sq: Mapping[str, Sequence[float]] | None = None,
 ) -> Applied:
     """Apply `groups` (each with its islands' weight caps `caps`) to the fragment version
     `head_version`'s `params` (in place) and outer `state`; `active`: the number of islands
-    active at the merge (outer.partial_scaling)."""
-    params_norm = merge_stream.norm_of(params)
+    active at the merge (outer.partial_scaling). `arena`: the accumulators' memory, reused
+    across merges (merge_stream.Arena); `params_sq`: the params' per-chunk sums of squares
+    as the merge that wrote them took them (Applied.params_sq), else a pass computes them (the
+    same float either way: merge_stream.sq_total)."""
+    arena = arena or merge_stream.Arena()
+    if params_sq is None or set(params_sq) != set(params):
+        params_sq = merge_stream.chunk_sq_of(params)
+    params_norm = math.sqrt(merge_stream.sq_total(params_sq, list(params)))
+    new_sq = None
     norms = list(norms)
     applied, details = [], []
     # outer.anchor = now: stale votes re-anchored at the params as they stand (`_vote`)
     now = (head_version, params, {}) if cfg.outer.anchor == "now" else None
     for index, (group, group_caps) in enumerate(zip(groups, caps, strict=True)):
-        combiner = rules.Combiner(shapes, cfg.outer.rda and cfg.outer.method != "sync")
+        combiner = rules.Combiner(shapes, cfg.outer.rda and cfg.outer.method != "sync", arena)
         voted: list[rules.Candidate] = []
         by_island: dict[str, list[rules.Candidate]] = {}
         for c in group:
             by_island.setdefault(c.island, []).append(c)
-        for island, contribs in sorted(by_island.items()):
+        islands = sorted(by_island.items())
+        for at, (island, contribs) in enumerate(islands):
             vote, kept, vote_norms, (total_sq, body_sq) = _vote(
                 cfg, shapes, contribs, norms, params_norm, combiner, io, now, state.momentum
             )
@@ -137,7 +150,7 @@ def apply_groups(
                 if cfg.outer.method == "sync"
                 else min(rules.island_weight(cfg.outer, kept), group_caps[island])
             )
-            combiner.add(vote, weight, scale, body_sq)
+            combiner.add(vote, weight, scale, body_sq, last=at == len(islands) - 1)
             del vote
             voted += kept
             norms += [records.IslandNorm(island, n) for n in vote_norms]
@@ -179,6 +192,7 @@ def apply_groups(
             final=all(c.final for c in voted),
             gains=gains,
             share=share,
+            params_sq=(new_sq := {}),
         )
         del delta, combiner
         applied += voted
@@ -186,7 +200,7 @@ def apply_groups(
         for d in details:
             if d["staleness"] > 0:
                 d["reanchored"] = now[2][head_version - d["staleness"]] is not None
-    return Applied(state, applied, details, norms)
+    return Applied(state, applied, details, norms, new_sq)
 
 
 def _vote(cfg, shapes, contribs, norms, params_norm, combiner, io: Io, now=None, momentum=None):

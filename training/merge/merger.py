@@ -10,7 +10,8 @@ makes, for each owned fragment with work, at most one new version:
 3. admit each by its manifest (training/merge_rules.check_manifest), quarantining the bad ones;
 4. let the method decide what to apply now (quorum, grace window, sync);
 5. stream: load the fragment's params and outer state once (or keep the arrays of the version
-   this merger published last, if HEAD still names it: `warm_bytes`; a light HEAD with
+   this merger published last, if HEAD still names it: `warm_bytes`, from the shard's memory
+   by training/merge/memory.py; a light HEAD with
    nothing warm is replayed forward from its full ancestor: replay.state_at), read each contribution
    chunk by chunk from its codes (checked as decoded, its norms in the same pass), fold each
    island's vote into one float32 accumulator, apply the outer step in place, chunk by chunk;
@@ -39,7 +40,8 @@ import numpy as np
 
 from training.codecs import host as codecs
 from training.config.experiment import ExperimentConfig
-from training.merge import apply, quorum, replay, rules
+from training.merge import apply, memory, quorum, replay, rules
+from training.merge import stream as merge_stream
 from training.merge.fetch import Prefetch
 from training.merge.promote import BackgroundPromotions
 from training.model import definition as model
@@ -53,10 +55,6 @@ from training.store.tensorboard import ScalarWriter, merge_scalars
 log = logging.getLogger("diloco.merge")
 
 SNAPSHOT_EVERY_S = 10.0  # a merger records the current snapshot at most this often
-# A merger keeps the arrays of the fragment versions it published, up to this many bytes, for
-# its next merge of each (no read, no checksum). A merger owning several fragments holds them
-# between merges: its peak is one fragment merge plus up to this (Merger(warm_bytes=0): none).
-WARM_BYTES = 4 * 2**30
 
 
 @dataclass
@@ -104,13 +102,13 @@ class Merger:
         store: ExperimentStore,
         clock: Callable[[], float] = time.time,
         fragments: Sequence[int] | None = None,
-        warm_bytes: int = WARM_BYTES,
+        warm_bytes: int | None = None,
     ):
         self.cfg = cfg
-        self.warm_bytes = warm_bytes
-        # fragment -> (version dir, params, outer tensors, broadcast shadow or None, bytes) this
-        # merger published last
-        self._warm: dict[int, tuple[str, dict, dict, dict | None, int]] = {}
+        # fragment -> (version dir, params, outer tensors, broadcast shadow or None, bytes,
+        # the params' per-chunk sums of squares) this merger published last
+        self._warm: dict[int, tuple[str, dict, dict, dict | None, int, dict | None]] = {}
+        self._arena = merge_stream.Arena()  # the accumulators, reused merge after merge
         self.store = store
         self.clock = clock
         # TensorBoard run "merge": one new event file per merge pass that published (flush_s=0)
@@ -122,6 +120,23 @@ class Merger:
             raise ValueError(f"fragments {bad} out of range (P = {len(self.frags)})")
         shapes = {k: tuple(v.shape) for k, v in model.abstract_params(cfg.model).items()}
         self.shapes = [{n: shapes[n] for n in names} for names in self.frags]
+        # the state kept resident between merges (training/merge/memory.py): all of it when
+        # the shard's memory holds it, else the most recently merged fragments'
+        if warm_bytes is None:
+            frags = memory.shard_memory(cfg, self.fragments, self.shapes)
+            budget = memory.shard_budget(cfg)
+            memory.check_fits(frags, budget, f"merge shard of fragments {self.fragments}")
+            warm_bytes = memory.warm_limit(frags, budget)
+            if warm_bytes < sum(f.state for f in frags):
+                log.warning(
+                    "%.1f GiB keeps %.1f of the %.1f GiB of state of fragments %s resident: "
+                    "the others start cold (syncer.memory_gib, docs/AIRFLOW.md)",
+                    budget / memory.GiB,
+                    warm_bytes / memory.GiB,
+                    sum(f.state for f in frags) / memory.GiB,
+                    self.fragments,
+                )
+        self.warm_bytes = warm_bytes
         self._fragment_limits = [apply.fragment_limits(s) for s in self.shapes]
         self._snapshot_at = 0.0
         # version dir -> (manifest, its merge state) (immutable once committed)
@@ -309,7 +324,7 @@ class Merger:
         if not groups:
             return
 
-        params, outer_tensors, shadow = self._fragment_arrays(head, manifest)
+        params, outer_tensors, shadow, params_sq = self._fragment_arrays(head, manifest)
         if broadcast.enabled(self.cfg) and shadow is None:
             shadow = {n: v.copy() for n, v in params.items()}  # S = Theta: params change below
         state = rules.state_from_tensors(
@@ -335,6 +350,8 @@ class Merger:
                 lambda pg_id, reason: self._quarantine(pg_id, reason, result),
                 self._base_params,
             ),
+            self._arena,
+            params_sq,
         )
         state, norms, details = done.state, done.norms, done.details
         applied = [c.id for c in done.applied]
@@ -393,7 +410,7 @@ class Merger:
             result.lost_race = True
             return
         outer_tensors = rules.state_tensors(state)
-        self._keep_warm(p, new.dir, params, outer_tensors, shadow)
+        self._keep_warm(p, new.dir, params, outer_tensors, shadow, done.params_sq)
         if later:
             self._promotions.submit(new, params, outer_tensors, shadow)
         result.versions[p] = new.version
@@ -476,7 +493,8 @@ class Merger:
         return self.cfg.inner.H * step_s if step_s > 0 else None
 
     def _fragment_arrays(self, head: HeadPointer, manifest: dict):
-        """(params, outer-state tensors, broadcast shadow) of the version `head` names,
+        """(params, outer-state tensors, broadcast shadow, the params' per-chunk sums of
+        squares or None) of the version `head` names,
         writable: the arrays this merger published as that very version if it still holds them
         (HEAD names the directory it wrote: the bytes are those it checksummed), else read and
         verified from the store. The shadow is None when broadcast is off or the version has
@@ -485,11 +503,12 @@ class Merger:
         self._promotions.wait(head.fragment)  # its arrays may still be being written
         warm = self._warm.pop(head.fragment, None)
         if warm is not None and warm[0] == head.dir:
-            return warm[1], warm[2], warm[3] if broadcast.enabled(self.cfg) else None
+            return warm[1], warm[2], warm[3] if broadcast.enabled(self.cfg) else None, warm[5]
         if records.light_ancestor(manifest) is None:
-            return apply.load_arrays(
+            arrays = apply.load_arrays(
                 self.cfg, self.store, head, manifest, self.shapes[head.fragment]
             )
+            return (*arrays, None)
         # a light HEAD and nothing warm (a cold start: after a crash, on another worker): its
         # nearest full version and the merges since re-applied, each checked (replay.state_at)
         started = time.monotonic()
@@ -507,7 +526,7 @@ class Merger:
             head.version,
             time.monotonic() - started,
         )
-        return state.params, state.outer, state.shadow
+        return state.params, state.outer, state.shadow, None
 
     def _keep_warm(
         self,
@@ -516,11 +535,12 @@ class Merger:
         params: dict,
         outer_tensors: dict,
         shadow: dict | None = None,
+        params_sq: dict | None = None,
     ):
-        """Hold a just-published version's arrays for the next merge of its fragment, within
-        `warm_bytes` in all (the oldest let go first)."""
+        """Hold a just-published version's arrays (and its params' norm terms) for the next
+        merge of its fragment, within `warm_bytes` in all (the oldest let go first)."""
         size = sum(v.nbytes for d in (params, outer_tensors, shadow or {}) for v in d.values())
-        self._warm[fragment] = (directory, params, outer_tensors, shadow, size)
+        self._warm[fragment] = (directory, params, outer_tensors, shadow, size, params_sq)
         while sum(w[4] for w in self._warm.values()) > self.warm_bytes:
             self._warm.pop(next(iter(self._warm)))
 
@@ -539,7 +559,7 @@ class Merger:
             if warm is None or head is None or head.dir != warm[0]:
                 continue
             manifest = self._version(head)[0]
-            directory, params, outer_tensors, shadow, _ = warm
+            directory, params, outer_tensors, shadow, *_ = warm
             if broadcast.enabled(self.cfg) and shadow is None:
                 shadow = params  # S = Theta (a version made without a shadow)
             if self.store.promote_version(head, manifest, params, outer_tensors, shadow):

@@ -86,6 +86,7 @@ def outer_step_(
     final: bool = False,
     gains: Mapping[str, Sequence[np.float32]] | None = None,
     share: float = 1.0,
+    params_sq: dict[str, list[float]] | None = None,
 ) -> OuterFragmentState:
     """theta <- outer step(theta, delta), in place on `params` and the state's arrays.
 
@@ -105,6 +106,9 @@ def outer_step_(
     g = delta[n] multiplied in turn by each factor of `gains[n]` (Combiner.finish). Applied
     chunk by chunk (codecs.chunk_spans), so its temporaries stay in cache, or in one pass of
     training/codecs/native.c's loop where it loaded (the same bits). `delta` may be overwritten.
+    `params_sq` (a dict, filled): per tensor, the float64 sums of squares of the new params'
+    chunks, taken while each chunk is in cache (merge_stream.sq_total: the next merge's
+    params norm without a pass).
     """
     lr, beta = np.float32(outer_lr(outer, state.steps)), np.float32(outer.momentum)
     plain = final or not outer.momentum
@@ -129,9 +133,13 @@ def outer_step_(
         if lib is not None:  # one C pass, the numpy loop below bit for bit
             p, g, m, d = (native.address(a) for a in arrays)
             flags = (mode, int(outer.nesterov), int(flush))
-            lib.outer_step(
-                g_all.size, p, g, m, d, factors.ctypes.data, factors.size, *flags, lr, beta, inv
-            )
+            args = (g_all.size, p, g, m, d, factors.ctypes.data, factors.size, *flags, lr, beta)
+            if params_sq is None:
+                lib.outer_step(*args, inv)
+            else:
+                sums = np.empty(len(codecs.chunk_spans(g_all.size)), np.float64)
+                lib.outer_step_sq(*args, inv, codecs.chunk_step(), sums.ctypes.data)
+                params_sq[n] = sums.tolist()
             continue
         flat = {"p": params[n].reshape(-1), "g": g_all.reshape(-1)}
         if not plain:
@@ -166,6 +174,8 @@ def outer_step_(
                     c["p"] -= lr * (keep * m + (np.float32(1.0) - keep) * g)
                 else:
                     c["p"] -= lr * m
+            if params_sq is not None:
+                params_sq.setdefault(n, []).append(merge_stream.sq(c["p"]))
     if final:
         return state
     return state._replace(steps=state.steps + 1, seen=seen)
@@ -485,21 +495,38 @@ class Combiner:
     training/merge_stream.Vote read chunk by chunk) is folded in once.
     """
 
-    def __init__(self, shapes: Mapping[str, tuple[int, ...]], rda: bool):
+    def __init__(
+        self,
+        shapes: Mapping[str, tuple[int, ...]],
+        rda: bool,
+        arena: merge_stream.Arena | None = None,
+    ):
         self.rda = rda
         self.shapes = dict(shapes)
-        self.acc = {n: np.empty(s, np.float32) for n, s in shapes.items()}  # set by 1st vote
+        # the accumulators (set by the 1st vote): views of `arena`, reused merge after merge
+        # (no fragment-sized allocation, no page faults), else new arrays
+        arena = arena or merge_stream.Arena()
+        self.acc = arena.tensors(self.shapes)
         self.body = [n for n in shapes if rda and not is_embedding(n)]
         self.total_weight = 0.0
         self.norm_sum = 0.0  # sum w |v_body|
         self.votes = 0
-        self.scratch = merge_stream.scratch()  # one chunk, shared with the merger's reads
+        self.scratch = arena.scratch  # one chunk, shared with the merger's reads
+        # the body accumulators' per-chunk sums of squares, taken by the last vote's fold
+        # (`add(..., last=True)`) while each chunk is in cache: finish() needs no norm pass
+        self._body_sq: dict[str, list[float]] | None = None
 
     def add(
-        self, vote: Any, weight: float, scale: float = 1.0, body_sq: float | None = None
+        self,
+        vote: Any,
+        weight: float,
+        scale: float = 1.0,
+        body_sq: float | None = None,
+        last: bool = False,
     ) -> None:
         """Fold one island's vote (scaled by `scale`, e.g. a clip) with `weight`; `body_sq`:
-        the vote's squared body norm if already known (merge_stream.sq_norms)."""
+        the vote's squared body norm if already known (merge_stream.sq_norms). `last`: no
+        vote follows (the direction's norm is taken from this fold)."""
         if weight <= 0:
             raise ValueError(f"vote weight must be positive, got {weight}")
         if not isinstance(vote, merge_stream.Vote):
@@ -511,17 +538,15 @@ class Combiner:
         mean = np.float32(weight * scale)
         body = set(self.body)
         buf = self.scratch
-        for n, shape in self.shapes.items():
+        sums = {} if last and body else None
+        for n in self.shapes:
             coef = direction if n in body else mean
             acc = self.acc[n].reshape(-1)
-            if self.votes:
-                add = vote.add_scaled(n, coef)
-                for s, e in merge_stream.spans(shape):
-                    add(s, e, acc[s:e], buf)
-            else:  # the first vote initializes the accumulator
-                scaled = vote.scaled(n, coef)
-                for s, e in merge_stream.spans(shape):
-                    scaled(s, e, acc[s:e])
+            # the first vote initializes the accumulator
+            got = vote.fold(n, coef, acc, not self.votes, buf, sums is not None and n in body)
+            if got is not None:
+                sums[n] = got
+        self._body_sq = sums
         self.total_weight += weight
         self.norm_sum += weight * body_norm
         self.votes += 1
@@ -535,7 +560,10 @@ class Combiner:
         body = set(self.body)
         gains = {n: [inv] for n in self.acc if n not in body}
         if body:
-            direction_norm = merge_stream.norm_of(self.acc, self.body)
+            if self._body_sq is not None:
+                direction_norm = math.sqrt(merge_stream.sq_total(self._body_sq, self.body))
+            else:
+                direction_norm = merge_stream.norm_of(self.acc, self.body)
             target = self.norm_sum / self.total_weight
             factor = np.float32(target / direction_norm) if direction_norm > 0 else np.float32(0)
             gains.update({n: [factor] for n in self.body})

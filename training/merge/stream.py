@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 
 from training.codecs import host as codecs
+from training.codecs import native
 
 
 class Vote:
@@ -45,6 +46,45 @@ class Vote:
             acc += scaled(s, e, buf[: e - s])
 
         return add
+
+    def chunk_sq(self, name: str, size: int, buf: np.ndarray) -> tuple[list[float], str | None]:
+        """(the float64 sum of squares of each chunk of `name`, in chunk order; the error that
+        stopped the pass or None): a chunk that does not decode stops it with its error, a
+        non-finite sum is the caller's to judge (sq_norms)."""
+        sums = []
+        for s, e in codecs.chunk_spans(size):
+            try:
+                x = self.chunk(name, s, e, buf[: e - s])
+            except ValueError as err:
+                return sums, str(err)
+            sums.append(sq(x))
+        return sums, None
+
+    def fold(
+        self,
+        name: str,
+        coef: np.float32,
+        acc: np.ndarray,
+        first: bool,
+        buf: np.ndarray,
+        sums: bool = False,
+    ) -> list[float] | None:
+        """acc (flat float32) = coef x `name` (`first`), else acc += coef x `name`, chunk by
+        chunk: `scaled` and `add_scaled` bit for bit. `sums`: returns the float64 sums of
+        squares of acc's chunks as they stand after (taken while each chunk is in cache)."""
+        out = [] if sums else None
+        scaled = self.scaled(name, coef) if first else None
+        add = None if first else self.add_scaled(name, coef)
+        for s, e in codecs.chunk_spans(acc.size):
+            if scaled is not None:
+                got = scaled(s, e, acc[s:e])
+                if not np.shares_memory(got, acc[s:e]):
+                    np.copyto(acc[s:e], got)
+            else:
+                add(s, e, acc[s:e], buf)
+            if out is not None:
+                out.append(sq(acc[s:e]))
+        return out
 
 
 class PayloadVote(Vote):
@@ -79,6 +119,40 @@ class PayloadVote(Vote):
 
         return add
 
+    def chunk_sq(self, name: str, size: int, buf: np.ndarray) -> tuple[list[float], str | None]:
+        """Quantized codes: decoded and squared chunk by chunk in one C call (codecs.decode_span:
+        the same sums as Vote.chunk_sq, without a float64 copy of each chunk)."""
+        codes = self.codes[name]
+        sums = np.empty(len(codecs.chunk_spans(size)), np.float64)
+        try:
+            if not codecs.decode_span(codes, 0, size, buf, scratch=True, sums=sums):
+                return super().chunk_sq(name, size, buf)
+        except codecs.BadCodes as err:
+            return sums[: err.done].tolist(), str(err)
+        return sums.tolist(), None
+
+    def fold(
+        self,
+        name: str,
+        coef: np.float32,
+        acc: np.ndarray,
+        first: bool,
+        buf: np.ndarray,
+        sums: bool = False,
+    ) -> list[float] | None:
+        """Quantized codes: coef folded into the block scales (as `scaled`), the whole tensor
+        decoded into or added to `acc` in one C call (the same bits, chunk by chunk, and the
+        same sums)."""
+        codes = self.codes[name]
+        if codes.scales is not None:
+            folded = codes._replace(scales=codes.scales * coef)
+            out = np.empty(len(codecs.chunk_spans(acc.size)), np.float64) if sums else None
+            if codecs.decode_span(
+                folded, 0, acc.size, acc, accumulate=not first, check=False, sums=out
+            ):
+                return None if out is None else out.tolist()
+        return super().fold(name, coef, acc, first, buf, sums)
+
 
 class DenseVote(Vote):
     """Float32 tensors, read as views (`owned`: arrays made by add_votes, summed in place)."""
@@ -100,11 +174,42 @@ def scratch() -> np.ndarray:
     return np.empty(codecs.chunk_step(), np.float32)
 
 
-def _sq(x: np.ndarray) -> float:
+class Arena:
+    """A merge's fragment-sized float32 memory, kept from merge to merge: the accumulators
+    (`tensors`: views of one flat array, grown only when a larger fragment asks) and a
+    one-chunk scratch. A fresh array of a fragment's size costs its page faults on every merge
+    (about 1 s per 2 GiB here: docs/BENCHMARKS.md, "Merge at the real size"); the arena pays
+    them once. What `tensors` returned is overwritten by the next call: one merge at a time."""
+
+    def __init__(self) -> None:
+        self._flat = np.empty(0, np.float32)
+        self.scratch = scratch()
+
+    @property
+    def nbytes(self) -> int:
+        return self._flat.nbytes + self.scratch.nbytes
+
+    def tensors(self, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
+        total = sum(math.prod(s) for s in shapes.values())
+        if self._flat.size < total:
+            self._flat = np.empty(0, np.float32)  # the old one let go before the new is made
+            self._flat = np.empty(total, np.float32)
+        out, at = {}, 0
+        for n, s in shapes.items():
+            size = math.prod(s)
+            out[n] = self._flat[at : at + size].reshape(s)
+            at += size
+        return out
+
+
+def sq(x: np.ndarray) -> float:
     """The squared norm of a float32 chunk, the same bits on every machine and thread count:
     the squares are exact in float64 (24 + 24 mantissa bits < 53; no overflow either) and
     numpy's pairwise float64 sum has a fixed order (no BLAS `sdot`, whose kernel and threads
     follow the CPU and OPENBLAS/OMP settings). docs/DESIGN.md, "What the bits depend on"."""
+    sums = native.chunk_sumsq(x, max(x.size, 1)) if x.ndim == 1 else None
+    if sums is not None:  # the C loop, numpy's pairwise order bit for bit
+        return float(sums[0]) if sums.size else 0.0
     return float(np.add.reduce(np.square(x, dtype=np.float64)))
 
 
@@ -116,16 +221,17 @@ def sq_norms(
     body_set = set(body)
     total = body_sq = 0.0
     for n, shape in shapes.items():
-        sq = 0.0
-        for s, e in spans(shape):
-            x = vote.chunk(n, s, e, buf[: e - s])
-            d = _sq(x)
+        tensor_sq = 0.0
+        sums, error = vote.chunk_sq(n, math.prod(shape), buf)
+        for d in sums:
             if not math.isfinite(d):  # NaN or infinity in x (float64 squares cannot overflow)
                 raise ValueError(f"non-finite values in {n}")
-            sq += d
-        total += sq
+            tensor_sq += d
+        if error is not None:
+            raise ValueError(error)
+        total += tensor_sq
         if n in body_set:
-            body_sq += sq
+            body_sq += tensor_sq
     return total, body_sq
 
 
@@ -152,9 +258,31 @@ def add_votes(
 
 def norm_of(tensors: Mapping[str, np.ndarray], names: Sequence[str] | None = None) -> float:
     """The float norm of `tensors` (or of `names` among them), by chunked float32 dots."""
-    total = 0.0
+    return math.sqrt(sq_total(chunk_sq_of(tensors, names)))
+
+
+def chunk_sq_of(
+    tensors: Mapping[str, np.ndarray], names: Sequence[str] | None = None
+) -> dict[str, list[float]]:
+    """Per tensor (of `names`, else all, in that order), the float64 sums of squares of its
+    chunks (codecs.chunk_spans) in chunk order: what `norm_of` adds up (`sq_total`)."""
+    out = {}
     for n in tensors if names is None else names:
         flat = tensors[n].reshape(-1)
-        for s, e in codecs.chunk_spans(flat.size):
-            total += _sq(flat[s:e])
-    return math.sqrt(total)
+        sums = native.chunk_sumsq(flat, codecs.chunk_step())
+        if sums is None:
+            out[n] = [sq(flat[s:e]) for s, e in codecs.chunk_spans(flat.size)]
+        else:
+            out[n] = sums.tolist()
+    return out
+
+
+def sq_total(sums: Mapping[str, Sequence[float]], names: Sequence[str] | None = None) -> float:
+    """The squared norm from per-chunk sums (`chunk_sq_of`, or carried from the pass that wrote
+    the tensors), added one by one in tensor then chunk order: the same float whichever pass
+    made the terms."""
+    total = 0.0
+    for n in sums if names is None else names:
+        for d in sums[n]:
+            total += d
+    return total

@@ -1,0 +1,118 @@
+"""What a merge shard keeps in memory, and how much of it stays resident between merges.
+
+A merger holds, for each fragment it owns, the state of the version it published last
+(params, outer state and the broadcast shadow: `state_bytes`) so that its next merge of that
+fragment reads nothing back and replays nothing ("warm"). One merge needs beside that state a
+working set (`working_bytes`): the float32 accumulator (kept from merge to merge:
+merge_stream.Arena), the contribution payloads being summed or fetched ahead, one
+fragment-sized float32 array (an island's summed vote, or the shadow made from params) and
+the update it encodes. So a shard with memory M keeps warm at most M - working_bytes of
+state (`warm_limit`): every fragment when that covers them all, else the most recently merged
+ones (the others start cold: replayed from their promotion or full version). A shard whose M
+cannot hold one fragment's state and working set refuses to start (`check_fits`), naming the
+numbers.
+
+Pure functions of the config, and `available_bytes()`: what this machine (or its cgroup) has.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from training.codecs import host as codecs
+from training.config.experiment import ExperimentConfig
+from training.protocol import broadcast
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class FragmentMemory:
+    """Bytes of one fragment's merge: `state` resident between merges, `working` during one."""
+
+    fragment: int
+    state: int
+    working: int
+
+    @property
+    def peak(self) -> int:
+        return self.state + self.working
+
+
+def state_tensors(cfg: ExperimentConfig) -> int:
+    """float32 copies of a fragment's params a merger keeps: the params, the outer momentum
+    (none with outer.momentum 0), the Delayed Nesterov buffer, the broadcast shadow."""
+    outer = cfg.outer
+    momentum = outer.momentum > 0 or outer.method == "delayed_nesterov"
+    return 1 + int(momentum) + int(outer.method == "delayed_nesterov") + int(broadcast.enabled(cfg))
+
+
+def fragment_memory(
+    cfg: ExperimentConfig, fragment: int, shapes: Mapping[str, tuple[int, ...]]
+) -> FragmentMemory:
+    """The bytes of one merge of `fragment` (its tensor `shapes`)."""
+    elems = sum(math.prod(s) for s in shapes.values())
+    payload = codecs.payload_limits(shapes, cfg.codec)[0]
+    fetched = (cfg.syncer.fetch_concurrency + 1) * payload
+    # accumulator + one fragment-sized float32 array + the payloads + the encoded update
+    working = 2 * 4 * elems + fetched + payload
+    return FragmentMemory(fragment, state_tensors(cfg) * 4 * elems, working)
+
+
+def shard_memory(
+    cfg: ExperimentConfig, fragments: Sequence[int], shapes: Sequence[Mapping]
+) -> list[FragmentMemory]:
+    return [fragment_memory(cfg, p, shapes[p]) for p in fragments]
+
+
+def check_fits(frags: Sequence[FragmentMemory], memory: int, shard: str = "this shard") -> None:
+    """ValueError in one line when `memory` cannot hold one merge of the largest fragment."""
+    if not frags:
+        return
+    big = max(frags, key=lambda f: f.peak)
+    if big.peak > memory:
+        raise ValueError(
+            f"{shard} cannot merge fragment {big.fragment} in {memory / GiB:.1f} GiB: one merge "
+            f"needs {big.peak / GiB:.1f} GiB (state {big.state / GiB:.1f}, working set "
+            f"{big.working / GiB:.1f}); give the syncer more memory (syncer.memory_gib, a "
+            "bigger worker) or more fragments (fragments.count) so each is smaller"
+        )
+
+
+def warm_limit(frags: Sequence[FragmentMemory], memory: int) -> int:
+    """The state bytes a shard keeps resident between merges: `memory` less the largest
+    working set, and never more than all its fragments' state."""
+    if not frags:
+        return 0
+    room = memory - max(f.working for f in frags)
+    return max(0, min(room, sum(f.state for f in frags)))
+
+
+def available_bytes() -> int:
+    """The memory this process may use: MemAvailable from /proc/meminfo, capped by the
+    cgroup's limit less its usage (a container); 16 GiB where neither can be read."""
+    found: list[int] = []
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    found.append(int(line.split()[1]) * 1024)
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        if limit != "max":
+            with open("/sys/fs/cgroup/memory.current") as f:
+                found.append(max(0, int(limit) - int(f.read().strip())))
+    except (OSError, ValueError):
+        pass
+    return min(found) if found else 16 * GiB
+
+
+def shard_budget(cfg: ExperimentConfig) -> int:
+    """syncer.memory_gib in bytes, else what the machine has available now."""
+    gib = cfg.syncer.memory_gib
+    return int(gib * GiB) if gib is not None else available_bytes()
