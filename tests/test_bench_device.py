@@ -54,10 +54,10 @@ def test_flops_per_token_by_hand():
     # 3*128*384 = 147456, two norms 256, q/k-norm 64: 196928; 2 layers + final norm 128 =
     # 393984 non-embedding; + the head 256*128 = 32768 -> 426752 x 6 = 2560512;
     # attention 12 * 2 layers * 64 tokens * 128 = 196608
-    assert device.flops_per_token(ModelConfig(preset="gemma-tiny"), 64) == 2560512 + 196608
+    assert device_check.flops_per_token(ModelConfig(preset="gemma-tiny"), 64) == 2560512 + 196608
     # gpt tiny: per layer 4*128*128 + 2*128*512 + 256 = 196864; 2 layers + 128 = 393856, the
     # position table (64*128) is an embedding; + head 32768 -> 426624 x 6 = 2559744
-    assert device.flops_per_token(ModelConfig(preset="tiny"), 64) == 2559744 + 196608
+    assert device_check.flops_per_token(ModelConfig(preset="tiny"), 64) == 2559744 + 196608
 
 
 def test_cpu_path_writes_every_required_key_with_sane_values(tmp_path):
@@ -129,7 +129,7 @@ def test_assemble_computes_tokens_per_s_and_mfu_from_the_parts(tmp_path):
     out = device_check.assemble(tmp_path, "gpu", 480)
     (row,) = out["rows"]  # the computed row is not a measurement
     assert row["island_tokens_per_s"] == 256 / 0.625 and row["bare_tokens_per_s"] == 256 / 0.5
-    fpt = device.flops_per_token(ModelConfig(preset="gemma-tiny"), 64)
+    fpt = device_check.flops_per_token(ModelConfig(preset="gemma-tiny"), 64)
     assert row["mfu"] == pytest.approx(fpt * 256 / 0.625 / 1e12)
     assert not out["ok"]  # a part timed out
 

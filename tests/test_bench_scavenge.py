@@ -9,6 +9,7 @@ import pytest
 
 from training.bench import scavenge as sb
 from training.bench import scavenge_compare as sc
+from training.bench import scavenge_report
 
 
 def test_dp_burst_by_hand_join_restart_then_leave_restart():
@@ -59,7 +60,7 @@ def test_plot_writes_a_png_of_every_method(tmp_path):
         for m in ("decoupled", "dp", "dp_failures")
         for b in (0.25, 3.0)
     ]
-    sb.plot({"rows": rows}, str(tmp_path / "s.png"))
+    scavenge_report.plot({"rows": rows}, str(tmp_path / "s.png"))
     assert (tmp_path / "s.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -5,25 +5,31 @@ from __future__ import annotations
 import pytest
 
 from tests.helpers import new_store, small_config
+from training.protocol import stall
 from training.views import dashboard
 from training.views.catalog import list_experiments
 
 
 @pytest.mark.parametrize(
-    "args, state",
+    "args, kw, state",
     [
-        ((True, 100.0, 5.0, False, "failed"), "done"),
-        ((False, 1.0, 5.0, False, "up_for_retry"), "retrying"),
-        ((False, 1.0, 5.0, False, "failed"), "dead"),
-        ((False, None, 5.0, False, "running"), "not started"),
-        ((False, 31.0, 5.0, False, None), "stalled"),  # 3 beats of 5 s < the 30 s floor
-        ((False, 29.0, 5.0, False, None), "running"),
-        ((False, 29.0, 5.0, True, None), "stopping"),
-        ((False, 59.0, 20.0, False, None), "running"),  # 3 beats of 20 s
+        ((True, 100.0, 5.0), dict(task_state="failed"), "done"),
+        ((False, 1.0, 5.0), dict(task_state="up_for_retry"), "retrying"),
+        ((False, 1.0, 5.0), dict(task_state="failed"), "dead"),
+        ((False, None, 5.0), dict(task_state="running"), "not started"),
+        ((False, 61.0, 5.0), {}, "stalled"),  # 12 beats of 5 s: the 60 s floor
+        ((False, 59.0, 5.0), {}, "running"),
+        ((False, 59.0, 5.0), dict(stop_requested=True), "stopping"),
+        ((False, 239.0, 20.0), {}, "running"),  # 12 beats of 20 s: 240 s
+        ((False, 241.0, 20.0), {}, "stalled"),
+        ((False, 61.0, 5.0), dict(limit_s=90.0), "running"),  # DILOCO_HEARTBEAT_TIMEOUT_S
+        ((False, 1.0, 5.0), dict(left=True, task_state="failed"), "left"),
     ],
 )
-def test_island_state(args, state):
-    assert dashboard.island_state(*args) == state
+def test_island_state(args, kw, state):
+    """The page's word (and `diloco status`'s) for an island: training/protocol/stall.py."""
+    assert stall.island_state(*args, **kw) == state
+    assert state in stall.ISLAND_STATES
 
 
 def test_bucket_url_of_gs_is_the_cloud_console():

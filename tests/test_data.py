@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from training.data import corpus as data
+from training.data.batches import BatchLoader, eval_batches, shard_tokens
 
 
 @pytest.fixture(scope="module")
@@ -187,17 +188,17 @@ def test_array_source_validation(memdir):
 
 def test_shards_are_disjoint_and_cover(corpus):
     n = 4
-    shards = [data.shard_tokens(corpus.train, i, n) for i in range(n)]
+    shards = [shard_tokens(corpus.train, i, n) for i in range(n)]
     size = len(corpus.train) // n
     assert all(len(s) == size for s in shards)
     assert np.array_equal(np.concatenate(shards), corpus.train[: n * size])
     with pytest.raises(ValueError):
-        data.shard_tokens(corpus.train, 4, 4)
+        shard_tokens(corpus.train, 4, 4)
 
 
 def test_batches_shapes_and_targets():
     tokens = np.arange(10_000, dtype=np.uint32)
-    loader = data.BatchLoader(tokens, batch_size=4, seq_len=16, seed=0)
+    loader = BatchLoader(tokens, batch_size=4, seq_len=16, seed=0)
     x, y = loader.next_batch()
     assert x.shape == y.shape == (4, 16) and x.dtype == y.dtype == np.int32
     assert np.array_equal(x[:, 1:], y[:, :-1])
@@ -207,7 +208,7 @@ def test_batches_shapes_and_targets():
 
 def test_epoch_visits_each_window_once():
     tokens = np.arange(16 * 40 + 1, dtype=np.uint16)
-    loader = data.BatchLoader(tokens, batch_size=5, seq_len=16, seed=3)
+    loader = BatchLoader(tokens, batch_size=5, seq_len=16, seed=3)
     assert loader.batches_per_epoch == 8
     starts = [int(s) for _ in range(8) for s in loader.next_batch()[0][:, 0]]
     assert sorted(starts) == list(range(0, 16 * 40, 16))
@@ -218,43 +219,43 @@ def test_epoch_visits_each_window_once():
 
 def test_resume_from_cursor_is_exact():
     tokens = np.random.default_rng(0).integers(0, 256, 5000).astype(np.uint16)
-    ref = data.BatchLoader(tokens, 3, 32, seed=7)
+    ref = BatchLoader(tokens, 3, 32, seed=7)
     expected = [ref.next_batch() for _ in range(40)]  # spans several epochs
     for cut in (0, 1, 13, 17, 39):
-        loader = data.BatchLoader(tokens, 3, 32, seed=7)
+        loader = BatchLoader(tokens, 3, 32, seed=7)
         for _ in range(cut):
             loader.next_batch()
         cursor = json.loads(json.dumps(loader.state()))
-        resumed = data.BatchLoader(tokens, 3, 32, seed=7, cursor=cursor)
+        resumed = BatchLoader(tokens, 3, 32, seed=7, cursor=cursor)
         for i in range(cut, 40):
             x, y = resumed.next_batch()
             assert np.array_equal(x, expected[i][0]) and np.array_equal(y, expected[i][1])
     assert ref.state()["tokens_seen"] == 40 * 3 * 32
     with pytest.raises(ValueError, match="seed"):
-        data.BatchLoader(tokens, 3, 32, seed=8, cursor=ref.state())
+        BatchLoader(tokens, 3, 32, seed=8, cursor=ref.state())
     with pytest.raises(ValueError, match="batch_size"):
-        data.BatchLoader(tokens, 4, 32, seed=7, cursor=ref.state())
+        BatchLoader(tokens, 4, 32, seed=7, cursor=ref.state())
 
 
 def test_seeds_differ_and_small_shard_errors():
     tokens = np.arange(4000, dtype=np.uint16)
-    a = data.BatchLoader(tokens, 2, 8, seed=1).next_batch()[0]
-    b = data.BatchLoader(tokens, 2, 8, seed=2).next_batch()[0]
+    a = BatchLoader(tokens, 2, 8, seed=1).next_batch()[0]
+    b = BatchLoader(tokens, 2, 8, seed=2).next_batch()[0]
     assert not np.array_equal(a, b)
     with pytest.raises(ValueError, match="too small"):
-        data.BatchLoader(np.arange(20, dtype=np.uint16), batch_size=2, seq_len=16, seed=0)
+        BatchLoader(np.arange(20, dtype=np.uint16), batch_size=2, seq_len=16, seed=0)
 
 
 def test_eval_batches_fixed(corpus):
-    batches = data.eval_batches(corpus.eval, 4, 64, max_batches=5)
+    batches = eval_batches(corpus.eval, 4, 64, max_batches=5)
     assert len(batches) == 5
-    again = data.eval_batches(corpus.eval, 4, 64, max_batches=5)
+    again = eval_batches(corpus.eval, 4, 64, max_batches=5)
     for (x1, y1), (x2, y2) in zip(batches, again, strict=True):
         assert np.array_equal(x1, x2) and np.array_equal(y1, y2)
         assert x1.shape == (4, 64) and x1.dtype == np.int32
     first_tokens = {int(x[0, 0]) for x, _ in batches}
     assert len(first_tokens) > 1
-    few = data.eval_batches(np.arange(200, dtype=np.uint16), 2, 16, max_batches=100)
+    few = eval_batches(np.arange(200, dtype=np.uint16), 2, 16, max_batches=100)
     assert len(few) == (199 // 16) // 2
     with pytest.raises(ValueError, match="too small"):
-        data.eval_batches(np.arange(10, dtype=np.uint16), 2, 16, max_batches=1)
+        eval_batches(np.arange(10, dtype=np.uint16), 2, 16, max_batches=1)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from training.config.experiment import parse_config
-from training.data.corpus import BatchLoader, shard_tokens
+from training.data.batches import BatchLoader, shard_tokens
 from training.model import definition as model
 from training.model import inner
 from training.model.evaluate import held_out_batches

@@ -1,12 +1,14 @@
 """Imports go one way (docs/DESIGN.md, "Layers"): dags -> plugins -> training (devtools beside
-dags, above plugins). Inside `training/`, packages by role import only the roles below them
-(`TRAINING_ROLES`): the island and the merge meet only in `protocol` and `store`; only the
-benchmarks and the cli import `training.bench`. No module-level import cycle anywhere in
-`training/`. No jax under dags/, and none when the plugins and the DAG files are imported (the
-dag-processor and the triggerer import them).
+dags, above plugins); nothing shipped imports the test tree. Inside `training/`, packages by role
+import only the roles below them (`TRAINING_ROLES`): the island and the merge meet only in
+`protocol` and `store`; only the benchmarks and the cli import `training.bench`. No import circle
+anywhere in `training/` or `plugins/`, counting the imports inside functions. No jax under dags/,
+and none when the plugins and the DAG files are imported (the dag-processor and the triggerer
+import them).
 
-A failure names the file and the import that goes the wrong way: move the code to the role it
-belongs to (or import it inside the function that needs it, for jax in a plugin task).
+A failure names the file and the import that goes the wrong way (or the modules of a circle, in
+order): move the code to the role it belongs to (or import it inside the function that needs it,
+for jax in a plugin task); break a circle by moving the piece both modules need below them.
 """
 
 from __future__ import annotations
@@ -55,40 +57,37 @@ TRAINING_ROLES = {
 TOP_ROLES = {"cli", "bench"}  # the entry point and the benchmarks
 
 
-def _imports(path: Path, *, top_level_only: bool = False) -> list[str]:
-    """Every module an import statement of `path` names (absolute imports; relative ones stay
-    inside their package); `from pkg import name` names `pkg.name` where that is a module.
-    `top_level_only`: only the imports that run when the module is imported (not those inside
-    functions, nor under `if TYPE_CHECKING`)."""
+def _imports(path: Path) -> list[str]:
+    """Every module an import statement of `path` names, at any depth (inside functions and
+    under `if TYPE_CHECKING` included; absolute imports: relative ones stay inside their
+    package); `from pkg import name` names `pkg.name` where that is a module."""
     tree = ast.parse(path.read_text(), str(path))
-    nodes = _module_level(tree.body) if top_level_only else ast.walk(tree)
     out = []
-    for node in nodes:
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             out += [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            for a in node.names:
-                sub = f"{node.module}.{a.name}"
-                out.append(sub if _is_module(sub) else node.module)
+            out += _from_import(node.module, node.names)
     return out
 
 
-def _module_level(body: list[ast.stmt]) -> list[ast.stmt]:
+def _from_import(module: str, names: list[ast.alias]) -> list[str]:
     out = []
-    for node in body:
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            continue
-        if isinstance(node, (ast.If, ast.Try, ast.With)):
-            out += _module_level(node.body + getattr(node, "orelse", []))
-            out += _module_level([s for h in getattr(node, "handlers", []) for s in h.body])
-        elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            out.append(node)
+    for a in names:
+        sub = f"{module}.{a.name}"
+        out.append(sub if _is_module(sub) else module)
     return out
+
+
+SOURCE_ROOTS = (ROOT, ROOT / "plugins")  # where a module's dotted name starts
 
 
 def _is_module(dotted: str) -> bool:
-    base = ROOT.joinpath(*dotted.split("."))
-    return base.with_suffix(".py").is_file() or (base / "__init__.py").is_file()
+    for root in SOURCE_ROOTS:
+        base = root.joinpath(*dotted.split("."))
+        if base.with_suffix(".py").is_file() or (base / "__init__.py").is_file():
+            return True
+    return False
 
 
 def _files(folder: str) -> list[Path]:
@@ -140,60 +139,125 @@ def test_the_roles_form_no_cycle():
 
 
 def _module_name(path: Path) -> str:
-    rel = path.relative_to(ROOT).with_suffix("")
+    """training/store/__init__.py: training.store; plugins/diloco_airflow/store.py:
+    diloco_airflow.store."""
+    root = ROOT / "plugins" if path.is_relative_to(ROOT / "plugins") else ROOT
+    rel = path.relative_to(root).with_suffix("")
     parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
     return ".".join(parts)
 
 
+def _import_graph(folders: tuple[str, ...]) -> dict[str, set[str]]:
+    """module -> the modules of `folders` its import statements run, wherever they stand
+    (module level, inside a function, under `if TYPE_CHECKING`), relative ones resolved.
+    Importing `a.b.c` also runs the `__init__` of `a.b` (and of `a`): an edge to it, except to
+    the importer's own packages (Python initialises those before the importer) unless an
+    import statement names them (`from a.b import name` in `a/b/c.py`)."""
+    files = [p for folder in folders for p in _files(folder)]
+    names = {_module_name(p) for p in files}
+    graph = {}
+    for path in files:
+        name = _module_name(path)
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        found = set(_imports(path))
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                module = ".".join(base + ([node.module] if node.module else []))
+                found.update(_from_import(module, node.names))
+        own = {".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 2)}
+        for module in list(found):
+            parts = module.split(".")
+            found.update({".".join(parts[:i]) for i in range(1, len(parts))} - own)
+        graph[name] = (found & names) - {name}
+    return graph
+
+
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """The cycles of a directed graph (one per strongly connected component of more than one
-    node, or a node importing itself), each as a sorted list of its members."""
-    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+    """One cycle per strongly connected component of more than one node (or a node importing
+    itself), in import order from the component's first member back to it: the shortest such
+    path (["a", "b", "c", "a"]: a imports b, b imports c, c imports a)."""
+    index, low, stack, on, comps, counter = {}, {}, [], set(), [], [0]
 
     def visit(v: str) -> None:
         index[v] = low[v] = counter[0]
         counter[0] += 1
         stack.append(v)
         on.add(v)
-        for w in graph.get(v, ()):
+        for w in sorted(graph.get(v, ())):
             if w not in index:
                 visit(w)
                 low[v] = min(low[v], low[w])
             elif w in on:
                 low[v] = min(low[v], index[w])
         if low[v] == index[v]:
-            comp = []
+            comp = set()
             while True:
                 w = stack.pop()
                 on.discard(w)
-                comp.append(w)
+                comp.add(w)
                 if w == v:
                     break
             if len(comp) > 1 or v in graph.get(v, ()):
-                out.append(sorted(comp))
+                comps.append(comp)
 
     for v in sorted(graph):
         if v not in index:
             visit(v)
-    return out
+    return sorted(_shortest_cycle(graph, min(comp), comp) for comp in comps)
 
 
-def test_cycle_finder_finds_a_cycle():
-    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+def _shortest_cycle(graph: dict[str, set[str]], start: str, comp: set[str]) -> list[str]:
+    """The shortest path start -> ... -> start inside `comp` (breadth first)."""
+    came_from: dict[str, str] = {}
+    frontier = [start]
+    while frontier:
+        nxt = []
+        for v in frontier:
+            for w in sorted(graph.get(v, ())):
+                if w == start:
+                    path = [v]
+                    while path[-1] != start:
+                        path.append(came_from[path[-1]])
+                    return [*reversed(path), start]
+                if w in comp and w not in came_from:
+                    came_from[w] = v
+                    nxt.append(w)
+        frontier = nxt
+    raise AssertionError(f"{start} is on no cycle")
 
 
-def test_no_module_level_import_cycle_in_training():
-    """A module's import-time imports never lead back to it (a package's own `__init__` is not
-    counted as imported by its submodules: Python initialises it first)."""
-    graph = {}
-    for path in _files("training"):
-        name = _module_name(path)
-        graph[name] = {
-            m
-            for m in _imports(path, top_level_only=True)
-            if m.startswith("training.") and m != name
-        }
-    assert _cycles(graph) == []
+def test_cycle_finder_names_each_cycle_in_import_order():
+    graph = {"a": {"c"}, "b": {"a"}, "c": {"b"}, "d": {"a", "e"}, "e": {"e"}}
+    assert _cycles(graph) == [["a", "c", "b", "a"], ["e", "e"]]
+
+
+def test_import_graph_counts_imports_inside_functions_and_package_inits(tmp_path, monkeypatch):
+    pkg = tmp_path / "training" / "pkg"
+    pkg.mkdir(parents=True)
+    (tmp_path / "training" / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("from training.pkg.low import x\n")
+    (pkg / "low.py").write_text("def f():\n    from training.pkg import high\n")
+    (pkg / "high.py").write_text("from . import low\n")
+    (pkg / "mid.py").write_text("from training.pkg import x\n")  # its own package's __init__
+    (tmp_path / "training" / "user.py").write_text("def g():\n    import training.pkg.low\n")
+    monkeypatch.setitem(globals(), "ROOT", tmp_path)
+    monkeypatch.setitem(globals(), "SOURCE_ROOTS", (tmp_path,))
+    graph = _import_graph(("training",))
+    assert graph["training.pkg.low"] == {"training.pkg.high"}
+    assert graph["training.pkg.high"] == {"training.pkg.low"}
+    assert graph["training.user"] == {"training.pkg", "training.pkg.low"}
+    assert graph["training.pkg"] == {"training.pkg.low"}
+    assert graph["training.pkg.mid"] == {"training.pkg"}
+    assert _cycles(graph) == [["training.pkg.high", "training.pkg.low", "training.pkg.high"]]
+
+
+def test_no_import_cycle_in_training_or_the_plugins():
+    """No module's imports lead back to it, whether they run at import time or inside a
+    function (an import inside a function only hides a circle: the two modules still cannot
+    be understood, tested or moved one without the other)."""
+    circles = [" -> ".join(c) for c in _cycles(_import_graph(("training", "plugins")))]
+    assert circles == [], "import circles:\n" + "\n".join(circles)
 
 
 def test_nothing_in_training_but_the_bench_and_its_command_imports_training_bench():

@@ -15,6 +15,7 @@ import pytest
 from tests.gcs_fixture import gcs_bucket  # noqa: F401
 from tests.test_tokenizer import train_bpe
 from training.data import corpus as data
+from training.data.batches import BatchLoader, eval_batches, shard_tokens
 from training.data.prepare import prepare
 from training.data.stream import LazyTokens, StreamingLoader, open_prepared
 from training.data.tokenizer import load_tokenizer
@@ -45,14 +46,14 @@ def test_streamed_batches_equal_the_in_memory_batches_token_for_token(tmp_path):
         len(mem.eval),
         mem.fingerprint,
     )
-    a = data.BatchLoader(data.shard_tokens(mem.train, 1, 2), 4, 16, seed=3)
-    b = StreamingLoader(data.shard_tokens(lazy.train, 1, 2), 4, 16, seed=3)
+    a = BatchLoader(shard_tokens(mem.train, 1, 2), 4, 16, seed=3)
+    b = StreamingLoader(shard_tokens(lazy.train, 1, 2), 4, 16, seed=3)
     # 3 epochs' worth, so epoch roll-over and read-ahead across it are covered
     n = 3 * a.batches_per_epoch + 1
     assert all(np.array_equal(x, y) for x, y in zip(_batches(a, n), _batches(b, n), strict=True))
     assert b.state() == a.state()
-    ev_mem = data.eval_batches(mem.eval, 2, 16, 4)
-    ev_lazy = data.eval_batches(lazy.eval, 2, 16, 4)
+    ev_mem = eval_batches(mem.eval, 2, 16, 4)
+    ev_lazy = eval_batches(lazy.eval, 2, 16, 4)
     assert all(np.array_equal(x[0], y[0]) for x, y in zip(ev_mem, ev_lazy, strict=True))
     b.close()
 

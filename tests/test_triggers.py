@@ -179,6 +179,40 @@ def test_no_heartbeat_after_startup_timeout_fails_as_stalled(tmp_path, estore):
         b.teardown(s, {})
 
 
+@pytest.mark.parametrize("heartbeat_s", [1.0, 5.0, 20.0])
+def test_the_page_calls_an_island_stalled_exactly_when_its_wait_task_stops_it(
+    tmp_path, estore, heartbeat_s
+):
+    """One stall rule (training/protocol/stall.py): a heartbeat just under the wait task's limit
+    is "running" on the page and left alone by the plugin; just over it, "stalled" on the page
+    and the wait task's trigger fires its stalled event (the operator then stops the island)."""
+    from diloco_airflow.backends import BackendStatus, ResourceState
+    from diloco_airflow.island_entry import IslandEntry
+    from diloco_airflow.island_tasks import IslandWaitOperator
+
+    from training.protocol import stall
+    from training.views import dashboard
+
+    cfg = small_config("exp", islands=("isl-a",), heartbeat_s=heartbeat_s)
+    spec = IslandSpec.from_dict(spec_for(tmp_path, ["true"]))
+    entry = IslandEntry("isl-a", "exp", spec.store_url, "local", spec, cfg.heartbeat_s)
+    kwargs = IslandWaitOperator(task_id="wait", island=entry.to_dict()).trigger_kwargs(entry)
+    launched = 1000.0
+    trigger = IslandTrigger(**{**kwargs, "launched_at": launched})
+    estore.write_heartbeat("isl-a", {"step": 3, "time": launched})
+
+    class Running:  # the backend: the island's process runs
+        def status(self, spec, handle):
+            return BackendStatus(ResourceState.RUNNING)
+
+    limit = stall.wait_timeout_s(heartbeat_s)
+    for age, word, stopped in ((limit - 0.01, "running", False), (limit + 0.01, "stalled", True)):
+        now = launched + age
+        event = trigger.check(estore, Running(), spec, now)
+        [row] = dashboard.island_rows(cfg, estore.heartbeats(), {}, set(), None, now)
+        assert (row["state"], bool(event and event.get("stalled"))) == (word, stopped), age
+
+
 @pytest.fixture
 def sharded(tmp_path):
     """A two-fragment, two-shard experiment on a file:// store: (url, store, cfg)."""

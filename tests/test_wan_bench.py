@@ -14,7 +14,7 @@ from dataclasses import replace
 
 import pytest
 
-from training.bench.wan import bench, model12b
+from training.bench.wan import bench, model12b, params
 from training.bench.wan.model12b import Assumptions
 from training.bench.wan.runner import (
     _phase_throughput,
@@ -26,7 +26,7 @@ from training.bench.wan.runner import (
 
 def test_link_rate_makes_dp_communication_ratio_times_compute() -> None:
     # 1 MB per step, 0.1 s compute, ratio 10: the transfer must take 1 s, so 8 Mbit/s
-    assert bench.link_mbit(1e6, 0.1, 10.0) == pytest.approx(8.0)
+    assert params.link_mbit(1e6, 0.1, 10.0) == pytest.approx(8.0)
 
 
 def test_tokens_to_target_interpolates_between_evaluations() -> None:
@@ -123,7 +123,7 @@ def test_decoupled_overrides_reach_only_decoupled_runs() -> None:
     from training.bench.wan.runner import experiment_config
 
     sets = (("fragments.count", 4), ("fragments.strategy", "tensors"), ("inner.tau", 3))
-    p = bench.BenchParams(decoupled_set=sets)
+    p = params.BenchParams(decoupled_set=sets)
     dec = experiment_config(p, "decoupled", "wan-dec")
     sync = experiment_config(p, "sync", "wan-sync")
     assert (dec.fragments.count, dec.inner.tau) == (4, 3)
@@ -135,10 +135,10 @@ def test_decoupled_without_overrides_runs_the_defaults_and_sync_one_fragment() -
     from training.bench.wan.runner import experiment_config
     from training.config.sections import FragmentConfig, OuterConfig
 
-    dec = experiment_config(bench.BenchParams(), "decoupled", "wan-dec")
+    dec = experiment_config(params.BenchParams(), "decoupled", "wan-dec")
     assert dec.fragments == FragmentConfig()
     assert dec.outer.quorum == OuterConfig().quorum
-    assert experiment_config(bench.BenchParams(), "sync", "wan-sync").fragments.count == 1
+    assert experiment_config(params.BenchParams(), "sync", "wan-sync").fragments.count == 1
 
 
 # -- the 12B figure -----------------------------------------------------------------------------

@@ -1,5 +1,6 @@
-"""`diloco bench device`: the card's own rates, model FLOPs per token, and the device check's
-plan and JSON (training/bench/device_check.py; run by devtools/device_check.sh).
+"""`diloco bench device`: the card's own rates, and the device check's plan and JSON
+(training/bench/device_check.py: its parts, the MFU and the model FLOPs per token behind it; run
+by devtools/device_check.sh).
 
     diloco bench device rates --json FILE [--matmul N] [--copy-mib M] [--encode-elems E]
         [--encode-tensors T] [--codecs int8 int4]
@@ -55,28 +56,6 @@ VERSIONS = (
     "fsspec",
     "scipy",
 )
-
-
-def flops_per_token(model, seq_len: int) -> int:
-    """Training FLOPs per token of a preset model (forward + backward = 3 x forward):
-
-        6 x (non-embedding parameters + vocab x d_model) + 12 x n_layers x seq_len x d_attn
-
-    Non-embedding parameters: all but the token embedding (and the gpt family's position
-    table), so every weight matrix of the blocks, at 2 FLOPs per weight per token forward; the
-    tied output head is a vocab x d_model matmul and counts as such (the embedding lookup does
-    no arithmetic). Attention (PaLM, appendix B): QK^T and AV are 2 x seq_len x d_attn each per
-    token and layer forward, d_attn = n_heads x head_dim (= d_model in both families), counted
-    over the whole sequence as the usual MFU convention does (a causal kernel may skip half).
-    Norm scales count as parameters (a rounding error)."""
-    if model.factory is not None:
-        raise ValueError("flops_per_token: a model.factory model has no analytic count")
-    m = model.dims()
-    d, L, V = m["d_model"], m["n_layers"], m["vocab_size"]
-    d_attn = m["n_heads"] * (d // m["n_heads"])
-    embedding = V * d + (m["max_seq_len"] * d if model.family == "gpt" else 0)
-    non_embedding = model.param_count() - embedding
-    return 6 * (non_embedding + V * d) + 12 * L * seq_len * d_attn
 
 
 def _timed(fn, *args, warmup: int = 3, repeats: int = 10) -> float:

@@ -16,8 +16,8 @@ reference. The `cpu` plan runs the same kinds of parts at tiny sizes (tests/test
 `assemble(work)`: reads every `WORK/*.json` and `WORK/parts.jsonl` (the script's record of each
 part: status ok / failed / timed_out / skipped, exit code, seconds, timeout, command) and returns
 the check's JSON (schema: docs/BENCHMARKS.md, "On an accelerator"). MFU = model FLOPs per token
-(`training.bench.device.flops_per_token`) x tokens per second / the bfloat16 matrix rate measured
-in the same run, for every row (the float32 rows too: against the card's bf16 rate).
+(`flops_per_token`, below) x tokens per second / the bfloat16 matrix rate measured in the same
+run, for every row (the float32 rows too: against the card's bf16 rate).
 """
 
 from __future__ import annotations
@@ -32,6 +32,28 @@ PROFILES = ("gpu", "cpu")
 GPU_QUALITY_TOKENS = 1_000_000  # a guess before any run: the JSON's wall_s says how to scale it
 CPU_QUALITY_TOKENS = 4_000
 FLOPS_FORMULA = "6 x (non-embedding params + vocab x d_model) + 12 x n_layers x seq_len x d_attn"
+
+
+def flops_per_token(model, seq_len: int) -> int:
+    """Training FLOPs per token of a preset model (forward + backward = 3 x forward):
+
+        6 x (non-embedding parameters + vocab x d_model) + 12 x n_layers x seq_len x d_attn
+
+    Non-embedding parameters: all but the token embedding (and the gpt family's position
+    table), so every weight matrix of the blocks, at 2 FLOPs per weight per token forward; the
+    tied output head is a vocab x d_model matmul and counts as such (the embedding lookup does
+    no arithmetic). Attention (PaLM, appendix B): QK^T and AV are 2 x seq_len x d_attn each per
+    token and layer forward, d_attn = n_heads x head_dim (= d_model in both families), counted
+    over the whole sequence as the usual MFU convention does (a causal kernel may skip half).
+    Norm scales count as parameters (a rounding error)."""
+    if model.factory is not None:
+        raise ValueError("flops_per_token: a model.factory model has no analytic count")
+    m = model.dims()
+    d, L, V = m["d_model"], m["n_layers"], m["vocab_size"]
+    d_attn = m["n_heads"] * (d // m["n_heads"])
+    embedding = V * d + (m["max_seq_len"] * d if model.family == "gpt" else 0)
+    non_embedding = model.param_count() - embedding
+    return 6 * (non_embedding + V * d) + 12 * L * seq_len * d_attn
 
 
 @dataclass(frozen=True)
@@ -145,7 +167,6 @@ def _rate(rates: dict | None, key: str, field: str) -> float | None:
 
 def _flops(preset: str, seq_len: int) -> int | None:
     try:
-        from training.bench.device import flops_per_token
         from training.config.experiment import ModelConfig
 
         return flops_per_token(ModelConfig(preset=preset), seq_len)

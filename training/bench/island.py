@@ -106,7 +106,7 @@ def measure(
     checkpoints do not fill the disk; None: nothing is collected."""
     import jax
 
-    from training.data.corpus import BatchLoader
+    from training.data.batches import BatchLoader
     from training.island.process import Island
     from training.merge import replay
     from training.merge.merger import Merger, initial_version

@@ -40,12 +40,13 @@ import math
 import time
 import uuid
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import numpy as np
 
 from training.bench.goodput_model import CALIBRATED_RECOVERY_S, SECONDS_PER_YEAR
 from training.bench.quality import base_config, parse_sets
+from training.bench.scavenge_compare import main_compare
+from training.bench.scavenge_report import format_table, plot, ratio_text, write_json
 from training.bench.sim import VirtualClock, eval_set
 from training.config.experiment import ExperimentConfig, with_overrides
 from training.island.process import Island
@@ -369,67 +370,6 @@ def run(
     )
 
 
-def ratio_text(v: float | None) -> str:
-    return "-" if v is None else f"{v:.2f}x"
-
-
-def _pct(v: float | None) -> str:
-    return "-" if v is None else f"{100 * v:.0f}%"
-
-
-LABELS = {
-    "decoupled": "Decoupled DiLoCo (harness)",
-    "dp": "data-parallel (restarts)",
-    "dp_failures": "data-parallel (restarts + failures)",
-}
-
-
-def format_table(out: dict) -> str:
-    """Markdown: one row per method and burst: ours, the paper's, goodput, uptime."""
-    lines = [
-        "| method | burst | wall-clock to target (paper) | goodput | uptime | reclaimed |",
-        "|---|---:|---:|---:|---:|---:|",
-    ]
-    for r in out["rows"]:
-        lines.append(
-            f"| {LABELS[r['method']]} | +{r['burst']:.0%} | {ratio_text(r['time_to_target_rel'])} "
-            f"({r['paper']:.2f}x) | {_pct(r['goodput'])} | {_pct(r['uptime'])} | "
-            f"{r['reclaimed']} |"
-        )
-    return "\n".join(lines)
-
-
-def plot(out: dict, path: str) -> None:
-    """Wall-clock to the target relative to the base run against the burst, ours and the
-    paper's, per method (1.0: no gain)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.4, 4))
-    for i, m in enumerate(LABELS):
-        rows = [r for r in out["rows"] if r["method"] == m and r["time_to_target_rel"]]
-        if not rows:
-            continue
-        xs = [100 * r["burst"] for r in rows]
-        ax.plot(xs, [r["time_to_target_rel"] for r in rows], "o-", color=f"C{i}", label=LABELS[m])
-        if m != "dp_failures":
-            ax.plot(xs, [r["paper"] for r in rows], "x--", color=f"C{i}", alpha=0.6,
-                    label=f"{LABELS[m].split(' (')[0]}, paper")  # fmt: skip
-    ax.axhline(1.0, color="grey", ls=":", lw=1)
-    ax.set_xscale("log")
-    ax.minorticks_off()
-    ax.set_xticks([25, 50, 100, 300], ["+25%", "+50%", "+100%", "+300%"])
-    ax.set_xlabel("burst compute during the window")
-    ax.set_ylabel("wall-clock to target / base run")
-    ax.legend(fontsize=7)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 def main(argv: list[str]) -> int:
     d = Assumptions()
     p = argparse.ArgumentParser(
@@ -460,8 +400,6 @@ def main(argv: list[str]) -> int:
     p.add_argument("--against", metavar="JSON[,JSON...]", help="the candidate's runs, per seed")
     args = p.parse_args(argv)
     if args.compare or args.against:
-        from training.bench.scavenge_compare import main_compare
-
         return main_compare(p, args)
     sets = parse_sets(args.set, p)
     a = Assumptions(
@@ -485,10 +423,3 @@ def main(argv: list[str]) -> int:
     if args.plot:
         plot(out, args.plot)
     return 0
-
-
-def write_json(name: str, out: dict) -> None:
-    path = Path(name)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=2) + "\n")
-    print(f"wrote {path}")

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 from training.bench import stats
-from training.bench.scavenge import ratio_text, write_json
+from training.bench.scavenge_report import ratio_text, write_json
 from training.model.baseline import Curve
 
 

@@ -71,7 +71,8 @@ def _peak_rss_mib() -> float:
 
 
 def worker(source: str, batches: int, batch_size: int, seq_len: int) -> dict:
-    from training.data.corpus import BatchLoader, load_corpus, shard_tokens
+    from training.data.batches import BatchLoader, shard_tokens
+    from training.data.corpus import load_corpus
     from training.data.stream import LazyTokens, StreamingLoader
 
     t0 = time.perf_counter()

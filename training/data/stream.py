@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import fsspec
 import numpy as np
 
-from training.data.corpus import BatchLoader, Corpus, fingerprint
+from training.data.batches import BatchLoader, Corpus, fingerprint
 
 INDEX = "index.json"
 FORMAT = "diloco-prepared-corpus"

@@ -60,7 +60,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from training.config.experiment import ExperimentConfig
-from training.data.corpus import BatchLoader, shard_tokens
+from training.data.batches import BatchLoader, shard_tokens
 from training.data.stream import LazyTokens, StreamingLoader
 from training.faults.points import FaultPlan
 from training.island import checkpoint as checkpointing

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from training.data.corpus import BatchLoader
+from training.data.batches import BatchLoader
 from training.island import checkpoint as checkpointing
 from training.protocol import broadcast
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from training.config.experiment import ExperimentConfig, with_overrides
-from training.data.corpus import BatchLoader, shard_tokens
+from training.data.batches import BatchLoader, shard_tokens
 from training.model import definition as model
 from training.model import inner
 from training.model.evaluate import held_out_batches

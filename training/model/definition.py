@@ -21,6 +21,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from training.config.experiment import ConfigError, ModelConfig
+from training.model.attention import KV, cached_attention
+from training.model.gemma import Gemma
 
 
 @dataclass(frozen=True)
@@ -32,26 +34,6 @@ class Dims:
     vocab_size: int
     max_seq_len: int
     n_kv_heads: int  # the gemma family's; the gpt family has n_heads
-
-
-KV = tuple[jax.Array, jax.Array]  # a block's cached keys and values, each (batch, S, kv_heads, hd)
-
-
-def cached_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, cache: KV, start: jax.Array
-) -> tuple[jax.Array, KV]:
-    """Causal attention of the queries q (batch, t, heads, hd) at positions start..start+t-1
-    over the cache's keys and values with k and v (batch, t, kv_heads, hd) written at those
-    positions: each query sees the positions up to its own (the same result as
-    `dot_product_attention(..., is_causal=True)` over the whole prefix). Returns (attention,
-    cache)."""
-    ck, cv = cache
-    at = (0, start, 0, 0)
-    ck = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), at)
-    cv = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype), at)
-    positions = start + jnp.arange(q.shape[1])
-    mask = jnp.arange(ck.shape[1])[None, :] <= positions[:, None]  # (t, S)
-    return jax.nn.dot_product_attention(q, ck, cv, mask=mask[None, None]), (ck, cv)
 
 
 class Block(nnx.Module):
@@ -152,8 +134,6 @@ def _gpt(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
 
 
 def _gemma(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
-    from training.model.gemma import Gemma
-
     return Gemma(dims_of(cfg), rngs, dtype=compute_dtype(cfg))
 
 

@@ -6,7 +6,7 @@ import logging
 import time
 
 from training.config.experiment import ExperimentConfig
-from training.data.corpus import eval_batches
+from training.data.batches import eval_batches
 from training.model.runtime import corpus_for, loop_for
 from training.store.layout import Snapshot, iso
 from training.store.objectstore import CorruptObject, ObjectNotFound

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from training.model.definition import KV, cached_attention
+from training.model.attention import KV, cached_attention
 
 ROPE_BASE = 10_000.0
 NORM_EPS = 1e-6

@@ -11,7 +11,8 @@ from collections.abc import Callable
 import jax
 
 from training.config.experiment import ExperimentConfig
-from training.data.corpus import Corpus, load_corpus
+from training.data.batches import Corpus
+from training.data.corpus import load_corpus
 from training.data.tokenizer import tokenizer_for
 from training.model import definition as model
 from training.model import inner

@@ -22,23 +22,12 @@ from training.config.experiment import ChaosConfig, ExperimentConfig
 from training.config.scavenge import METRIC as SCAVENGE_METRIC
 from training.config.scavenge import scavenge_view
 from training.island.goodput import BADPUT, experiment_goodput
+from training.protocol.stall import island_state
 from training.store.layout import iso
 
 MAX_POINTS = 1500  # per curve sent to the page (evenly thinned, the last point always kept)
 MERGES_SHOWN = 40  # newest merge records in the table
 QUARANTINE_SHOWN = 50  # newest quarantine entries (by seq) with their reasons
-STALL_BEATS = 3  # a heartbeat older than this many heartbeat periods: stalled
-MIN_STALL_S = 30.0
-ISLAND_STATES = (
-    "not started",
-    "running",
-    "stalled",
-    "stopping",
-    "retrying",
-    "dead",
-    "done",
-    "left",  # a scavenged island after its window (training/config/scavenge.py)
-)
 
 
 # ------------------------------------------------------------------ small pure helpers
@@ -69,28 +58,6 @@ def thin(points: Sequence[Any], limit: int = MAX_POINTS) -> list[Any]:
 
 def _real(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def island_state(
-    done: bool,
-    heartbeat_age_s: float | None,
-    heartbeat_s: float,
-    stop_requested: bool = False,
-    task_state: str | None = None,
-) -> str:
-    """One word for an island (ISLAND_STATES). The store says done / running / stalled; the
-    island's Airflow wait task (when known) says retrying (up_for_retry) or dead (failed)."""
-    if done:
-        return "done"
-    if task_state in ("up_for_retry", "up_for_reschedule"):
-        return "retrying"
-    if task_state in ("failed", "upstream_failed"):
-        return "dead"
-    if heartbeat_age_s is None:
-        return "not started"
-    if heartbeat_age_s > max(STALL_BEATS * heartbeat_s, MIN_STALL_S):
-        return "stalled"
-    return "stopping" if stop_requested else "running"
 
 
 def badput(goodput_state: Any) -> dict[str, float]:
@@ -247,12 +214,15 @@ def island_rows(
     now: float,
     tasks: Mapping[str, Mapping[str, Any]] | None = None,
     scavenged: Mapping[str, Mapping[str, Any]] | None = None,
+    stall_after_s: float | None = None,
 ) -> list[dict[str, Any]]:
     """One row per island of the config (state, progress, goodput and badput, bytes, retries).
 
     `tasks`: island -> {"state", "try_number"} of its Airflow wait task (optional);
     `scavenged`: `training.config.scavenge.scavenge_view` (a scavenged island's row carries it, and
-    one that left says "left")."""
+    one that left says "left"); `stall_after_s`: the wait task's heartbeat limit where a
+    deployment sets one (``DILOCO_HEARTBEAT_TIMEOUT_S``), else the stall rule's
+    (training/protocol/stall.py, `island_state`)."""
     rows = []
     for isl in cfg.islands:
         scav = (scavenged or {}).get(isl.name)
@@ -266,10 +236,14 @@ def island_rows(
                 island=isl.name,
                 backend=isl.backend,
                 hardware=dict(isl.hardware),
-                state="left"
-                if scav and scav.get("state") == "left"
-                else island_state(
-                    isl.name in done, age, cfg.heartbeat_s, isl.name in stopped, task.get("state")
+                state=island_state(
+                    isl.name in done,
+                    age,
+                    cfg.heartbeat_s,
+                    stop_requested=isl.name in stopped,
+                    task_state=task.get("state"),
+                    left=bool(scav) and scav.get("state") == "left",
+                    limit_s=stall_after_s,
                 ),
                 task_state=task.get("state"),
                 retries=max(tries - 1, 0) if isinstance(tries, int) else None,
@@ -305,8 +279,10 @@ def experiment_view(
     now: float | None = None,
     tasks: Mapping[str, Mapping[str, Any]] | None = None,
     runs: Sequence[Mapping[str, Any]] = (),
+    stall_after_s: float | None = None,
 ) -> dict[str, Any]:
-    """Everything the page shows about one experiment (the JSON of its API)."""
+    """Everything the page shows about one experiment (the JSON of its API); `stall_after_s` as
+    `island_rows`'."""
     cache = cache or MetricCache()
     now = time.time() if now is None else now
     skipped_before = estore.skipped.count
@@ -358,6 +334,7 @@ def experiment_view(
             now,
             tasks,
             scavenge_view(cache.records(estore, SCAVENGE_METRIC)),
+            stall_after_s,
         ),
         goodput=experiment_goodput(cfg, {n: hb.get("goodput_state") for n, hb in beats.items()}),
         merge_count=len(merges),

@@ -9,6 +9,7 @@ from training.config.experiment import ExperimentConfig
 from training.config.scavenge import METRIC as SCAVENGE_METRIC
 from training.config.scavenge import scavenge_view
 from training.island.goodput import BADPUT, experiment_goodput
+from training.protocol.stall import island_state
 
 STATE_NOTE = {
     "finished": "  FINISHED: the token budget is merged",
@@ -47,7 +48,9 @@ def _human(n: int) -> str:
 def collect_status(cfg: ExperimentConfig, store, now: float | None = None) -> dict:
     """Everything `diloco status` shows. Every record comes through the store's strict readers
     (training/store/island_records.py): junk names and broken heartbeats, markers and metrics are
-    skipped and counted in `skipped` ({"count", "examples"}), never fatal."""
+    skipped and counted in `skipped` ({"count", "examples"}), never fatal. An island's state is
+    the page's word (training/protocol/stall.py `island_state`: the one stall rule), without
+    Airflow's task states."""
     from training.model.evaluate import end_of_run_report
 
     now = time.time() if now is None else now
@@ -56,6 +59,7 @@ def collect_status(cfg: ExperimentConfig, store, now: float | None = None) -> di
     heads = list(snapshot.versions) if snapshot else None
     beats = store.heartbeats()
     done = store.done()
+    stopped = store.stopped_islands()
     applied = store.applied_ids()
     quarantined = store.quarantined()
     pending = sum(len(refs) for refs in store.pending().values()) if heads else 0
@@ -70,11 +74,19 @@ def collect_status(cfg: ExperimentConfig, store, now: float | None = None) -> di
         staleness = None
         if heads and isinstance(base, list) and len(base) == len(heads):
             staleness = max(h - b for h, b in zip(heads, base, strict=True))
+        at = hb.get("time", hb.get("at"))  # as the page reads it (views/dashboard.py)
+        age = now - at if isinstance(at, int | float) else None
         islands.append(
             dict(
                 island=isl.name,
                 backend=isl.backend,
-                state=island_state(isl.name in done, bool(hb), scav.get("state")),
+                state=island_state(
+                    isl.name in done,
+                    age,
+                    cfg.heartbeat_s,
+                    stop_requested=isl.name in stopped,
+                    left=scav.get("state") == "left",
+                ),
                 step=hb.get("step"),
                 tokens=hb.get("tokens"),
                 tokens_per_s=hb.get("tokens_per_s"),
@@ -82,7 +94,7 @@ def collect_status(cfg: ExperimentConfig, store, now: float | None = None) -> di
                 staleness=staleness,
                 bytes_sent=hb.get("bytes_sent"),
                 bytes_received=hb.get("bytes_received"),
-                heartbeat_age_s=(now - hb["time"]) if "time" in hb else None,
+                heartbeat_age_s=age,
                 goodput=hb.get("goodput"),
                 scavenged=bool(scav),
                 joined_at=scav.get("joined_at"),
@@ -112,18 +124,6 @@ def collect_status(cfg: ExperimentConfig, store, now: float | None = None) -> di
             count=store.skipped.count - skipped_before, examples=store.skipped.examples[:5]
         ),
     )
-
-
-def island_state(done: bool, beating: bool, scavenged: str | None) -> str:
-    """One word: a scavenged island that left says "left" (its reason is beside it), one in
-    its window "scavenged" while it runs; others "done", "alive" or "not started"."""
-    if scavenged == "left":
-        return "left"
-    if done:
-        return "done"
-    if not beating:
-        return "not started"
-    return "scavenged" if scavenged == "joined" else "alive"
 
 
 def _clock(t) -> str:

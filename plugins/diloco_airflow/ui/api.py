@@ -24,6 +24,7 @@ from fastapi import FastAPI, HTTPException, Query, status
 from fastapi.responses import HTMLResponse
 from pydantic import BaseModel, Field
 
+from diloco_airflow import knobs
 from diloco_airflow.ui.auth import Editor, Reader, can
 from diloco_airflow.ui.sources import AirflowSource, StaticSource
 
@@ -126,7 +127,12 @@ def create_app(source: StaticSource | None = None) -> FastAPI:
         runs = source.runs(store, experiment)
         latest = runs[0]["run_id"] if runs else None
         tasks = source.tasks(latest, [(i.name, i.backend) for i in cfg.islands])
-        view = dashboard.experiment_view(cfg, estore, cache, tasks=tasks, runs=runs)
+        # the wait task's heartbeat limit where the deployment sets one: the page calls an
+        # island stalled exactly when its wait task stops it (training/protocol/stall.py)
+        limit = knobs.HEARTBEAT_TIMEOUT_S.get()
+        view = dashboard.experiment_view(
+            cfg, estore, cache, tasks=tasks, runs=runs, stall_after_s=limit
+        )
         view["can_edit"] = can(user, "PUT")
         return view
 

@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     from jax.sharding import PartitionSpec as P
 
     from training.config.experiment import load_config
-    from training.data.corpus import BatchLoader, shard_tokens
+    from training.data.batches import BatchLoader, shard_tokens
     from training.model import definition as model
 
     try:

@@ -15,8 +15,8 @@ import sys
 import time
 from pathlib import Path
 
-from training.bench.wan.bench import DILOCO_SETTINGS, DP_SETTINGS, BenchParams, link_mbit
 from training.bench.wan.netns import Wan, WanError
+from training.bench.wan.params import DILOCO_SETTINGS, DP_SETTINGS, BenchParams, link_mbit
 from training.config.experiment import ExperimentConfig, IslandConfig, with_overrides
 
 PY = sys.executable
