@@ -279,3 +279,58 @@ def test_outer_step_carries_the_new_params_norm_terms(method, numpy_only):
     carried, recomputed = run()
     assert carried == recomputed  # the C pass's terms are a norm pass's, term by term
     assert numpy_only(run) == (carried, recomputed)  # and the numpy loop's
+
+
+def _codes(codec: str, x: np.ndarray) -> codecs.TensorCodes:
+    payload, _ = codecs.encode({"w": x}, codec)
+    return codecs.tensor_codes(payload, "w", codec)
+
+
+@needs_native
+@pytest.mark.parametrize("codec", ["int8", "int4", "int2"])
+def test_the_norm_from_codes_is_the_same_in_c_and_numpy(codec, numpy_only):
+    # odd sizes and partial last blocks (the pad nibble of int4, the spare codes of int2),
+    # tensors of several chunks
+    for name, x in _tensors().items():
+        codes = _codes(codec, x)
+        got, want = codecs.codes_sq(codes), numpy_only(codecs.codes_sq, codes)
+        assert got == want, f"{codec} {name}"
+
+
+@pytest.mark.parametrize("codec", ["int8", "int4", "int2"])
+def test_the_norm_from_codes_is_the_decoded_values_norm(codec):
+    # the codes' norm is that of code x scale before rounding to float32: within a few float32
+    # roundings (2^-24 relative each) of the decoded values' norm
+    x = _tensors()["chunks"]
+    codes = _codes(codec, x)
+    sums, error = codecs.codes_sq(codes)
+    values = np.empty(x.size, np.float32)
+    for s, e in codecs.chunk_spans(x.size):
+        codecs.decode_chunk(codes, s, e, values[s:e])
+    assert error is None
+    assert sum(sums) == pytest.approx(float(np.square(values, dtype=np.float64).sum()), rel=1e-6)
+
+
+@pytest.mark.parametrize("codec", ["int8", "int4"])
+def test_the_norm_from_codes_stops_at_an_invalid_code(codec, numpy_only):
+    x = _tensors()["chunks"]  # 3 chunks and 77 elements
+    payload, _ = codecs.encode({"w": x}, codec)
+    raw = payload["w"].reshape(-1).view(np.uint8)
+    at = kernels.CHUNK + 10  # an element of the second chunk
+    raw[at // (2 if codec == "int4" else 1)] = 0x80 if codec == "int8" else 0x70  # code -8
+    codes = codecs.tensor_codes(payload, "w", codec)
+    for run in (codecs.codes_sq, lambda c: numpy_only(codecs.codes_sq, c)):
+        sums, error = run(codes)
+        assert len(sums) == 1 and "codes outside" in error
+
+
+@pytest.mark.parametrize("scale", [np.inf, np.nan, np.float32(3e38)])
+def test_a_scale_that_cannot_decode_gives_a_non_finite_norm(scale, numpy_only):
+    # 3e38 x 127 overflows float32: a code of 127 would decode to inf
+    x = _tensors()["odd"]
+    payload, _ = codecs.encode({"w": x}, "int8")
+    payload["w" + codecs.SCALE_SUFFIX].reshape(-1)[1] = scale
+    codes = codecs.tensor_codes(payload, "w", "int8")
+    for run in (codecs.codes_sq, lambda c: numpy_only(codecs.codes_sq, c)):
+        sums, error = run(codes)
+        assert error is None and not np.isfinite(sum(sums))

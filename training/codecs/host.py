@@ -321,6 +321,22 @@ class BadCodes(ValueError):
         self.done = done
 
 
+def codes_sq(codes: TensorCodes) -> tuple[list[float], str | None]:
+    """A quantized tensor's squared norm terms, one per `chunk_spans` chunk, from its codes
+    (kernels.codes_sumsq: exact integer sums of the codes' squares per block, times the
+    block's scale squared; nothing decoded), and the invalid-code error that stopped them
+    (None: all done): the merge's contribution norms (training/merge/stream.py)."""
+    n = math.prod(codes.shape)
+    sums, done = kernels.codes_sumsq(
+        codes.codec, codes.data, codes.scales, n, codes.block, chunk_step(), check=True
+    )
+    if done < sums.size:
+        levels = _LEVELS.get(codes.codec, 0)
+        error = f"payload tensor {codes.name!r} has codes outside [-{levels}, {levels}]"
+        return sums[:done].tolist(), error
+    return sums.tolist(), None
+
+
 def _decode_tensor(name: str, payload: dict[str, np.ndarray], codec: str, block: int) -> np.ndarray:
     codes = tensor_codes(payload, name, codec, block)
     if codec == "fp32":

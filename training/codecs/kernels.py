@@ -354,6 +354,73 @@ def decode_chunks(
     )
 
 
+def codes_sumsq(
+    kind: str,
+    data: np.ndarray,
+    scales: np.ndarray,
+    n: int,
+    block: int,
+    step: int,
+    check: bool,
+) -> tuple[np.ndarray, int]:
+    """(per chunk of `step` elements, the squared norm of a quantized tensor's n values from
+    its codes, never decoded; the chunks done: fewer than the tensor holds when that chunk has
+    an invalid code and `check`). Per block the exact integer sum of its codes' squares Q
+    (int2: of (2 code - 3)^2, then Q / 4), times its scale squared in float64; a block whose
+    scale x levels overflows float32 gives +inf; each chunk's terms added in numpy's pairwise
+    order. The C loop (native.c `codes_sumsq`) and this numpy code give the same bits."""
+    chunks = -(-n // step)
+    sums = np.empty(chunks, np.float64)
+    lib = native.library()
+    if (
+        lib is not None
+        and step % chunk_step(block) == 0
+        and data.itemsize == 1
+        and data.flags.c_contiguous
+        and native.fits_float32(scales)
+    ):
+        done = lib.codes_sumsq(
+            _KIND[kind],
+            data.ctypes.data,
+            scales.ctypes.data,
+            0,
+            n,
+            block,
+            step,
+            int(check),
+            sums.ctypes.data,
+        )
+        if done < 0:
+            raise MemoryError("codes_sumsq: no memory for one chunk's block terms")
+        return sums, done
+    per, levels = _PER[kind], np.float32(_CODE_LEVELS[kind] or HALF_RANGE)
+    for k, c in enumerate(range(0, n, step)):
+        ce = min(n, c + step)
+        raw = data[c // per : -(-ce // per)].view(np.uint8)
+        if kind == "int8":
+            codes = raw.view(np.int8).astype(np.int64)
+        elif kind == "int4":
+            codes = np.stack([raw & 15, raw >> 4], axis=1).reshape(-1).astype(np.int64) - 8
+        else:
+            codes = np.stack([(raw >> (2 * j)) & 3 for j in range(4)], axis=1).reshape(-1)
+            codes = 2 * codes.astype(np.int64) - 3
+        codes = codes[: ce - c]
+        if check and kind != "int2" and codes.size and codes.min() < -_CODE_LEVELS[kind]:
+            return sums, k
+        q = np.zeros(-(-codes.size // block) * block, np.int64)
+        q[: codes.size] = codes * codes
+        q = q.reshape(-1, block).sum(axis=1)
+        sc = scales[c // block : c // block + q.size]
+        sc64 = sc.astype(np.float64)
+        qd = q.astype(np.float64) * 0.25 if kind == "int2" else q.astype(np.float64)
+        terms = (sc64 * sc64) * qd
+        with np.errstate(over="ignore", invalid="ignore"):
+            overflow = ~np.isfinite(sc * levels) & ~np.isnan(sc)
+        terms[overflow] = np.inf
+        sums[k] = np.add.reduce(terms)
+    return sums, chunks
+
+
 def decode_quantized(
     data: np.ndarray, scales: np.ndarray, n: int, block: int, kind: str, levels: int = 127
 ) -> np.ndarray:

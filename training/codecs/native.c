@@ -19,6 +19,7 @@ when `out` is `b`.
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <math.h>
 
 #define MAGIC 12582912.0f /* 1.5 * 2^23 */
 
@@ -389,4 +390,104 @@ void outer_step_sq(int64_t n, float *p, float *g, float *m, float *d, const floa
                    flush, lr, beta, inv);
         sums[k] = pw_sumsq(p + s, len);
     }
+}
+
+/* numpy's pairwise sum of a float64 array (pw_sumsq's order, on values already squared). */
+static double pw_sum(const double *a, int64_t n) {
+    if (n < 8) {
+        double res = 0.0;
+        for (int64_t i = 0; i < n; i++) res += a[i];
+        return res;
+    }
+    if (n <= 128) {
+        double r[8], res;
+        for (int j = 0; j < 8; j++) r[j] = a[j];
+        int64_t i;
+        for (i = 8; i < n - (n % 8); i += 8)
+            for (int j = 0; j < 8; j++) r[j] += a[i + j];
+        res = ((r[0] + r[1]) + (r[2] + r[3])) + ((r[4] + r[5]) + (r[6] + r[7]));
+        for (; i < n; i++) res += a[i];
+        return res;
+    }
+    int64_t n2 = n / 2;
+    n2 -= n2 % 8;
+    return pw_sum(a, n2) + pw_sum(a + n2, n - n2);
+}
+
+/* The squared norm of a quantized tensor's values from its codes, never decoded
+   (training/codecs/host.py `codes_sq`, whose numpy code gives the same bits): per block b,
+   Q_b = the sum of its codes' squares, an exact integer (int2: of (2 code - 3)^2, so
+   Q_b / 4); its term t_b = (scale_b x scale_b) x Q_b in float64 (the square exact, one
+   rounding); a block whose scale x levels is not a finite float32 (a value that cannot
+   decode) gives +inf, a NaN scale NaN. sums[k] = numpy's pairwise sum of the terms of the
+   blocks of chunk k (`step` elements). Returns the chunks done: fewer when a chunk has an
+   invalid code (check set: int8 -128, int4 nibble 0, the pad nibble not judged). */
+int64_t codes_sumsq(int kind, const uint8_t *data, const float *scales, int64_t s, int64_t e,
+                    int64_t block, int64_t step, int check, double *sums) {
+    int64_t per = kind == 8 ? 1 : (kind == 4 ? 2 : 4);
+    float levels = kind == 8 ? 127.0f : (kind == 4 ? 7.0f : 1.5f);
+    int32_t table[256]; /* per byte, the sum of its codes' squares */
+    for (int b = 0; b < 256; b++) {
+        if (kind == 8) {
+            int32_t q = (int32_t)(int8_t)b;
+            table[b] = q * q;
+        } else if (kind == 4) {
+            int32_t lo = (b & 15) - 8, hi = (b >> 4) - 8;
+            table[b] = lo * lo + hi * hi;
+        } else {
+            int32_t t = 0;
+            for (int k = 0; k < 4; k++) {
+                int32_t c = 2 * ((b >> (2 * k)) & 3) - 3;
+                t += c * c;
+            }
+            table[b] = t;
+        }
+    }
+    int64_t nb = (step + block - 1) / block;
+    double stack_terms[1024];
+    double *terms = nb <= 1024 ? stack_terms : (double *)malloc((size_t)nb * sizeof(double));
+    if (!terms) return -1;
+    int64_t k = 0;
+    for (int64_t c = s; c < e; c += step, k++) {
+        int64_t ce = c + step < e ? c + step : e;
+        int64_t n = ce - c;
+        const uint8_t *d = data + c / per;
+        if (check && kind != 2) {
+            uint32_t bad = 0;
+            if (kind == 8) {
+                for (int64_t i = 0; i < n; i++) bad |= d[i] == 0x80u;
+            } else {
+                for (int64_t j = 0; j < n / 2; j++) bad |= ((d[j] & 15u) == 0) | ((d[j] >> 4) == 0);
+                if (n & 1) bad |= (d[n / 2] & 15u) == 0;
+            }
+            if (bad) break;
+        }
+        int64_t t = 0;
+        for (int64_t b0 = 0; b0 < n; b0 += block, t++) {
+            int64_t len = b0 + block < n ? block : n - b0;
+            const uint8_t *bd = d + b0 / per;
+            int64_t q = 0;
+            int64_t whole = len / per;
+            for (int64_t j = 0; j < whole; j++) q += table[bd[j]];
+            if (len % per) { /* the tensor's last byte, part padding: its codes one by one */
+                uint8_t last = bd[whole];
+                for (int64_t i = 0; i < len % per; i++) {
+                    int32_t v;
+                    if (kind == 4) v = (int32_t)((last >> (4 * i)) & 15u) - 8;
+                    else v = 2 * (int32_t)((last >> (2 * i)) & 3u) - 3;
+                    q += v * v;
+                }
+            }
+            float sc = scales[(c + b0) / block];
+            double sc2 = (double)sc * (double)sc;
+            double qd = kind == 2 ? (double)q * 0.25 : (double)q;
+            if (!isfinite(sc * levels) && !isnan(sc)) /* sc x levels overflows, or sc is inf */
+                terms[t] = INFINITY;
+            else
+                terms[t] = sc2 * qd;
+        }
+        sums[k] = pw_sum(terms, t);
+    }
+    if (terms != stack_terms) free(terms);
+    return k;
 }

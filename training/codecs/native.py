@@ -114,6 +114,8 @@ def _load(path: Path):
     lib.decode_chunks.restype = i64
     lib.outer_step_sq.argtypes = lib.outer_step.argtypes + [i64, vp]
     lib.outer_step_sq.restype = None
+    lib.codes_sumsq.argtypes = [cint, vp, vp, i64, i64, i64, i64, cint, vp]
+    lib.codes_sumsq.restype = i64
     return lib
 
 

@@ -120,16 +120,13 @@ class PayloadVote(Vote):
         return add
 
     def chunk_sq(self, name: str, size: int, buf: np.ndarray) -> tuple[list[float], str | None]:
-        """Quantized codes: decoded and squared chunk by chunk in one C call (codecs.decode_span:
-        the same sums as Vote.chunk_sq, without a float64 copy of each chunk)."""
+        """Quantized codes: the norm from the codes, never decoded (codecs.codes_sq: per block
+        the exact sum of the codes' squares times the scale squared; the norm of the values
+        the codes stand for, before each is rounded to float32), checked as decoding does."""
         codes = self.codes[name]
-        sums = np.empty(len(codecs.chunk_spans(size)), np.float64)
-        try:
-            if not codecs.decode_span(codes, 0, size, buf, scratch=True, sums=sums):
-                return super().chunk_sq(name, size, buf)
-        except codecs.BadCodes as err:
-            return sums[: err.done].tolist(), str(err)
-        return sums.tolist(), None
+        if codes.scales is None:
+            return super().chunk_sq(name, size, buf)
+        return codecs.codes_sq(codes)
 
     def fold(
         self,
