@@ -53,3 +53,21 @@ def test_merge_bits_are_the_golden_ones(codec):
 def test_the_numpy_loops_give_the_golden_bits_too(codec, monkeypatch):
     monkeypatch.setattr(native, "library", lambda: None)
     assert _run(codec) == GOLDEN[codec]
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_threads_over_chunks_give_the_golden_bits(threads):
+    # every C loop split over threads by chunk ranges; sums added in chunk order after
+    native.set_threads(threads)
+    try:
+        assert _run("int4") == GOLDEN["int4"]
+    finally:
+        native.set_threads(1)
+
+
+def test_votes_folded_one_by_one_give_the_golden_bits(monkeypatch):
+    # FOLD_BYTES 0: every vote folded as it is added (one pass over the accumulators each)
+    from training.merge import rules
+
+    monkeypatch.setattr(rules, "FOLD_BYTES", 0)
+    assert _run("int8") == GOLDEN["int8"]

@@ -334,3 +334,41 @@ def test_a_scale_that_cannot_decode_gives_a_non_finite_norm(scale, numpy_only):
     for run in (codecs.codes_sq, lambda c: numpy_only(codecs.codes_sq, c)):
         sums, error = run(codes)
         assert error is None and not np.isfinite(sum(sums))
+
+
+@needs_native
+def test_threads_over_chunks_give_one_threads_bits():
+    # a tensor of 3 chunks and 77 elements: 2 threads take chunks [0, 2) and [2, 4), 3 threads
+    # one or two each; every result the same bits as on one thread
+    from training.config.experiment import OuterConfig
+    from training.merge import rules
+    from training.merge import stream as merge_stream
+
+    x = _tensors()["chunks"]
+    outer = OuterConfig(method="decoupled", lr=0.7, momentum=0.9)
+
+    def everything():
+        codes = [_codes(c, x * (i + 1)) for i, c in enumerate(("int8", "int4", "int2"))]
+        out = [codecs.codes_sq(c) for c in codes]
+        acc = np.empty(x.size, np.float32)
+        votes = [
+            (merge_stream.PayloadVote({"w": c}), np.float32(0.3 + i)) for i, c in enumerate(codes)
+        ]
+        out.append(merge_stream.fold_votes(votes, "w", acc, True, merge_stream.scratch(), True))
+        got = np.zeros(x.size, np.float32)
+        codecs.decode_span(codes[0], 0, x.size, got, accumulate=True, sums=np.empty(4))
+        params, delta = {"w": x.copy()}, {"w": acc.copy()}
+        carried: dict = {}
+        state = rules.outer_step_(
+            outer, 4, params, rules.init_state(outer, {"w": x.shape}), delta, params_sq=carried
+        )
+        out += [native.chunk_sumsq(x, kernels.CHUNK).tolist(), carried]
+        return out, _bits([acc, got, params["w"], state.momentum["w"]])
+
+    one = everything()
+    for threads in (2, 3):
+        native.set_threads(threads)
+        try:
+            assert everything() == one, threads
+        finally:
+            native.set_threads(1)

@@ -16,6 +16,8 @@ the fallback and the definition (the C file gives the same bits: tests/test_nati
 
 from __future__ import annotations
 
+import ctypes
+
 import ml_dtypes
 import numpy as np
 
@@ -338,20 +340,49 @@ def decode_chunks(
         or (sums is not None and (sums.dtype != np.float64 or not sums.flags.c_contiguous))
     ):
         return None
-    return lib.decode_chunks(
-        _KIND[kind],
-        data.ctypes.data,
-        scales.ctypes.data,
-        s,
-        e,
-        block,
-        step,
-        out.ctypes.data,
-        int(scratch),
-        int(accumulate),
-        int(bool(levels)),
-        None if sums is None else sums.ctypes.data,
-    )
+    if scratch:  # one buffer: one thread
+        return lib.decode_chunks(
+            _KIND[kind],
+            data.ctypes.data,
+            scales.ctypes.data,
+            s,
+            e,
+            block,
+            step,
+            out.ctypes.data,
+            1,
+            int(accumulate),
+            int(bool(levels)),
+            None if sums is None else sums.ctypes.data,
+        )
+    done = []
+
+    def run(rs: int, re: int, k0: int) -> None:
+        chunk_sums = None if sums is None else sums.ctypes.data + 8 * k0
+        got = lib.decode_chunks(
+            _KIND[kind],
+            data.ctypes.data,
+            scales.ctypes.data,
+            s + rs,
+            s + re,
+            block,
+            step,
+            out.ctypes.data + 4 * rs,
+            0,
+            int(accumulate),
+            int(bool(levels)),
+            chunk_sums,
+        )
+        done.append((k0, got, -(-(re - rs) // step)))
+
+    native.over_chunks(e - s, step, run)
+    # the chunks done in order up to the first range that stopped early
+    total = 0
+    for _k0, got, want in sorted(done):
+        total += got
+        if got < want:
+            break
+    return total
 
 
 def codes_sumsq(
@@ -379,19 +410,30 @@ def codes_sumsq(
         and data.flags.c_contiguous
         and native.fits_float32(scales)
     ):
-        done = lib.codes_sumsq(
-            _KIND[kind],
-            data.ctypes.data,
-            scales.ctypes.data,
-            0,
-            n,
-            block,
-            step,
-            int(check),
-            sums.ctypes.data,
-        )
-        if done < 0:
-            raise MemoryError("codes_sumsq: no memory for one chunk's block terms")
+        parts = []
+
+        def run(s: int, e: int, k0: int) -> None:
+            got = lib.codes_sumsq(
+                _KIND[kind],
+                data.ctypes.data,
+                scales.ctypes.data,
+                s,
+                e,
+                block,
+                step,
+                int(check),
+                sums.ctypes.data + 8 * k0,
+            )
+            parts.append((k0, got, -(-(e - s) // step)))
+
+        native.over_chunks(n, step, run)
+        done = 0
+        for _k0, got, want in sorted(parts):
+            if got < 0:
+                raise MemoryError("codes_sumsq: no memory for one chunk's block terms")
+            done += got
+            if got < want:
+                break
         return sums, done
     per, levels = _PER[kind], np.float32(_CODE_LEVELS[kind] or HALF_RANGE)
     for k, c in enumerate(range(0, n, step)):
@@ -419,6 +461,58 @@ def codes_sumsq(
         terms[overflow] = np.inf
         sums[k] = np.add.reduce(terms)
     return sums, chunks
+
+
+def fold_votes(
+    votes: list[tuple[str, np.ndarray, np.ndarray]],
+    n: int,
+    block: int,
+    step: int,
+    acc: np.ndarray,
+    init: bool,
+    sums: np.ndarray | None,
+) -> bool:
+    """Quantized votes (kind, codes, coefficient-folded scales) folded into the flat float32
+    `acc` chunk by chunk in one C loop (native.c `fold_votes`): the first written when `init`,
+    the rest added, in order; `sums[k]` the sum of squares of acc's chunk k after. The bits of
+    decode_range over the whole tensor vote after vote. False when the C loops cannot take them
+    (the caller folds vote by vote)."""
+    lib = native.library()
+    if (
+        lib is None
+        or not votes
+        or step % chunk_step(block)
+        or not native.fits_float32(acc)
+        or acc.size != n
+        or any(
+            d.itemsize != 1 or not d.flags.c_contiguous or not native.fits_float32(sc)
+            for _, d, sc in votes
+        )
+    ):
+        return False
+    k = len(votes)
+    kinds = (ctypes.c_int * k)(*(_KIND[kind] for kind, _, _ in votes))
+    datas = (ctypes.c_void_p * k)(*(d.ctypes.data for _, d, _ in votes))
+    scales = (ctypes.c_void_p * k)(*(sc.ctypes.data for _, _, sc in votes))
+
+    def run(s: int, e: int, k0: int) -> None:
+        chunk_sums = None if sums is None else sums.ctypes.data + 8 * k0
+        lib.fold_votes(
+            k,
+            kinds,
+            datas,
+            scales,
+            s,
+            e,
+            block,
+            step,
+            acc.ctypes.data + 4 * s,
+            int(init),
+            chunk_sums,
+        )
+
+    native.over_chunks(n, step, run)
+    return True
 
 
 def decode_quantized(

@@ -414,6 +414,29 @@ static double pw_sum(const double *a, int64_t n) {
     return pw_sum(a, n2) + pw_sum(a + n2, n - n2);
 }
 
+/* The sum of the squares of the codes in `nbytes` whole bytes (int2: of 2 code - 3), in
+   integer lanes the compiler vectorizes (a block's sum fits 32 bits: at most 16129 per int8
+   code, 8 per block of 256). */
+static int64_t block_sq(int kind, const uint8_t *restrict bd, int64_t nbytes) {
+    int32_t q = 0;
+    if (kind == 8) {
+        const int8_t *b8 = (const int8_t *)bd;
+        for (int64_t j = 0; j < nbytes; j++) q += (int32_t)b8[j] * (int32_t)b8[j];
+    } else if (kind == 4) {
+        for (int64_t j = 0; j < nbytes; j++) {
+            int32_t lo = (int32_t)(bd[j] & 15u) - 8, hi = (int32_t)(bd[j] >> 4) - 8;
+            q += lo * lo + hi * hi;
+        }
+    } else {
+        for (int64_t j = 0; j < nbytes; j++) {
+            int32_t c0 = 2 * (int32_t)(bd[j] & 3u) - 3, c1 = 2 * (int32_t)((bd[j] >> 2) & 3u) - 3;
+            int32_t c2 = 2 * (int32_t)((bd[j] >> 4) & 3u) - 3, c3 = 2 * (int32_t)(bd[j] >> 6) - 3;
+            q += c0 * c0 + c1 * c1 + c2 * c2 + c3 * c3;
+        }
+    }
+    return q;
+}
+
 /* The squared norm of a quantized tensor's values from its codes, never decoded
    (training/codecs/host.py `codes_sq`, whose numpy code gives the same bits): per block b,
    Q_b = the sum of its codes' squares, an exact integer (int2: of (2 code - 3)^2, so
@@ -426,23 +449,6 @@ int64_t codes_sumsq(int kind, const uint8_t *data, const float *scales, int64_t 
                     int64_t block, int64_t step, int check, double *sums) {
     int64_t per = kind == 8 ? 1 : (kind == 4 ? 2 : 4);
     float levels = kind == 8 ? 127.0f : (kind == 4 ? 7.0f : 1.5f);
-    int32_t table[256]; /* per byte, the sum of its codes' squares */
-    for (int b = 0; b < 256; b++) {
-        if (kind == 8) {
-            int32_t q = (int32_t)(int8_t)b;
-            table[b] = q * q;
-        } else if (kind == 4) {
-            int32_t lo = (b & 15) - 8, hi = (b >> 4) - 8;
-            table[b] = lo * lo + hi * hi;
-        } else {
-            int32_t t = 0;
-            for (int k = 0; k < 4; k++) {
-                int32_t c = 2 * ((b >> (2 * k)) & 3) - 3;
-                t += c * c;
-            }
-            table[b] = t;
-        }
-    }
     int64_t nb = (step + block - 1) / block;
     double stack_terms[1024];
     double *terms = nb <= 1024 ? stack_terms : (double *)malloc((size_t)nb * sizeof(double));
@@ -466,9 +472,8 @@ int64_t codes_sumsq(int kind, const uint8_t *data, const float *scales, int64_t 
         for (int64_t b0 = 0; b0 < n; b0 += block, t++) {
             int64_t len = b0 + block < n ? block : n - b0;
             const uint8_t *bd = d + b0 / per;
-            int64_t q = 0;
             int64_t whole = len / per;
-            for (int64_t j = 0; j < whole; j++) q += table[bd[j]];
+            int64_t q = block_sq(kind, bd, whole);
             if (len % per) { /* the tensor's last byte, part padding: its codes one by one */
                 uint8_t last = bd[whole];
                 for (int64_t i = 0; i < len % per; i++) {
@@ -490,4 +495,23 @@ int64_t codes_sumsq(int kind, const uint8_t *data, const float *scales, int64_t 
     }
     if (terms != stack_terms) free(terms);
     return k;
+}
+
+/* k votes folded into one accumulator chunk by chunk: for each chunk of `step` elements of
+   [s, e), vote 0 decoded into acc (written when `init`, else added), then votes 1..k-1 added,
+   each with its own codes and (coefficient-folded) scales; then, when sums is not NULL,
+   sums[chunk] = the pw_sumsq of the chunk of acc. Element by element the same operations in
+   the same order as folding the votes one after another over the whole tensor (the same
+   bits), with the accumulator's chunk in cache for all k instead of k passes over memory.
+   acc points at element s. Codes are not checked (the norm pass did). */
+void fold_votes(int k, const int *kinds, const uint8_t *const *data, const float *const *scales,
+                int64_t s, int64_t e, int64_t block, int64_t step, float *acc, int init,
+                double *sums) {
+    for (int64_t c = s, j = 0; c < e; c += step, j++) {
+        int64_t ce = c + step < e ? c + step : e;
+        float *o = acc + (c - s);
+        for (int v = 0; v < k; v++)
+            decode_quantized(kinds[v], data[v], scales[v], c, ce, block, o, !(init && v == 0), 0);
+        if (sums) sums[j] = pw_sumsq(o, ce - c);
+    }
 }

@@ -26,6 +26,8 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -116,6 +118,8 @@ def _load(path: Path):
     lib.outer_step_sq.restype = None
     lib.codes_sumsq.argtypes = [cint, vp, vp, i64, i64, i64, i64, cint, vp]
     lib.codes_sumsq.restype = i64
+    lib.fold_votes.argtypes = [cint, vp, vp, vp, i64, i64, i64, i64, vp, cint, vp]
+    lib.fold_votes.restype = None
     return lib
 
 
@@ -169,5 +173,49 @@ def chunk_sumsq(x: np.ndarray, step: int) -> np.ndarray | None:
     if lib is None or not fits_float32(x):
         return None
     sums = np.empty(-(-x.size // step), np.float64)
-    lib.sumsq_chunks(address(x), x.size, step, sums.ctypes.data)
+    base = address(x)
+
+    def run(s: int, e: int, k0: int) -> None:
+        lib.sumsq_chunks(base + 4 * s, e - s, step, sums.ctypes.data + 8 * k0)
+
+    over_chunks(x.size, step, run)
     return sums
+
+
+# Threads over chunks: the C loops release the GIL (ctypes), so a tensor's chunks split into
+# `threads` contiguous ranges run at once. Every result is per element or per chunk, each range
+# writes its own, and sums are added in chunk order by the caller: the same bits whatever the
+# thread count (tests/test_native.py). Set by the merge from `syncer.threads`.
+_pool: list = [1, None]  # [threads, executor or None]
+
+
+def set_threads(threads: int) -> None:
+    """Run the chunked C loops on `threads` threads (1: in the calling thread)."""
+    threads = max(1, int(threads))
+    if threads != _pool[0]:
+        if _pool[1] is not None:
+            _pool[1].shutdown(wait=True)
+        _pool[:] = [threads, None]
+
+
+def threads() -> int:
+    return _pool[0]
+
+
+def over_chunks(n: int, step: int, run: Callable[[int, int, int], None]) -> None:
+    """run(s, e, k0) for contiguous ranges [s, e) of whole `step`-element chunks covering
+    [0, n) (k0: the index of the range's first chunk), on `threads()` threads."""
+    chunks = -(-n // step)
+    parts = min(_pool[0], chunks)
+    if parts <= 1:
+        if n:
+            run(0, n, 0)
+        return
+    bounds = [chunks * i // parts for i in range(parts + 1)]
+    spans = [
+        (b * step, min(n, e * step), b) for b, e in zip(bounds, bounds[1:], strict=False) if e > b
+    ]
+    if _pool[1] is None:
+        _pool[1] = ThreadPoolExecutor(_pool[0], thread_name_prefix="diloco-chunks")
+    for future in [_pool[1].submit(run, *span) for span in spans]:
+        future.result()

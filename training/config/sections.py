@@ -449,6 +449,14 @@ class SyncerConfig(_Frozen):
         "many besides the current one (k/8 of the fragment's float32 bytes at int4); 1: one "
         "after another (no gain measured on a local fake-gcs-server: docs/BENCHMARKS.md)",
     )
+    threads: int = Field(
+        1,
+        ge=1,
+        le=256,
+        description="threads one merge shard runs its C loops on (decode, norms, folds, the "
+        "outer step), each over its own chunks: the same bits on any count (docs/BENCHMARKS.md, "
+        '"Merge at the real size"); 1: one core, as the syncer sizing assumes',
+    )
     memory_gib: float | None = Field(
         None,
         gt=0,

@@ -134,8 +134,7 @@ def apply_groups(
         by_island: dict[str, list[rules.Candidate]] = {}
         for c in group:
             by_island.setdefault(c.island, []).append(c)
-        islands = sorted(by_island.items())
-        for at, (island, contribs) in enumerate(islands):
+        for island, contribs in sorted(by_island.items()):
             vote, kept, vote_norms, (total_sq, body_sq) = _vote(
                 cfg, shapes, contribs, norms, params_norm, combiner, io, now, state.momentum
             )
@@ -150,7 +149,7 @@ def apply_groups(
                 if cfg.outer.method == "sync"
                 else min(rules.island_weight(cfg.outer, kept), group_caps[island])
             )
-            combiner.add(vote, weight, scale, body_sq, last=at == len(islands) - 1)
+            combiner.add(vote, weight, scale, body_sq)
             del vote
             voted += kept
             norms += [records.IslandNorm(island, n) for n in vote_norms]

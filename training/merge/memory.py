@@ -4,7 +4,8 @@ A merger holds, for each fragment it owns, the state of the version it published
 (params, outer state and the broadcast shadow: `state_bytes`) so that its next merge of that
 fragment reads nothing back and replays nothing ("warm"). One merge needs beside that state a
 working set (`working_bytes`): the float32 accumulator (kept from merge to merge:
-merge_stream.Arena), the contribution payloads being summed or fetched ahead, one
+merge_stream.Arena), the contribution payloads held for one fold (one per island, up to
+rules.FOLD_BYTES) and fetched ahead, one
 fragment-sized float32 array (an island's summed vote, or the shadow made from params) and
 the update it encodes. So a shard with memory M keeps warm at most M - working_bytes of
 state (`warm_limit`): every fragment when that covers them all, else the most recently merged
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 
 from training.codecs import host as codecs
 from training.config.experiment import ExperimentConfig
+from training.merge.rules import FOLD_BYTES
 from training.protocol import broadcast
 
 GiB = 2**30
@@ -55,9 +57,11 @@ def fragment_memory(
     """The bytes of one merge of `fragment` (its tensor `shapes`)."""
     elems = sum(math.prod(s) for s in shapes.values())
     payload = codecs.payload_limits(shapes, cfg.codec)[0]
-    fetched = (cfg.syncer.fetch_concurrency + 1) * payload
+    fetched = cfg.syncer.fetch_concurrency * payload  # downloads ahead of the votes held
+    # the votes held for one fold (rules.Combiner: up to FOLD_BYTES, one per island)
+    held = min(len(cfg.islands) * payload, FOLD_BYTES + payload)
     # accumulator + one fragment-sized float32 array + the payloads + the encoded update
-    working = 2 * 4 * elems + fetched + payload
+    working = 2 * 4 * elems + fetched + held + payload
     return FragmentMemory(fragment, state_tensors(cfg) * 4 * elems, working)
 
 

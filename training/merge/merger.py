@@ -39,6 +39,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from training.codecs import host as codecs
+from training.codecs import native
 from training.config.experiment import ExperimentConfig
 from training.merge import apply, memory, quorum, replay, rules
 from training.merge import stream as merge_stream
@@ -109,6 +110,7 @@ class Merger:
         # the params' per-chunk sums of squares) this merger published last
         self._warm: dict[int, tuple[str, dict, dict, dict | None, int, dict | None]] = {}
         self._arena = merge_stream.Arena()  # the accumulators, reused merge after merge
+        native.set_threads(cfg.syncer.threads)  # the C loops over chunks (the same bits)
         self.store = store
         self.clock = clock
         # TensorBoard run "merge": one new event file per merge pass that published (flush_s=0)

@@ -77,6 +77,23 @@ def outer_lr(outer: OuterConfig, steps: int) -> float:
     return outer.lr * min(1.0, (steps + 1) / outer.lr_warmup)
 
 
+def _outer_step_c(lib, n: int, arrays, factors: np.ndarray, flags, scalars) -> list[float]:
+    """native.c `outer_step_sq` on one tensor (params, g, momentum or None, buffer or None),
+    threads over chunks (native.over_chunks: the same bits); returns the new params'
+    per-chunk sums of squares."""
+    step = codecs.chunk_step()
+    sums = np.empty(-(-n // step), np.float64)
+    bases = [native.address(a) for a in arrays]
+
+    def run(s: int, e: int, k0: int) -> None:
+        at = [None if a is None else a + 4 * s for a in bases]
+        fixed = (factors.ctypes.data, factors.size, *flags, *scalars)
+        lib.outer_step_sq(e - s, *at, *fixed, step, sums.ctypes.data + 8 * k0)
+
+    native.over_chunks(n, step, run)
+    return sums.tolist()
+
+
 def outer_step_(
     outer: OuterConfig,
     period: int,
@@ -131,15 +148,10 @@ def outer_step_(
         ]
         lib = native.library() if not frac and native.fits_float32(*arrays) else None
         if lib is not None:  # one C pass, the numpy loop below bit for bit
-            p, g, m, d = (native.address(a) for a in arrays)
             flags = (mode, int(outer.nesterov), int(flush))
-            args = (g_all.size, p, g, m, d, factors.ctypes.data, factors.size, *flags, lr, beta)
-            if params_sq is None:
-                lib.outer_step(*args, inv)
-            else:
-                sums = np.empty(len(codecs.chunk_spans(g_all.size)), np.float64)
-                lib.outer_step_sq(*args, inv, codecs.chunk_step(), sums.ctypes.data)
-                params_sq[n] = sums.tolist()
+            sums = _outer_step_c(lib, g_all.size, arrays, factors, flags, (lr, beta, inv))
+            if params_sq is not None:
+                params_sq[n] = sums
             continue
         flat = {"p": params[n].reshape(-1), "g": g_all.reshape(-1)}
         if not plain:
@@ -486,6 +498,11 @@ def norm_verdict(
 # -- combination ---------------------------------------------------------------------------------
 
 
+# Votes a Combiner holds before folding them (their payloads' bytes): beyond it they are folded
+# into the accumulators and let go (the same bits, one more pass over the accumulators).
+FOLD_BYTES = 4 * 2**30
+
+
 class Combiner:
     """Folds weighted votes into one update for a fragment, tensor by tensor, in float32.
 
@@ -512,21 +529,16 @@ class Combiner:
         self.norm_sum = 0.0  # sum w |v_body|
         self.votes = 0
         self.scratch = arena.scratch  # one chunk, shared with the merger's reads
-        # the body accumulators' per-chunk sums of squares, taken by the last vote's fold
-        # (`add(..., last=True)`) while each chunk is in cache: finish() needs no norm pass
-        self._body_sq: dict[str, list[float]] | None = None
+        # votes added but not yet folded: (vote, its coefficient per tensor), folded together
+        # chunk by chunk (`_fold`) when finish() is called or they hold FOLD_BYTES of payload
+        self._pending: list[tuple[merge_stream.Vote, dict[str, np.float32]]] = []
+        self._pending_bytes = 0
+        self._folded = 0  # votes already in the accumulators
 
-    def add(
-        self,
-        vote: Any,
-        weight: float,
-        scale: float = 1.0,
-        body_sq: float | None = None,
-        last: bool = False,
-    ) -> None:
+    def add(self, vote: Any, weight: float, scale: float = 1.0, body_sq: float | None = None):
         """Fold one island's vote (scaled by `scale`, e.g. a clip) with `weight`; `body_sq`:
-        the vote's squared body norm if already known (merge_stream.sq_norms). `last`: no
-        vote follows (the direction's norm is taken from this fold)."""
+        the vote's squared body norm if already known (merge_stream.sq_norms). The fold itself
+        waits for the next votes (`_fold`: one pass over the accumulators for all of them)."""
         if weight <= 0:
             raise ValueError(f"vote weight must be positive, got {weight}")
         if not isinstance(vote, merge_stream.Vote):
@@ -537,16 +549,10 @@ class Combiner:
         direction = np.float32(weight * scale / body_norm) if body_norm > 0 else np.float32(0)
         mean = np.float32(weight * scale)
         body = set(self.body)
-        buf = self.scratch
-        sums = {} if last and body else None
-        for n in self.shapes:
-            coef = direction if n in body else mean
-            acc = self.acc[n].reshape(-1)
-            # the first vote initializes the accumulator
-            got = vote.fold(n, coef, acc, not self.votes, buf, sums is not None and n in body)
-            if got is not None:
-                sums[n] = got
-        self._body_sq = sums
+        self._pending.append((vote, {n: direction if n in body else mean for n in self.shapes}))
+        self._pending_bytes += vote.nbytes
+        if self._pending_bytes > FOLD_BYTES:
+            self._fold(sums=False)
         self.total_weight += weight
         self.norm_sum += weight * body_norm
         self.votes += 1
@@ -558,16 +564,39 @@ class Combiner:
             raise ValueError("no votes to combine")
         inv = np.float32(1.0 / self.total_weight)
         body = set(self.body)
+        body_sq = self._fold(sums=bool(body))
         gains = {n: [inv] for n in self.acc if n not in body}
         if body:
-            if self._body_sq is not None:
-                direction_norm = math.sqrt(merge_stream.sq_total(self._body_sq, self.body))
-            else:
-                direction_norm = merge_stream.norm_of(self.acc, self.body)
+            # the body accumulators' norm from the sums the last fold took of each chunk
+            direction_norm = math.sqrt(merge_stream.sq_total(body_sq, self.body))
             target = self.norm_sum / self.total_weight
             factor = np.float32(target / direction_norm) if direction_norm > 0 else np.float32(0)
             gains.update({n: [factor] for n in self.body})
         return self.acc, gains
+
+    def _fold(self, sums: bool) -> dict[str, list[float]]:
+        """Fold the pending votes into the accumulators, tensor by tensor, chunk by chunk, every
+        vote into a chunk before the next chunk (merge_stream.fold_votes): element by element
+        the operations of folding them one after another, in one pass over the accumulators;
+        returns, with `sums`, the body tensors' per-chunk sums of squares after it."""
+        out: dict[str, list[float]] = {}
+        if self._pending:
+            for n in self.shapes:
+                got = merge_stream.fold_votes(
+                    [(vote, coefs[n]) for vote, coefs in self._pending],
+                    n,
+                    self.acc[n].reshape(-1),
+                    self._folded == 0,
+                    self.scratch,
+                    sums and n in self.body,
+                )
+                if got is not None:
+                    out[n] = got
+            self._folded += len(self._pending)
+            self._pending, self._pending_bytes = [], 0
+        elif sums:  # nothing pending (a fold at FOLD_BYTES took the last vote): a pass
+            out = merge_stream.chunk_sq_of(self.acc, self.body)
+        return out
 
     def result(self) -> dict[str, np.ndarray]:
         """The combined update (in place in the accumulators: the Combiner is spent)."""

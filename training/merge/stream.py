@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 
 from training.codecs import host as codecs
-from training.codecs import native
+from training.codecs import kernels, native
 
 
 class Vote:
@@ -60,31 +60,24 @@ class Vote:
             sums.append(sq(x))
         return sums, None
 
-    def fold(
-        self,
-        name: str,
-        coef: np.float32,
-        acc: np.ndarray,
-        first: bool,
-        buf: np.ndarray,
-        sums: bool = False,
-    ) -> list[float] | None:
-        """acc (flat float32) = coef x `name` (`first`), else acc += coef x `name`, chunk by
-        chunk: `scaled` and `add_scaled` bit for bit. `sums`: returns the float64 sums of
-        squares of acc's chunks as they stand after (taken while each chunk is in cache)."""
-        out = [] if sums else None
-        scaled = self.scaled(name, coef) if first else None
-        add = None if first else self.add_scaled(name, coef)
-        for s, e in codecs.chunk_spans(acc.size):
-            if scaled is not None:
-                got = scaled(s, e, acc[s:e])
-                if not np.shares_memory(got, acc[s:e]):
-                    np.copyto(acc[s:e], got)
-            else:
-                add(s, e, acc[s:e], buf)
-            if out is not None:
-                out.append(sq(acc[s:e]))
-        return out
+    def folder(self, name: str, coef: np.float32, first: bool) -> Callable[..., None]:
+        """(s, e, acc, buf) -> acc = coef x elements [s, e) of `name` (`first`), else acc +=
+        them: `scaled` and `add_scaled` bit for bit (`acc`: that chunk of the accumulator)."""
+        if not first:
+            return self.add_scaled(name, coef)
+        scaled = self.scaled(name, coef)
+
+        def write(s: int, e: int, acc: np.ndarray, buf: np.ndarray) -> None:
+            got = scaled(s, e, acc)
+            if not np.shares_memory(got, acc):
+                np.copyto(acc, got)
+
+        return write
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes this vote holds (its payload or arrays)."""
+        return 0
 
 
 class PayloadVote(Vote):
@@ -128,27 +121,20 @@ class PayloadVote(Vote):
             return super().chunk_sq(name, size, buf)
         return codecs.codes_sq(codes)
 
-    def fold(
-        self,
-        name: str,
-        coef: np.float32,
-        acc: np.ndarray,
-        first: bool,
-        buf: np.ndarray,
-        sums: bool = False,
-    ) -> list[float] | None:
-        """Quantized codes: coef folded into the block scales (as `scaled`), the whole tensor
-        decoded into or added to `acc` in one C call (the same bits, chunk by chunk, and the
-        same sums)."""
+    def quantized(self, name: str, coef: np.float32):
+        """(kind, codes, scales x coef) of `name` for kernels.fold_votes, or None (not a
+        quantized codec)."""
         codes = self.codes[name]
-        if codes.scales is not None:
-            folded = codes._replace(scales=codes.scales * coef)
-            out = np.empty(len(codecs.chunk_spans(acc.size)), np.float64) if sums else None
-            if codecs.decode_span(
-                folded, 0, acc.size, acc, accumulate=not first, check=False, sums=out
-            ):
-                return None if out is None else out.tolist()
-        return super().fold(name, coef, acc, first, buf, sums)
+        if codes.scales is None or codes.block != codecs.DEFAULT_BLOCK:
+            return None
+        return codes.codec, codes.data, codes.scales * coef
+
+    @property
+    def nbytes(self) -> int:
+        return sum(
+            c.data.nbytes + (0 if c.scales is None else c.scales.nbytes)
+            for c in self.codes.values()
+        )
 
 
 class DenseVote(Vote):
@@ -160,6 +146,10 @@ class DenseVote(Vote):
 
     def chunk(self, name: str, s: int, e: int, out: np.ndarray) -> np.ndarray:
         return self.flat[name][s:e]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(v.nbytes for v in self.flat.values())
 
 
 def spans(shape: Sequence[int]) -> list[tuple[int, int]]:
@@ -230,6 +220,38 @@ def sq_norms(
         if n in body_set:
             body_sq += tensor_sq
     return total, body_sq
+
+
+def fold_votes(
+    votes: Sequence[tuple[Vote, np.float32]],
+    name: str,
+    acc: np.ndarray,
+    init: bool,
+    buf: np.ndarray,
+    sums: bool,
+) -> list[float] | None:
+    """acc (tensor `name`, flat) = the votes' coef x values folded in order, the first written
+    when `init` (else added), the rest added: chunk by chunk, every vote into a chunk while it
+    is in cache (one C loop when every vote is quantized: kernels.fold_votes), element by
+    element the operations of folding one vote after another. `sums`: returns the sums of
+    squares of acc's chunks after (`sq`)."""
+    step = codecs.chunk_step()
+    chunks = -(-acc.size // step)
+    quantized = [
+        v.quantized(name, coef) if isinstance(v, PayloadVote) else None for v, coef in votes
+    ]
+    if all(q is not None for q in quantized):
+        out = np.empty(chunks, np.float64) if sums else None
+        if kernels.fold_votes(quantized, acc.size, codecs.DEFAULT_BLOCK, step, acc, init, out):
+            return None if out is None else out.tolist()
+    folders = [v.folder(name, coef, init and i == 0) for i, (v, coef) in enumerate(votes)]
+    terms = [] if sums else None
+    for s, e in codecs.chunk_spans(acc.size):
+        for fold in folders:
+            fold(s, e, acc[s:e], buf)
+        if terms is not None:
+            terms.append(sq(acc[s:e]))
+    return terms
 
 
 def add_votes(
