@@ -2,6 +2,7 @@
 reader (EventAccumulator): exact values and steps, name order, the failure rule, and what a
 short real run (two islands, a merge, an eval on file://) writes."""
 
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -88,6 +89,68 @@ def test_merge_scalars_per_fragment_at_its_new_version():
         ("latency_s_mean/f001", 2.5, 7),  # merged at 10: (1 + 4) / 2
         ("latency_s_max/f001", 4.0, 7),
     ]
+
+
+def _data_server_log(logdir: Path) -> str:
+    """What TensorBoard's own loader (the Rust data server `tensorboard` runs by default) logs
+    over one load cycle of `logdir` (stderr; `-v`: INFO lines too)."""
+    from tensorboard_data_server import server_binary
+
+    proc = subprocess.Popen(
+        [server_binary(), "--logdir", str(logdir), "--port", "0", "--port-file",
+         str(logdir.parent / "port"), "--reload", "once", "--die-after-stdin", "-v"],
+        stdin=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    lines = []
+    try:
+        for line in proc.stderr:  # the cycle's end is logged; then close stdin: it exits
+            lines.append(line)
+            if "Finished load cycle" in line:
+                break
+    finally:
+        proc.stdin.close()
+        proc.wait(timeout=30)
+    return "".join(lines)
+
+
+def test_tensorboard_loads_a_file_store_run_without_a_warning(tmp_path):
+    """Three flushes on file:// write three event files and their generation sidecars; the
+    data server logs a WARN (`ReadRecordError(BadLengthCrc)`) for each file it opens whose
+    name holds "tfevents" and is no event file: with no sidecar named so, none."""
+    pytest.importorskip("tensorboard_data_server")
+    estore = _Estore(tmp_path)
+    tb = ScalarWriter(estore, "merge")
+    for step in range(3):
+        tb.add("loss", 1.0, step)
+        tb.flush()
+    run_dir = tmp_path / "exp/tb/merge"
+    assert len(list(run_dir.iterdir())) == 6  # 3 event files + 3 sidecars
+    log = _data_server_log(tmp_path / "exp/tb")
+    assert "Finished load cycle" in log and "WARN" not in log, log
+
+
+def test_a_store_hidden_file_never_holds_tfevents_in_its_name(tmp_path):
+    """What TensorBoard opens is every file whose name holds "tfevents": on file:// exactly
+    the event objects. The sidecar of `x.tfevents.1` is `..x.tf%65vents.1.gen`, a temp file
+    `..x.tf%65vents.1.tmp-<hex>`; a name with "%" is escaped first ("%25"), so
+    `a%65.tfevents` and `a%2565.tfevents` keep two sidecars."""
+    store = LocalStore(tmp_path)
+    for key in ("d/x.tfevents.1", "d/a%65.tfevents", "d/a%2565.tfevents", "d/plain"):
+        store.write(key, b"1")
+    names = sorted(p.name for p in (tmp_path / "d").iterdir())
+    assert [n for n in names if "tfevents" in n] == ["a%2565.tfevents", "a%65.tfevents",
+                                                     "x.tfevents.1"]  # fmt: skip
+    assert sorted(n for n in names if n.endswith(".gen")) == [
+        "..a%252565.tf%65vents.gen",
+        "..a%2565.tf%65vents.gen",
+        "..x.tf%65vents.1.gen",
+        ".plain.gen",  # an ordinary name keeps its sidecar's name
+    ]
+    temp = LocalStore._write_temp(tmp_path / "d/x.tfevents.1", b"half")
+    assert temp.name.startswith("..x.tf%65vents.1.tmp-")
+    assert store.drop_abandoned_writes("d/") == 1  # still found as an abandoned write
 
 
 def test_event_file_names_sort_in_time_order_and_reject_bad_runs():
