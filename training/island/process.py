@@ -234,6 +234,7 @@ class Island:
         if self.writer:
             self.store.collect_uncommitted_checkpoints(self.name)
         beat = (self.store.heartbeats().get(self.name) or {}) if self.writer else {}
+        self.publisher.continue_tb_after(beat.get("step"))
         self.lost_steps = self.goodput.resume(
             ckpt[1].get("goodput") if ckpt else None,
             self.state.step_count if ckpt else None,

@@ -94,8 +94,10 @@ def evaluate_recent_merges(cfg: ExperimentConfig, store, params_of=None) -> list
     and record the models the last merges made that no eval saw (`syncer.final_evals` at most, `last_unevaluated`), so
     that `finish_at_best` chooses among every recent merge, not only among the evaluator's
     periodic snapshots (issue 24: a bad last merge made finalize restore an eval 4 merges
-    older, discarding three healthy merges never evaluated). Returns their eval records.
-    `params_of`: as evaluate_snapshot's."""
+    older, discarding three healthy merges never evaluated). Returns their eval records, oldest
+    first: the order they are evaluated and recorded in, so that the TensorBoard run "eval"
+    (step: the sum of the snapshot's versions) never goes back. `params_of`: as
+    evaluate_snapshot's."""
     limit = cfg.syncer.final_evals
     if limit == 0:
         return []
@@ -105,7 +107,7 @@ def evaluate_recent_merges(cfg: ExperimentConfig, store, params_of=None) -> list
         if isinstance(e.get("versions"), list)
     }
     out = []
-    for snapshot in last_unevaluated(store.snapshot_history(), evaluated, limit):
+    for snapshot in reversed(last_unevaluated(store.snapshot_history(), evaluated, limit)):
         try:
             out.append(evaluate_snapshot(cfg, store, snapshot, late=True, params_of=params_of))
         except ObjectNotFound:  # collected since: the others are still worth a look
