@@ -514,6 +514,11 @@ class Island:
         return self._stop or self.group.peer_stopping() or self._done_by_flags()
 
     def _run(self, max_steps: int | None) -> dict:
+        done = self.group.agree(lambda: self.store.done().get(self.name))
+        if done is not None:  # relaunched after its done marker: nothing left to train
+            log.info("island %s: already done (done/%s.json): nothing to do", self.name, self.name)
+            keys = ("step", "tokens", "publishes", "bytes_sent", "bytes_received")
+            return {k: done.get(k) for k in keys}
         self.start()
         state = self.state
         log.info(
