@@ -166,3 +166,27 @@ def test_island_reports_goodput_and_recovers_lost_steps(monkeypatch):
     assert status["islands"][0]["goodput"] == pytest.approx(beat["goodput"])
     text = format_status(status)
     assert "goodput" in text and "chip-weighted" in text
+
+
+def test_a_done_island_goodput_is_over_its_life_not_to_now():
+    """Island a (alone, budget 8 steps of 128 tokens) trains on a clock that moves 0.25 s a
+    read and marks itself done at step 8. An hour later, `diloco status` shows the goodput of
+    its closing heartbeat, and a relaunch of the done island (an Airflow retry, `diloco island`
+    again) returns at once: before, it resumed, trained 4 more steps past its budget and counted
+    its new process's time (goodput 0.0814 -> 0.0758 on this clock)."""
+    cfg = small_config("gp", islands=("a",), token_budget=8 * 128, heartbeat_s=0.001)
+    store = new_store(cfg)
+    clock = FakeClock(1000.0)
+
+    def ticking():
+        clock.t += 0.25
+        return clock.t
+
+    assert Island(cfg, "a", store, clock=ticking).run()["step"] == 8
+    at_done = collect_status(cfg, store, now=clock.t)
+    beat = store.heartbeats()["a"]
+    clock.t += 3600.0
+    assert Island(cfg, "a", store, clock=ticking).run()["step"] == 8  # nothing trained
+    later = collect_status(cfg, store, now=clock.t)
+    assert later["goodput"] == at_done["goodput"]
+    assert store.heartbeats()["a"] == beat

@@ -2,21 +2,23 @@
 reader (EventAccumulator): exact values and steps, name order, the failure rule, and what a
 short real run (two islands, a merge, an eval on file://) writes."""
 
+import subprocess
 from pathlib import Path
 
+import numpy as np
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from tests.gcs_fixture import gcs_bucket  # noqa: F401
-from tests.helpers import new_store, small_config
+from tests.helpers import new_store, publish_delta, small_config
 from training.island.process import Island
 from training.merge.merger import Merger, MergeResult
-from training.model.evaluate import evaluate_current
+from training.model.evaluate import evaluate_current, evaluate_recent_merges
 from training.store.experiment import ExperimentStore
 from training.store.keys import BadName, parse_key, tb_events_key
 from training.store.local import LocalStore
 from training.store.registry import open_store
-from training.store.tensorboard import ScalarWriter, merge_scalars
+from training.store.tensorboard import ScalarWriter, merge_run, merge_scalars
 
 
 def _scalars(run_dir: Path | str) -> dict[str, list[tuple[int, float]]]:
@@ -90,6 +92,68 @@ def test_merge_scalars_per_fragment_at_its_new_version():
     ]
 
 
+def _data_server_log(logdir: Path) -> str:
+    """What TensorBoard's own loader (the Rust data server `tensorboard` runs by default) logs
+    over one load cycle of `logdir` (stderr; `-v`: INFO lines too)."""
+    from tensorboard_data_server import server_binary
+
+    proc = subprocess.Popen(
+        [server_binary(), "--logdir", str(logdir), "--port", "0", "--port-file",
+         str(logdir.parent / "port"), "--reload", "once", "--die-after-stdin", "-v"],
+        stdin=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    lines = []
+    try:
+        for line in proc.stderr:  # the cycle's end is logged; then close stdin: it exits
+            lines.append(line)
+            if "Finished load cycle" in line:
+                break
+    finally:
+        proc.stdin.close()
+        proc.wait(timeout=30)
+    return "".join(lines)
+
+
+def test_tensorboard_loads_a_file_store_run_without_a_warning(tmp_path):
+    """Three flushes on file:// write three event files and their generation sidecars; the
+    data server logs a WARN (`ReadRecordError(BadLengthCrc)`) for each file it opens whose
+    name holds "tfevents" and is no event file: with no sidecar named so, none."""
+    pytest.importorskip("tensorboard_data_server")
+    estore = _Estore(tmp_path)
+    tb = ScalarWriter(estore, "merge")
+    for step in range(3):
+        tb.add("loss", 1.0, step)
+        tb.flush()
+    run_dir = tmp_path / "exp/tb/merge"
+    assert len(list(run_dir.iterdir())) == 6  # 3 event files + 3 sidecars
+    log = _data_server_log(tmp_path / "exp/tb")
+    assert "Finished load cycle" in log and "WARN" not in log, log
+
+
+def test_a_store_hidden_file_never_holds_tfevents_in_its_name(tmp_path):
+    """What TensorBoard opens is every file whose name holds "tfevents": on file:// exactly
+    the event objects. The sidecar of `x.tfevents.1` is `..x.tf%65vents.1.gen`, a temp file
+    `..x.tf%65vents.1.tmp-<hex>`; a name with "%" is escaped first ("%25"), so
+    `a%65.tfevents` and `a%2565.tfevents` keep two sidecars."""
+    store = LocalStore(tmp_path)
+    for key in ("d/x.tfevents.1", "d/a%65.tfevents", "d/a%2565.tfevents", "d/plain"):
+        store.write(key, b"1")
+    names = sorted(p.name for p in (tmp_path / "d").iterdir())
+    assert [n for n in names if "tfevents" in n] == ["a%2565.tfevents", "a%65.tfevents",
+                                                     "x.tfevents.1"]  # fmt: skip
+    assert sorted(n for n in names if n.endswith(".gen")) == [
+        "..a%252565.tf%65vents.gen",
+        "..a%2565.tf%65vents.gen",
+        "..x.tf%65vents.1.gen",
+        ".plain.gen",  # an ordinary name keeps its sidecar's name
+    ]
+    temp = LocalStore._write_temp(tmp_path / "d/x.tfevents.1", b"half")
+    assert temp.name.startswith("..x.tf%65vents.1.tmp-")
+    assert store.drop_abandoned_writes("d/") == 1  # still found as an abandoned write
+
+
 def test_event_file_names_sort_in_time_order_and_reject_bad_runs():
     early = tb_events_key("island-a", 999_999_999_999_999_999, "0000000f")
     late = tb_events_key("island-a", 1_000_000_000_000_000_000, "00000000")
@@ -142,4 +206,83 @@ def test_event_files_on_fake_gcs_server_read_back(tmp_path, gcs_bucket):  # noqa
     # TensorBoard reads gs:// itself (its gfile over fsspec / gcsfs, here on the emulator)
     assert _scalars(f"{gcs_bucket}/tb-{tmp_path.name}/exp/tb/eval") == {
         "eval/loss": [(0, 4.0), (2, 3.5)]
+    }
+
+
+def _steps_never_go_back(scalars: dict[str, list[tuple[int, float]]]) -> bool:
+    """Each tag's steps in the order TensorBoard read them (its files in name order, each
+    file's events in order) are non-decreasing."""
+    return all(
+        all(a <= b for a, b in zip(steps, steps[1:], strict=False))
+        for steps in ([s for s, _ in points] for points in scalars.values())
+    )
+
+
+def test_an_island_restart_continues_its_run_after_its_last_heartbeat(tmp_path):
+    """Process 1 trains steps 1-6 with a heartbeat after each (each flushed at once: flush_s
+    1e-9) and dies; its checkpoint is at step 4 (H = 4). Process 2 resumes at step 4 and trains
+    steps 5-8: its heartbeats at 5 and 6 are not written (process 1's are in the run), 7 and 8
+    are. A publish round (steps 4 and 8) writes a heartbeat of its own too: train/tokens (128 a
+    step: batch 4 x seq 32) is at steps 1, 2, 3, 4, 4, 5, 6, 7, 8, 8 (before: 5, 6 again after 6)."""
+    cfg = small_config(islands=("a",), tensorboard={"flush_s": 1e-9})
+    store = new_store(cfg, f"file://{tmp_path}")
+    first = Island(cfg, "a", store)
+    first.start()
+    for _ in range(6):
+        first.heartbeat(first.step().loss_array, 1.0)
+    again = Island(cfg, "a", store)  # process 1 died (no closing heartbeat, no checkpoint)
+    again.start()
+    assert again.step_count == 4
+    for _ in range(4):
+        again.heartbeat(again.step().loss_array, 1.0)
+    run = _scalars(tmp_path / cfg.name / "tb/island-a")
+    assert run["train/tokens"] == [(s, 128.0 * s) for s in (1, 2, 3, 4, 4, 5, 6, 7, 8, 8)]
+    assert _steps_never_go_back(run)
+
+
+def test_each_merge_shard_writes_a_run_of_its_own():
+    """Shards of S = 2 over P = 4 own fragments {0, 2} and {1, 3} (p % 2): runs merge-s0 and
+    merge-s1; a merger of every fragment (`diloco merge`, finalize) writes "merge"."""
+    assert merge_run([2, 0], 4) == "merge-s0"
+    assert merge_run([1, 3], 4) == "merge-s1"
+    assert merge_run(range(4), 4) == "merge"
+    assert tb_events_key("merge-s1", 1).startswith("tb/merge-s1/")
+    with pytest.raises(BadName):
+        tb_events_key("merge-s01", 1)  # one spelling per shard
+
+
+def test_the_last_merges_are_evaluated_oldest_first(tmp_path):
+    """One fragment; five merges of one contribution each (versions 1-5); the evaluator saw
+    version 1. The end of the run evaluates the merges no eval saw but the newest (versions 2,
+    3, 4: syncer.final_evals 4 allows them all) oldest first, then the final eval version 5:
+    the run "eval" holds steps 1, 2, 3, 4, 5 in that order."""
+    cfg = small_config(islands=("a",))
+    store = new_store(cfg, f"file://{tmp_path}")
+    merger = Merger(cfg, store)
+    zero = {k: np.zeros(v.shape, np.float32) for k, v in store.load_params(None).items()}
+    for seq in range(5):
+        publish_delta(store, cfg, "a", seq, zero, base_version=seq)
+        merger.merge_all()
+        if seq == 0:
+            evaluate_current(cfg, store)
+    recent = evaluate_recent_merges(cfg, store)
+    evaluate_current(cfg, store)
+    assert [r["version"] for r in recent] == [2, 3, 4]
+    assert [s for s, _ in _scalars(tmp_path / cfg.name / "tb/eval")["eval/loss"]] == [1, 2, 3, 4, 5]
+
+
+def test_a_writer_never_writes_a_lower_step_for_a_tag(tmp_path):
+    """A shard's passes publish fragments at versions 10, then 8 (the pass merged only a lower
+    fragment), then 11: merge/tokens_merged is written at steps 10, 10, 11 (8 raised to the
+    tag's 10, counted once); another tag keeps its own steps (8 after 10 of the first tag)."""
+    tb = ScalarWriter(_Estore(tmp_path), "merge-s0")
+    tb.add("merge/tokens_merged", 100.0, 10)
+    tb.add("merge/tokens_merged", 125.0, 8)
+    tb.add("contributions/f002", 1.0, 8)
+    tb.add("merge/tokens_merged", 150.0, 11)
+    tb.flush()
+    assert tb.raised == 1
+    assert _scalars(tmp_path / "exp/tb/merge-s0") == {
+        "merge/tokens_merged": [(10, 100.0), (10, 125.0), (11, 150.0)],
+        "contributions/f002": [(8, 1.0)],
     }

@@ -25,6 +25,11 @@ state travels in every heartbeat and checkpoint meta (`state()`), so it survives
 sum(chips_i * productive_i) / sum(chips_i * elapsed_i) (`experiment_goodput`). Chips come from the
 island's hardware config (`chips_of`), default 1.
 
+An island's elapsed time ends with it: its closing heartbeat holds its last state, which
+`diloco status` and the page show as they are (never extrapolated to now), and a relaunch of an
+island whose done marker is written trains nothing and writes nothing
+(training/island/process.py `_run`), so a finished island's goodput is over its life.
+
 Overhead: one clock read and a dict update per timed section; a few per inner step.
 """
 

@@ -234,6 +234,7 @@ class Island:
         if self.writer:
             self.store.collect_uncommitted_checkpoints(self.name)
         beat = (self.store.heartbeats().get(self.name) or {}) if self.writer else {}
+        self.publisher.continue_tb_after(beat.get("step"))
         self.lost_steps = self.goodput.resume(
             ckpt[1].get("goodput") if ckpt else None,
             self.state.step_count if ckpt else None,
@@ -513,6 +514,11 @@ class Island:
         return self._stop or self.group.peer_stopping() or self._done_by_flags()
 
     def _run(self, max_steps: int | None) -> dict:
+        done = self.group.agree(lambda: self.store.done().get(self.name))
+        if done is not None:  # relaunched after its done marker: nothing left to train
+            log.info("island %s: already done (done/%s.json): nothing to do", self.name, self.name)
+            keys = ("step", "tokens", "publishes", "bytes_sent", "bytes_received")
+            return {k: done.get(k) for k in keys}
         self.start()
         state = self.state
         log.info(

@@ -71,6 +71,8 @@ class Publisher:
         self.tb = (
             ScalarWriter(store, f"island-{name}", tb.flush_s) if writer and tb.enabled else None
         )
+        # the highest step the island's run may already hold (`continue_tb_after`)
+        self.tb_after: int | None = None
 
     def reset(self, fragments, step: int) -> None:
         """Count fragments' intervals from `step` on."""
@@ -214,15 +216,29 @@ class Publisher:
         )
 
     def write_heartbeat(self, record: dict[str, Any]) -> None:
+        """Write the heartbeat, then its TensorBoard scalars (in that order: no step reaches
+        TensorBoard before the heartbeat that a restart continues after, `continue_tb_after`)."""
         loss = record["loss"]
         loss = None if loss is None else float(loss)
-        self.tb_heartbeat(record, loss)
         self.store.write_heartbeat(self.name, {**record, "loss": loss})
+        self.tb_heartbeat(record, loss)
+
+    def continue_tb_after(self, step: Any) -> None:
+        """A restarted island: its previous process's last heartbeat was at island step `step`
+        (None: none). TensorBoard run island-{name} has one writer at a time and steps that
+        never go back: a resumed process trains again from its checkpoint, at or before
+        `step`, and writes no scalar until it is past `step` (those steps' numbers are
+        already in the run, from the process that first trained them)."""
+        if isinstance(step, int) and not isinstance(step, bool):
+            self.tb_after = step
 
     def tb_heartbeat(self, record: dict[str, Any], loss: float | None) -> None:
         """Buffer a heartbeat's numbers for TensorBoard at its step (a rate of 0, the first
-        and the closing heartbeat's, is no measurement and not written), and flush when due."""
+        and the closing heartbeat's, is no measurement and not written; nor a step a previous
+        process wrote, `continue_tb_after`), and flush when due."""
         if self.tb is None:
+            return
+        if self.tb_after is not None and record.get("step", 0) <= self.tb_after:
             return
         values = {"train/goodput": record.get("goodput"), "train/tokens": record.get("tokens")}
         if loss is not None:

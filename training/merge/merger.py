@@ -51,7 +51,7 @@ from training.protocol import broadcast, claims, rounds
 from training.store import merge_records as records
 from training.store.experiment import ExperimentStore, HeadPointer, PseudoGradRef
 from training.store.objectstore import StoreError, StoreUnreachable, TransientStoreError
-from training.store.tensorboard import ScalarWriter, merge_scalars
+from training.store.tensorboard import ScalarWriter, merge_run, merge_scalars
 
 log = logging.getLogger("diloco.merge")
 
@@ -113,10 +113,12 @@ class Merger:
         native.set_threads(cfg.syncer.threads)  # the C loops over chunks (the same bits)
         self.store = store
         self.clock = clock
-        # TensorBoard run "merge": one new event file per merge pass that published (flush_s=0)
-        self.tb = ScalarWriter(store, "merge", 0.0) if cfg.tensorboard.enabled else None
         self.frags = fragment_names(cfg)
         self.fragments = sorted(range(len(self.frags)) if fragments is None else set(fragments))
+        # TensorBoard run "merge" or "merge-s{shard}" (merge_run): one event file per merge
+        # pass that published (flush_s=0)
+        run = merge_run(self.fragments, len(self.frags))
+        self.tb = ScalarWriter(store, run, 0.0) if cfg.tensorboard.enabled else None
         bad = [p for p in self.fragments if not 0 <= p < len(self.frags)]
         if bad:
             raise ValueError(f"fragments {bad} out of range (P = {len(self.frags)})")

@@ -84,9 +84,45 @@ def last_unevaluated(history: list[Snapshot], evaluated: set[tuple[int, ...]], l
     """The models of `history` (store.snapshot_history: one per merge, oldest first) made after
     the last evaluated one (`evaluated`: versions vectors), the newest excluded (the final eval
     covers it): at most `limit` of them, the newest first."""
+    return _after_last_eval(history, evaluated)[1][::-1][:limit]
+
+
+def _after_last_eval(history: list[Snapshot], evaluated: set[tuple[int, ...]]):
+    """(the tokens of the last evaluated model of `history`, 0 when none; the models after it,
+    the newest excluded, oldest first)."""
     last = history[:-1]
     start = max((i for i, s in enumerate(last) if s.versions in evaluated), default=-1)
-    return last[start + 1 :][::-1][:limit]
+    return (last[start].tokens_merged if start >= 0 else 0), last[start + 1 :]
+
+
+CURVE_POINTS = 8
+"""The end of a run evaluates, besides the last merges, a model every 1/CURVE_POINTS of the token
+budget after the last eval (`end_of_run_models`)."""
+
+
+def end_of_run_models(
+    history: list[Snapshot],
+    evaluated: set[tuple[int, ...]],
+    limit: int,
+    budget: int,
+    points: int = CURVE_POINTS,
+) -> list[Snapshot]:
+    """What the end of a run evaluates before its final eval, oldest first: the last `limit`
+    merges no eval saw (`last_unevaluated`), and the curve's gaps since the last eval: for each
+    target of the last evaluated model's tokens plus k x `budget` / `points`, the first later
+    model with at least that many tokens. A short run's evaluator may have seen one model
+    between version 0 and the end (its cadence is wall time, its evaluations take a while, it
+    ends with the islands): the eval curve then still has a point every 1/`points` of the
+    budget. Oldest first: the TensorBoard run "eval" never goes back."""
+    base, after = _after_last_eval(history, evaluated)
+    chosen = {s.versions for s in after[::-1][:limit]}
+    gap, target = budget / points, base + budget / points
+    for s in after:
+        if s.tokens_merged >= target:
+            chosen.add(s.versions)
+            while target <= s.tokens_merged:
+                target += gap
+    return [s for s in after if s.versions in chosen]
 
 
 def evaluate_recent_merges(cfg: ExperimentConfig, store, params_of=None) -> list[dict]:
@@ -94,8 +130,11 @@ def evaluate_recent_merges(cfg: ExperimentConfig, store, params_of=None) -> list
     and record the models the last merges made that no eval saw (`syncer.final_evals` at most, `last_unevaluated`), so
     that `finish_at_best` chooses among every recent merge, not only among the evaluator's
     periodic snapshots (issue 24: a bad last merge made finalize restore an eval 4 merges
-    older, discarding three healthy merges never evaluated). Returns their eval records.
-    `params_of`: as evaluate_snapshot's."""
+    older, discarding three healthy merges never evaluated), and a model every 1/CURVE_POINTS
+    of the budget since the last eval (`end_of_run_models`; `syncer.final_evals` 0: none of
+    either). Returns their eval records, oldest first: the order they are evaluated and
+    recorded in, so that the TensorBoard run "eval" (step: the sum of the snapshot's versions)
+    never goes back. `params_of`: as evaluate_snapshot's."""
     limit = cfg.syncer.final_evals
     if limit == 0:
         return []
@@ -105,7 +144,8 @@ def evaluate_recent_merges(cfg: ExperimentConfig, store, params_of=None) -> list
         if isinstance(e.get("versions"), list)
     }
     out = []
-    for snapshot in last_unevaluated(store.snapshot_history(), evaluated, limit):
+    history = store.snapshot_history()
+    for snapshot in end_of_run_models(history, evaluated, limit, cfg.token_budget):
         try:
             out.append(evaluate_snapshot(cfg, store, snapshot, late=True, params_of=params_of))
         except ObjectNotFound:  # collected since: the others are still worth a look

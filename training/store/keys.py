@@ -64,7 +64,7 @@ LEASE = re.compile(r"control/syncer/shard-(0|[1-9][0-9]{0,2})\.json", _A)
 RUN_SLUG = 80  # at most this many characters of a run id's slug
 RUN_MARKER = re.compile(r"control/runs/([A-Za-z0-9_-]{1,80})-([0-9a-f]{8})\.json", _A)
 TB_DIR = "tb"  # TensorBoard event files (training/store/tensorboard.py): tb/{run}/{file}
-TB_RUN = re.compile(r"(island-[a-z0-9][a-z0-9-]{0,62}|merge|eval)", _A)
+TB_RUN = re.compile(r"(island-[a-z0-9][a-z0-9-]{0,62}|merge(?:-s(?:0|[1-9][0-9]{0,2}))?|eval)", _A)
 TB_FILE = re.compile(r"events\.out\.tfevents\.([0-9]{20})\.diloco\.([0-9a-f]{8})", _A)
 
 
@@ -211,10 +211,12 @@ def run_marker_key(run_id: str) -> str:
 
 def tb_events_key(run: str, time_ns: int, uuid8: str = "00000000") -> str:
     """ "tb/{run}/events.out.tfevents.{time_ns:020d}.diloco.{uuid8}": one flush of TensorBoard
-    run `run` (TB_RUN: "island-{island}", "merge", "eval"); the 20-digit time makes name order
+    run `run` (TB_RUN: "island-{island}", "merge", "merge-s{shard}", "eval"); the 20-digit time makes name order
     time order (TensorBoard reads a run's files in name order); BadName if out of range."""
     if not isinstance(run, str) or TB_RUN.fullmatch(run) is None:
-        raise BadName(f"invalid TensorBoard run {show(run)}: not island-<name>, merge or eval")
+        raise BadName(
+            f"invalid TensorBoard run {show(run)}: not island-<name>, merge, merge-s<shard> or eval"
+        )
     name = f"events.out.tfevents.{_count('time', time_ns, 10**20 - 1):020d}.diloco.{uuid8}"
     if TB_FILE.fullmatch(name) is None:
         raise BadName(f"invalid TensorBoard file name {show(name)}")

@@ -33,6 +33,19 @@ from training.store.objectstore import (
 T = TypeVar("T")
 
 _GENERATION_WIDTH = 20
+_EVENT_WORD = "tfevents"
+
+
+def _hidden(name: str) -> str:
+    """The stem of the hidden files of object `name` (its generation sidecar, its temp files):
+    `.NAME`; for a name holding "tfevents", `..NAME` with that word written "tf%65vents" (and
+    "%" written "%25" first). TensorBoard reads every file whose name holds "tfevents" as an
+    event file (a sidecar's counter read as a record length is a BadLengthCrc warning, a temp
+    file a half-written copy): no hidden file is named so. One to one: percent-escaping is
+    reversible, and ordinary stems never start with ".." (no key segment starts with ".")."""
+    if _EVENT_WORD not in name:
+        return f".{name}"
+    return ".." + name.replace("%", "%25").replace(_EVENT_WORD, "tf%65vents")
 
 
 class LocalStore(ObjectStore):
@@ -41,7 +54,8 @@ class LocalStore(ObjectStore):
     - write: temp file in the same directory, fsync, os.replace (atomic), fsync of the directory.
     - create: temp file, then os.link(temp, final), which fails if final exists; temp unlinked.
     - generations: each object `dir/name` has a hidden sidecar `dir/.name.gen` holding a fixed-width
-      decimal counter. The sidecar is also the lock: every mutation holds `flock(LOCK_EX)` on it,
+      decimal counter (`dir/..name.gen`, escaped, for a name holding "tfevents": `_hidden`).
+      The sidecar is also the lock: every mutation holds `flock(LOCK_EX)` on it,
       bumps the counter (fsync) and then replaces the object; `read_versioned` holds `LOCK_SH`.
       A crash between the two steps leaves the counter ahead of the file, which only makes a
       pending compare-and-swap fail (safe). A file without sidecar (put there by hand) has
@@ -60,7 +74,7 @@ class LocalStore(ObjectStore):
 
     @staticmethod
     def _generation_path(path: Path) -> Path:
-        return path.with_name(f".{path.name}.gen")
+        return path.with_name(f"{_hidden(path.name)}.gen")
 
     def _where(self, key: str) -> str:
         return f"{self.url}/{key}"
@@ -86,7 +100,7 @@ class LocalStore(ObjectStore):
         """A fsynced temp file next to `path` holding `data` (bytes, or chunks written one by
         one as they come)."""
         path.parent.mkdir(parents=True, exist_ok=True)
-        temp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex}")
+        temp = path.with_name(f"{_hidden(path.name)}.tmp-{uuid.uuid4().hex}")
         parts = [data] if isinstance(data, bytes | bytearray | memoryview) else data
         try:
             with open(temp, "xb", buffering=0) as f:

@@ -2,8 +2,12 @@
 
 `tensorboard --logdir gs://BUCKET/PREFIX/EXP/tb` (or a file:// store's directory) shows one
 run per producer: `island-{name}` (training loss, tokens/s, goodput, from the island's
-heartbeats), `merge` (contributions, staleness, publish-to-applied latency, weights, tokens
-merged, from each merge pass) and `eval` (eval loss per snapshot, from the evaluator).
+heartbeats), `merge-s{shard}` for a syncer shard and `merge` for a merger of every fragment
+(contributions, staleness, publish-to-applied latency, weights, tokens merged, from each merge
+pass; `merge_run`) and `eval` (eval loss per snapshot, from the evaluator). One writer at a time
+per run, whose steps never go back: an island's restart continues after its last heartbeat's
+step (training/island/publish.py `continue_tb_after`), each merge shard writes its own run,
+and the end of a run evaluates the merges no eval saw oldest first.
 
 GCS objects cannot be appended to, so a `ScalarWriter` buffers scalars in memory and each
 `flush` writes the buffer as one new immutable object, `tb_events_key` (the TFRecord framing of
@@ -68,13 +72,19 @@ class ScalarWriter:
         self.failures = 0  # flushes that failed (their scalars are lost)
         self.dropped = 0  # scalars dropped because the buffer was full or not a finite number
         self.written = 0  # objects written
+        self.raised = 0  # scalars written at their tag's highest step so far instead of a lower one
+        self._last_step: dict[str, int] = {}  # tag -> the highest step added
         self._buffer: list[tuple[str, float, int, float]] = []
         self._lock = threading.Lock()
         self._flushed_at = clock()
         tb_events_key(run, 0)  # a bad run name fails here, not at the first flush
 
     def add(self, tag: str, value, step: int, wall_time: float | None = None) -> None:
-        """Buffer scalar `value` of `tag` at `step` (None, NaN and inf are dropped and counted)."""
+        """Buffer scalar `value` of `tag` at `step` (None, NaN and inf are dropped and counted).
+        A step below one this writer already added for `tag` is raised to that one (counted in
+        `raised`): TensorBoard drops a series' points from a step that comes back on, so a
+        writer's steps never go back (the merge's `merge/tokens_merged`, at each pass's highest
+        version, would: a pass may publish only lower fragments)."""
         try:
             number = float(value)
         except (TypeError, ValueError):
@@ -83,7 +93,12 @@ class ScalarWriter:
             if not math.isfinite(number) or len(self._buffer) >= MAX_BUFFER:
                 self.dropped += 1
                 return
-            self._buffer.append((tag, number, int(step), wall_time or time.time()))
+            step, last = int(step), self._last_step.get(tag)
+            if last is not None and step < last:
+                step = last
+                self.raised += 1
+            self._last_step[tag] = step
+            self._buffer.append((tag, number, step, wall_time or time.time()))
 
     def add_all(self, values: Mapping[str, object], step: int, wall_time=None) -> None:
         """`add` each (tag, value) of `values` at `step`."""
@@ -117,6 +132,18 @@ class ScalarWriter:
                 self.failures,
                 one_line(exc),
             )
+
+
+def merge_run(fragments, count: int) -> str:
+    """The TensorBoard run of a merger of `fragments` of the `count` fragments: "merge" for all
+    of them (`diloco merge`, finalize's merge), else "merge-s{the lowest}": syncer shard s of S
+    merges the fragments p with p % S == s (training/merge/syncer.py `shard_fragments`), so its
+    lowest is s. Two shards never write one run, whose steps (its fragments' versions, its
+    passes' highest version) would then go back and forth."""
+    fragments = sorted(set(fragments))
+    if not fragments or fragments == list(range(count)):
+        return "merge"
+    return f"merge-s{fragments[0]}"
 
 
 def merge_scalars(result) -> list[tuple[str, float, int]]:
