@@ -203,7 +203,7 @@ def test_no_description_says_a_sentence_twice(params):
 def test_only_optional_fields_lack_the_required_mark(params):
     """Airflow's form marks a field required unless its type allows null."""
     optional = {n for n, p in params.items() if "null" in (p.schema.get("type") or [])}
-    assert optional == {"experiment_name", "chaos", "overrides"}
+    assert optional == {"experiment_name", "chaos", "overrides", "syncer_memory_gib"}
 
 
 def test_the_retired_eval_every_versions_is_not_in_the_form(params):

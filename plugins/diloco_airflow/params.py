@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import re
+import typing
 from typing import Any, get_args
 
 from airflow.sdk import Param
@@ -161,7 +162,11 @@ def _syncer_params() -> dict[str, Param]:
     """One Param per `SyncerConfig` field, named ``syncer_<field>``."""
     out = {}
     for name, info in SyncerConfig.model_fields.items():
-        kind = {int: "integer", bool: "boolean"}.get(info.annotation, "number")
+        # `X | None` (e.g. memory_gib): X or empty (null: the config's default, None)
+        args = [a for a in typing.get_args(info.annotation) if a is not type(None)]
+        optional = len(args) == 1 and len(typing.get_args(info.annotation)) == 2
+        base = args[0] if optional else info.annotation
+        kind = {int: "integer", bool: "boolean"}.get(base, "number")
         # the field's own bounds, exclusive (Airflow's form clamps what is typed to `minimum` /
         # `maximum`); a float's inclusive bound is left to the config's one-line refusal
         bounds = {}
@@ -174,7 +179,7 @@ def _syncer_params() -> dict[str, Param]:
                 bounds["exclusiveMaximum"] = meta.le + 1
         out[f"syncer_{name}"] = Param(
             FORM_DEFAULTS.get(f"syncer_{name}", info.default),
-            type=kind,
+            type=[kind, "null"] if optional else kind,
             title="Syncer: " + re.sub(r"_s$", " (s)", name).replace("_", " "),
             description=info.description,
             **bounds,

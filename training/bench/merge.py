@@ -341,8 +341,21 @@ def main(argv: list[str] | None = None) -> int:
         default=16 * 2**20,
         help="elements of the tensor the codec rows encode and decode (default 16M)",
     )
+    ap.add_argument(
+        "--at-size",
+        default=None,
+        metavar="PRESET:P",
+        help="measure the largest fragment of PRESET cut in P at its real size instead "
+        "(training/bench/merge_size.py: cold, warm and promoted merges with their stages, "
+        "e.g. 12b:24)",
+    )
+    ap.add_argument("--ks", nargs="+", type=int, default=[1, 4, 16], help="with --at-size: K")
+    ap.add_argument("--repeats", type=int, default=2, help="with --at-size: warm merges")
+    ap.add_argument("--threads", type=int, default=1, help="with --at-size: syncer.threads")
     ap.add_argument("--child", nargs="+", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.at_size:
+        return _at_size(ap, args)
     if args.codec_elems < 1:
         ap.error(f"--codec-elems must be >= 1, got {args.codec_elems}")
     if args.child:
@@ -387,6 +400,26 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"rows": rows, "codecs": codec_table}, indent=1))
+    return 0
+
+
+def _at_size(ap: argparse.ArgumentParser, args) -> int:
+    from training.bench import merge_size
+
+    preset, _, P = args.at_size.partition(":")
+    if not P.isdigit() or int(P) < 1:
+        ap.error(f"--at-size takes PRESET:P (e.g. 12b:24), got {args.at_size!r}")
+    if min(args.ks) < 1 or args.repeats < 1 or args.threads < 1:
+        ap.error("--ks, --repeats and --threads must be >= 1")
+    try:
+        _cfg(preset, int(P), 1, args.codec)
+    except ValueError as exc:
+        ap.error(str(exc).splitlines()[0])
+    out = merge_size.run(preset, int(P), args.ks, args.codec, args.repeats, args.threads)
+    print(merge_size.format_table(out))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(out, indent=1))
     return 0
 
 

@@ -463,8 +463,8 @@ class SyncerConfig(_Frozen):
         le=65536,
         description="the memory one merge shard may use, GiB: it keeps each of its fragments' "
         "state (params, outer state, broadcast shadow) resident between merges within it, less "
-        "one merge's working memory (training/merge/memory.py; docs/AIRFLOW.md, \"What a "
-        'shard needs"); a shard that cannot fit one merge refuses to start. None: the '
+        "one merge's working memory (docs/AIRFLOW.md, 'What a shard needs'); a shard that "
+        "cannot fit one merge refuses to start. None: the "
         "memory the machine (or its container) has available when the shard starts",
     )
     lease_s: float = Field(

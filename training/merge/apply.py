@@ -25,7 +25,7 @@ import numpy as np
 
 from training.codecs import host as codecs
 from training.config.experiment import ExperimentConfig
-from training.merge import rules, staleness
+from training.merge import rules, staleness, timing
 from training.merge import stream as merge_stream
 from training.protocol import broadcast
 from training.store import merge_records as records
@@ -112,14 +112,17 @@ def apply_groups(
     io: Io,
     arena: merge_stream.Arena | None = None,
     params_sq: Mapping[str, Sequence[float]] | None = None,
+    stages: timing.Stages | None = None,
 ) -> Applied:
     """Apply `groups` (each with its islands' weight caps `caps`) to the fragment version
     `head_version`'s `params` (in place) and outer `state`; `active`: the number of islands
     active at the merge (outer.partial_scaling). `arena`: the accumulators' memory, reused
     across merges (merge_stream.Arena); `params_sq`: the params' per-chunk sums of squares
     as the merge that wrote them took them (Applied.params_sq), else a pass computes them (the
-    same float either way: merge_stream.sq_total)."""
+    same float either way: merge_stream.sq_total). `stages`: seconds per stage, added to
+    (training/merge/timing.py)."""
     arena = arena or merge_stream.Arena()
+    stages = stages or timing.untimed()
     if params_sq is None or set(params_sq) != set(params):
         params_sq = merge_stream.chunk_sq_of(params)
     params_norm = math.sqrt(merge_stream.sq_total(params_sq, list(params)))
@@ -136,7 +139,16 @@ def apply_groups(
             by_island.setdefault(c.island, []).append(c)
         for island, contribs in sorted(by_island.items()):
             vote, kept, vote_norms, (total_sq, body_sq) = _vote(
-                cfg, shapes, contribs, norms, params_norm, combiner, io, now, state.momentum
+                cfg,
+                shapes,
+                contribs,
+                norms,
+                params_norm,
+                combiner,
+                io,
+                now,
+                state.momentum,
+                stages,
             )
             if vote is None:
                 continue
@@ -175,24 +187,26 @@ def apply_groups(
                 )
         if not voted:
             continue
-        delta, gains = combiner.finish()
+        with stages("fold"):
+            delta, gains = combiner.finish()
         share = 1.0
         if cfg.outer.method == "decoupled" and cfg.outer.partial_scaling:
             share = min(1.0, len({c.island for c in voted}) / max(active, 1))
             if share < 1.0:
                 for factors in gains.values():
                     factors.append(np.float32(share))
-        state = rules.outer_step_(
-            cfg.outer,
-            outer_period(cfg),
-            params,
-            state,
-            delta,
-            final=all(c.final for c in voted),
-            gains=gains,
-            share=share,
-            params_sq=(new_sq := {}),
-        )
+        with stages("outer"):
+            state = rules.outer_step_(
+                cfg.outer,
+                outer_period(cfg),
+                params,
+                state,
+                delta,
+                final=all(c.final for c in voted),
+                gains=gains,
+                share=share,
+                params_sq=(new_sq := {}),
+            )
         del delta, combiner
         applied += voted
     if now is not None:  # whether each stale vote was re-anchored (its base was readable)
@@ -202,7 +216,18 @@ def apply_groups(
     return Applied(state, applied, details, norms, new_sq)
 
 
-def _vote(cfg, shapes, contribs, norms, params_norm, combiner, io: Io, now=None, momentum=None):
+def _vote(
+    cfg,
+    shapes,
+    contribs,
+    norms,
+    params_norm,
+    combiner,
+    io: Io,
+    now=None,
+    momentum=None,
+    stages: timing.Stages | None = None,
+):
     """One island's vote on a fragment: its pending contributions, each checked and its
     norms computed in one streaming pass, summed (they are consecutive increments: an
     island never publishes the same progress twice). Returns (vote or None, the
@@ -219,20 +244,23 @@ def _vote(cfg, shapes, contribs, norms, params_norm, combiner, io: Io, now=None,
     kept, vote_norms, sqs = [], [], (0.0, 0.0)
     limit = rules.clip_limit(cfg.outer, norms)
     buf = combiner.scratch
+    stages = stages or timing.untimed()
     for c in contribs:
         max_nbytes, max_header = codecs.payload_limits(shapes, c.codec)
         try:
-            payload = io.payload(c, max_nbytes, max_header)
+            with stages("read"):
+                payload = io.payload(c, max_nbytes, max_header)
         except (TransientStoreError, StoreUnreachable):
             raise  # not the payload's fault: retry later, quarantine nothing
         except (StoreError, ValueError, KeyError) as err:
             io.reject(c.id, f"unreadable payload: {err}")
             continue
         try:
-            this = rules.check_payload(payload, c.codec, shapes, c.fragment)
-            if now is not None and c.staleness > 0:
-                this = _anchored_now(shapes, c, this, *now, buf, io)
-            total_sq, body_sq = rules.vote_sq_norms(this, shapes, combiner.body, buf)
+            with stages("norms"):
+                this = rules.check_payload(payload, c.codec, shapes, c.fragment)
+                if now is not None and c.staleness > 0:
+                    this = _anchored_now(shapes, c, this, *now, buf, io)
+                total_sq, body_sq = rules.vote_sq_norms(this, shapes, combiner.body, buf)
         except (ValueError, KeyError) as err:
             io.reject(c.id, str(err).strip("'\""))
             continue

@@ -78,11 +78,16 @@ def check_fits(frags: Sequence[FragmentMemory], memory: int, shard: str = "this 
     big = max(frags, key=lambda f: f.peak)
     if big.peak > memory:
         raise ValueError(
-            f"{shard} cannot merge fragment {big.fragment} in {memory / GiB:.1f} GiB: one merge "
-            f"needs {big.peak / GiB:.1f} GiB (state {big.state / GiB:.1f}, working set "
-            f"{big.working / GiB:.1f}); give the syncer more memory (syncer.memory_gib, a "
-            "bigger worker) or more fragments (fragments.count) so each is smaller"
+            f"{shard} cannot merge fragment {big.fragment} in {size(memory)}: one merge needs "
+            f"{size(big.peak)} (state {size(big.state)}, working set {size(big.working)}); give "
+            "the syncer more memory (syncer.memory_gib, a bigger worker) or more fragments "
+            "(fragments.count) so each is smaller"
         )
+
+
+def size(nbytes: int) -> str:
+    """Bytes as GiB (MiB below one GiB), one decimal."""
+    return f"{nbytes / GiB:.1f} GiB" if nbytes >= GiB else f"{nbytes / 2**20:.1f} MiB"
 
 
 def warm_limit(frags: Sequence[FragmentMemory], memory: int) -> int:

@@ -41,7 +41,7 @@ import numpy as np
 from training.codecs import host as codecs
 from training.codecs import native
 from training.config.experiment import ExperimentConfig
-from training.merge import apply, memory, quorum, replay, rules
+from training.merge import apply, memory, quorum, replay, rules, timing
 from training.merge import stream as merge_stream
 from training.merge.fetch import Prefetch
 from training.merge.promote import BackgroundPromotions
@@ -68,6 +68,8 @@ class MergeResult:
     tokens_merged: int | None = None  # mean over the owned fragments after this round
     contributions: list[dict] = field(default_factory=list)
     skipped: int = 0  # objects skipped this round (junk names, broken records): counted
+    # seconds per stage of this round's merges (training/merge/timing.py), added up
+    stages: dict[str, float] = field(default_factory=dict)
 
     @property
     def version(self) -> int | None:
@@ -133,11 +135,11 @@ class Merger:
             warm_bytes = memory.warm_limit(frags, budget)
             if warm_bytes < sum(f.state for f in frags):
                 log.warning(
-                    "%.1f GiB keeps %.1f of the %.1f GiB of state of fragments %s resident: "
-                    "the others start cold (syncer.memory_gib, docs/AIRFLOW.md)",
-                    budget / memory.GiB,
-                    warm_bytes / memory.GiB,
-                    sum(f.state for f in frags) / memory.GiB,
+                    "%s keeps %s of the %s of state of fragments %s resident: the others "
+                    "start cold (syncer.memory_gib, docs/AIRFLOW.md)",
+                    memory.size(budget),
+                    memory.size(warm_bytes),
+                    memory.size(sum(f.state for f in frags)),
                     self.fragments,
                 )
         self.warm_bytes = warm_bytes
@@ -328,7 +330,9 @@ class Merger:
         if not groups:
             return
 
-        params, outer_tensors, shadow, params_sq = self._fragment_arrays(head, manifest)
+        stages = timing.Stages()
+        with stages("state"):
+            params, outer_tensors, shadow, params_sq = self._fragment_arrays(head, manifest)
         if broadcast.enabled(self.cfg) and shadow is None:
             shadow = {n: v.copy() for n, v in params.items()}  # S = Theta: params change below
         state = rules.state_from_tensors(
@@ -356,6 +360,7 @@ class Merger:
             ),
             self._arena,
             params_sq,
+            stages,
         )
         state, norms, details = done.state, done.norms, done.details
         applied = [c.id for c in done.applied]
@@ -385,7 +390,8 @@ class Merger:
             contributions=details,
             merged_at=merged_at,
         )
-        payloads, shadow = broadcast.version_payloads(params, shadow, self.cfg.codec, extra)
+        with stages("encode"):
+            payloads, shadow = broadcast.version_payloads(params, shadow, self.cfg.codec, extra)
         full_at = self._full_ancestor(head, manifest)
         due = self._full_due(p, head.version + 1, full_at, tokens_merged)
         # a periodic full version goes light now and is promoted in the background (the
@@ -397,18 +403,19 @@ class Merger:
         # a light version with an update leaves its params out (their checksum recorded),
         # unless stale votes read base versions' params (outer.anchor "now")
         kept = not light or payloads is None or self.cfg.outer.anchor == "now"
-        new = self.store.publish_fragment(
-            p,
-            head.version + 1,
-            params,
-            None if light else rules.state_tensors(state),
-            extra,
-            applied,
-            expected=head,
-            payloads=payloads,
-            full_at=full_at if light else None,
-            params_kept=kept,
-        )
+        with stages("write"):
+            new = self.store.publish_fragment(
+                p,
+                head.version + 1,
+                params,
+                None if light else rules.state_tensors(state),
+                extra,
+                applied,
+                expected=head,
+                payloads=payloads,
+                full_at=full_at if light else None,
+                params_kept=kept,
+            )
         if new is None:
             log.info("fragment %d: lost the head race at version %d", p, head.version + 1)
             result.lost_race = True
@@ -419,6 +426,8 @@ class Merger:
             self._promotions.submit(new, params, outer_tensors, shadow)
         result.versions[p] = new.version
         result.applied += applied
+        for name, seconds in stages.seconds.items():
+            result.stages[name] = result.stages.get(name, 0.0) + seconds
         result.contributions += details
         for d in details:
             d["merged_at"] = merged_at
@@ -656,6 +665,7 @@ class Merger:
                 quarantined=len(result.quarantined),
                 skipped=result.skipped,
                 tokens_merged=result.tokens_merged,
+                stages={k: round(v, 4) for k, v in result.stages.items()},
                 contributions=result.contributions,
                 at=now,
             ),

@@ -195,7 +195,8 @@ def measure_encode(elements: int = 1 << 22, codec: str = "int4") -> float:
 
 def merge_throughput_from(path: str | Path) -> tuple[float, str]:
     """Bytes per second from a `diloco bench merge --json` file: its rows' total `bytes_moved`
-    over their total `seconds`, preferring the rows of the largest preset. Raises ValueError."""
+    over their total `seconds`, preferring the rows of the largest preset (and of an
+    `--at-size` file, its warm merges). Raises ValueError."""
     try:
         rows = json.loads(Path(path).read_text())["rows"]
     except (OSError, KeyError, TypeError, json.JSONDecodeError) as err:
@@ -215,6 +216,9 @@ def merge_throughput_from(path: str | Path) -> tuple[float, str]:
     if sizes:
         biggest = max(sizes, key=sizes.get)
         ok = [r for r in ok if r.get("preset") == biggest] or ok
+    # `--at-size` rows (training/bench/merge_size.py): the warm merges (the syncer's state
+    # resident), measured at the real size
+    ok = [r for r in ok if r.get("kind", "warm") == "warm"] or ok
     rate = sum(r["bytes_moved"] for r in ok) / sum(r["seconds"] for r in ok)
     presets = sorted({str(r.get("preset")) for r in ok})
     return rate, f"{Path(path).name}: {len(ok)} rows of preset {', '.join(presets)}"
