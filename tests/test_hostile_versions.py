@@ -113,7 +113,7 @@ def test_a_version_nothing_reads_is_passed_over_and_the_island_trains_on(
 def test_nan_in_a_promotion_is_passed_over_and_the_cold_start_replays(kind, request, tmp_path):
     cfg_a, warm, merger_a = _experiment(kind, request, tmp_path / "a", 6, "hvwarm")
     cfg_b, cold, merger_b = _experiment(kind, request, tmp_path / "b", 6, "hvcold")
-    _, params, outer, shadow, _ = merger_b._warm[0]
+    params, outer, shadow = merger_b._warm[0][1:4]
     name = sorted(outer)[0]
     outer = {**outer, name: np.full_like(outer[name], np.nan)}
     head = cold.head(0)
@@ -132,7 +132,7 @@ def test_nan_in_a_promoted_shadow_is_not_what_an_island_reads(tmp_path, request)
     # the promoted shadow of 6 with NaN and valid checksums: reading 6 whole falls back to 4
     # and the updates of 5 and 6 (the same bits as the merger's shadow)
     cfg, store, merger = _experiment("file", request, tmp_path, 6)
-    _, params, outer, shadow, _ = merger._warm[0]
+    params, outer, shadow = merger._warm[0][1:4]
     name = sorted(shadow)[0]
     bad = {**shadow, name: np.full_like(shadow[name], np.nan)}
     head = store.head(0)

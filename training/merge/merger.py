@@ -35,6 +35,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 import numpy as np
 
@@ -98,6 +99,17 @@ def initial_version(cfg: ExperimentConfig, store: ExperimentStore) -> int | None
     return 0 if created else None
 
 
+class Warm(NamedTuple):
+    """A fragment version's state a merger keeps resident for its next merge of it."""
+
+    dir: str  # the version's directory (HEAD must still name it)
+    params: dict
+    outer: dict  # the outer-state tensors
+    shadow: dict | None  # the broadcast shadow (None: broadcast off, or S = params)
+    nbytes: int
+    params_sq: dict | None  # the params' per-chunk sums of squares (the outer step took them)
+
+
 class Merger:
     def __init__(
         self,
@@ -108,9 +120,8 @@ class Merger:
         warm_bytes: int | None = None,
     ):
         self.cfg = cfg
-        # fragment -> (version dir, params, outer tensors, broadcast shadow or None, bytes,
-        # the params' per-chunk sums of squares) this merger published last
-        self._warm: dict[int, tuple[str, dict, dict, dict | None, int, dict | None]] = {}
+        # fragment -> the arrays of the version this merger published last
+        self._warm: dict[int, Warm] = {}
         self._arena = merge_stream.Arena()  # the accumulators, reused merge after merge
         native.set_threads(cfg.syncer.threads)  # the C loops over chunks (the same bits)
         self.store = store
@@ -515,8 +526,9 @@ class Merger:
         them."""
         self._promotions.wait(head.fragment)  # its arrays may still be being written
         warm = self._warm.pop(head.fragment, None)
-        if warm is not None and warm[0] == head.dir:
-            return warm[1], warm[2], warm[3] if broadcast.enabled(self.cfg) else None, warm[5]
+        if warm is not None and warm.dir == head.dir:
+            shadow = warm.shadow if broadcast.enabled(self.cfg) else None
+            return warm.params, warm.outer, shadow, warm.params_sq
         if records.light_ancestor(manifest) is None:
             arrays = apply.load_arrays(
                 self.cfg, self.store, head, manifest, self.shapes[head.fragment]
@@ -553,8 +565,8 @@ class Merger:
         """Hold a just-published version's arrays (and its params' norm terms) for the next
         merge of its fragment, within `warm_bytes` in all (the oldest let go first)."""
         size = sum(v.nbytes for d in (params, outer_tensors, shadow or {}) for v in d.values())
-        self._warm[fragment] = (directory, params, outer_tensors, shadow, size, params_sq)
-        while sum(w[4] for w in self._warm.values()) > self.warm_bytes:
+        self._warm[fragment] = Warm(directory, params, outer_tensors, shadow, size, params_sq)
+        while sum(w.nbytes for w in self._warm.values()) > self.warm_bytes:
             self._warm.pop(next(iter(self._warm)))
 
     def promote_heads(self) -> list[int]:
@@ -569,10 +581,10 @@ class Merger:
         for p in self.fragments:
             warm = self._warm.get(p)
             head = self.store.head(p)
-            if warm is None or head is None or head.dir != warm[0]:
+            if warm is None or head is None or head.dir != warm.dir:
                 continue
             manifest = self._version(head)[0]
-            directory, params, outer_tensors, shadow, *_ = warm
+            params, outer_tensors, shadow = warm.params, warm.outer, warm.shadow
             if broadcast.enabled(self.cfg) and shadow is None:
                 shadow = params  # S = Theta (a version made without a shadow)
             if self.store.promote_version(head, manifest, params, outer_tensors, shadow):
