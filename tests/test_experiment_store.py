@@ -539,7 +539,7 @@ def test_offer_best_keeps_the_lowest_loss_when_two_writers_race(exp_any, monkeyp
     then fails on the generation and re-reads: either way 0.3 ends up BEST."""
     exp_any.offer_best({"loss": 1.0, "versions": [0]})
     both_read, first_swapped, seen = threading.Barrier(2), threading.Event(), threading.local()
-    read, swap = exp_any.store.read_versioned, exp_any.store.compare_and_swap
+    read, swap = exp_any.store.read_versioned, exp_any.store.compare_and_swap_generation
 
     def read_versioned(key, max_bytes=None):
         got = read(key, max_bytes)
@@ -548,7 +548,7 @@ def test_offer_best_keeps_the_lowest_loss_when_two_writers_race(exp_any, monkeyp
             both_read.wait(timeout=30)
         return got
 
-    def compare_and_swap(key, data, expected):
+    def compare_and_swap_generation(key, data, expected):
         if json.loads(data)["loss"] != first:
             assert first_swapped.wait(timeout=30)
             return swap(key, data, expected)
@@ -558,7 +558,7 @@ def test_offer_best_keeps_the_lowest_loss_when_two_writers_race(exp_any, monkeyp
             first_swapped.set()
 
     monkeypatch.setattr(exp_any.store, "read_versioned", read_versioned)
-    monkeypatch.setattr(exp_any.store, "compare_and_swap", compare_and_swap)
+    monkeypatch.setattr(exp_any.store, "compare_and_swap_generation", compare_and_swap_generation)
     results = {}
 
     def evaluator(loss: float) -> None:

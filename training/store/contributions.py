@@ -1,9 +1,9 @@
 """The contributions of one experiment: committed pseudo-gradients, the ledger of applied ones,
-and the quarantine of refused ones (docs/STORE.md "Publishing a pseudo-gradient", "The ledger").
+and the quarantine of refused ones (docs/STORE.md "The commit", "Exactly-once application").
 
-A pseudo-gradient's payload goes to a unique name first and its small manifest, written last
-with create-only, commits it; the ledger is create-only, one entry per applied id; quarantine
-entries name an id and the reason it was refused. A mixin of `ExperimentStore`
+A pseudo-gradient is one commit (training/store/commit.py `PSEUDOGRAD`): its payload under a
+unique name, then its small manifest, create-only, the marker; the ledger is create-only, one
+entry per applied id; quarantine entries name an id and the reason it was refused. A mixin of `ExperimentStore`
 (training/store/experiment.py), which supplies the I/O helpers and the fault points.
 """
 
@@ -19,6 +19,7 @@ import numpy as np
 
 from training.config.names import validate_name
 from training.store import merge_records, safejson
+from training.store.commit import PSEUDOGRAD
 from training.store.layout import (
     PG_RESERVED,
     DoubleApply,
@@ -79,8 +80,8 @@ class Contributions:
 
         parts = tensor_parts(tensors)
         payload = f"{stem}-{new_uuid8()}.safetensors"
-        self.store.write_parts(self.object_key(payload), parts)
-        self.hit_fault("pseudograd.payload-written")
+        commit = self.commit(PSEUDOGRAD)
+        commit.write_parts(payload, parts)
         full = {
             **caller,
             "experiment": self.experiment,
@@ -92,9 +93,9 @@ class Contributions:
             "crc32c": checksum(parts),
             "created_at": now(),
         }
-        if self.create_json(f"{stem}.json", full):
-            self.hit_fault("pseudograd.committed")
-            return self._pg_ref(island, seq, fragment, json.loads(dump_json(full)))
+        marker = dump_json(full)
+        if commit.mark(f"{stem}.json", marker):
+            return self._pg_ref(island, seq, fragment, json.loads(marker))
         # Someone committed this pseudo-gradient in between; theirs stands, ours is unreferenced.
         self.store.delete(self.object_key(payload))
         return self._pg_ref(

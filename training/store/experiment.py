@@ -30,6 +30,7 @@ import numpy as np
 from training.config.experiment import without_retired_fields
 from training.config.names import validate_name
 from training.store import island_records, safejson
+from training.store.commit import Commit, CommitPoints
 from training.store.contributions import Contributions
 from training.store.gc import GarbageCollection, GCPlan
 from training.store.island_objects import IslandObjects
@@ -132,6 +133,11 @@ class ExperimentStore(
         SIGKILL the process here. The merger's `merge.after-read` goes through it too."""
         if self.faults is not None:
             self.faults.hit(point)
+
+    def commit(self, points: CommitPoints) -> Commit:
+        """A new commit of `points`' kind (training/store/commit.py) under this experiment's
+        root, passing its fault points through `hit_fault`."""
+        return Commit(self.store, points, self.hit_fault, self.object_key(""))
 
     # low-level helpers (public: the mixins and a few tests use them) ------------------------
     def object_key(self, relative: str) -> str:

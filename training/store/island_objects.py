@@ -13,8 +13,10 @@ import numpy as np
 
 from training.config.names import validate_name
 from training.store import island_records, safejson
+from training.store.commit import CHECKPOINT
 from training.store.keys import ROUNDS, checkpoint_dir
 from training.store.layout import (
+    dump_json,
     iso,
     new_uuid8,
     now,
@@ -97,7 +99,9 @@ class IslandObjects:
     ) -> None:
         """Write checkpoints/{island}/c{step:010d}-{uuid8}/ (state, then meta.json), then point
         LATEST.json at it (written last), then delete the island's checkpoints it supersedes
-        (`prune_checkpoints`: the garbage collection's rule, applied at once).
+        (`prune_checkpoints`: the garbage collection's rule, applied at once). The writes are one
+        commit (training/store/commit.py `CHECKPOINT`): no marker, LATEST.json the pointer,
+        overwritten by its one writer.
 
         The state is streamed tensor by tensor (`tensors.stream_tensors`: values may be device
         arrays, fetched one at a time) through the backend's `write_stream`, hashed as it goes:
@@ -109,27 +113,25 @@ class IslandObjects:
         if not is_int(step) or step < 0:
             raise ValueError(f"invalid step {step!r}")
         directory = checkpoint_dir(island, step, new_uuid8())
+        commit = self.commit(CHECKPOINT)
         written: dict[str, Any] = {}
 
         def chunks() -> Iterator[Any]:  # one attempt of the streamed write, hashed as it goes
             digest, nbytes = hashlib.sha256(), 0
-            for i, chunk in enumerate(stream_tensors(tensors)):
+            for chunk in stream_tensors(tensors):
                 digest.update(chunk)
                 nbytes += len(chunk) if isinstance(chunk, bytes) else chunk.nbytes
                 yield chunk
-                if i == 0:
-                    self.hit_fault("checkpoint.mid-state")
             written.update(sha256=digest.hexdigest(), nbytes=nbytes)
 
-        self.store.write_stream(self.object_key(f"{directory}/state.safetensors"), chunks)
+        commit.write_stream(f"{directory}/state.safetensors", chunks)
         digest, nbytes = written["sha256"], written["nbytes"]
         fixed = {"island": island, "step": step, "created_at": now()}
-        self.write_json(f"{directory}/meta.json", {**meta, **fixed, "sha256": digest})
+        commit.write(f"{directory}/meta.json", dump_json({**meta, **fixed, "sha256": digest}))
         if before_commit is not None:
             before_commit()
-        self.hit_fault("checkpoint.before-latest")
         latest = {"step": step, "dir": directory, "sha256": digest, "nbytes": nbytes}
-        self.write_json(f"checkpoints/{island}/LATEST.json", latest)
+        commit.repoint(f"checkpoints/{island}/LATEST.json", dump_json(latest))
         self.prune_checkpoints(island, step, directory)
 
     def prune_checkpoints(

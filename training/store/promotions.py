@@ -10,7 +10,8 @@ own directory,
 - ``full.outer_state.safetensors``,
 - ``full.shadow.safetensors`` (under update broadcast, where the merger held a shadow),
 
-then the commit marker ``full.json`` last, create-only (record: merge_records.parse_promotion).
+then the commit marker ``full.json`` last, create-only (one commit: training/store/commit.py
+`PROMOTION`; record: merge_records.parse_promotion).
 
 **What "promoted" means.** ``full.json`` exists, parses, names this very version and
 directory, lists a crc32c and size for each payload it holds, and its params checksum is the
@@ -38,8 +39,9 @@ import numpy as np
 
 from training.store import merge_records as records
 from training.store import safejson
+from training.store.commit import PROMOTION as PROMOTION_COMMIT
 from training.store.keys import PROMOTION, promoted_payload
-from training.store.layout import HeadPointer, now
+from training.store.layout import HeadPointer, dump_json, now
 from training.store.objectstore import (
     CorruptObject,
     ObjectNotFound,
@@ -76,6 +78,7 @@ class Promotions:
             arrays["params"] = params
         if shadow is not None:
             arrays["shadow"] = shadow
+        commit = self.commit(PROMOTION_COMMIT)
         sums, sizes = {}, {}
         for name, tensors in sorted(arrays.items()):
             parts = tensor_parts(tensors)
@@ -86,9 +89,8 @@ class Promotions:
                     f"fragment {head.fragment} version {head.version}: params to promote "
                     f"({sums[name]}, {sizes[name]}) are not the version's {summed}"
                 )
-            self.store.write_parts(self.object_key(f"{head.dir}/{promoted_payload(name)}"), parts)
+            commit.write_parts(f"{head.dir}/{promoted_payload(name)}", parts)
             del parts
-        self.hit_fault("light.before-promotion")
         created = now()
         record = {
             "experiment": self.experiment,
@@ -99,7 +101,7 @@ class Promotions:
             "crc32c": sums,
             "nbytes": sizes,
         }
-        return self.create_json(f"{head.dir}/{PROMOTION}", record)
+        return commit.mark(f"{head.dir}/{PROMOTION}", dump_json(record))
 
     def promotion(self, head: HeadPointer, manifest: dict) -> records.Promotion | None:
         """The promotion of the light version `head` names, checked against its `manifest`

@@ -4,9 +4,10 @@ A *snapshot* (`snapshots/{time_ns}-{uuid8}.json`, JSON only) names one committed
 fragment: what evaluation, status, export and garbage collection name when they mean "the whole
 model at one point of the run". `snapshots/BEST.json` names the best evaluated snapshot (by
 compare-and-swap, the lowest loss wins) and `snapshots/FINAL.json` the model a finished run ends
-with (create-only). Also here: the history of the models the merges made, the whole model's
-params at a snapshot, and a restore of a snapshot as new fragment versions. The protocol is in
-docs/STORE.md.
+with (create-only): each a commit of one object (training/store/commit.py `RECORD`: BEST a
+pointer, FINAL a marker). Also here: the history of the models the merges made, the whole
+model's params at a snapshot, and a restore of a snapshot as new fragment versions. The
+protocol is in docs/STORE.md.
 
 A mixin of `ExperimentStore` (training/store/experiment.py), over the fragment versions of
 training/store/versions.py.
@@ -21,6 +22,7 @@ import numpy as np
 
 from training.store import merge_records as records
 from training.store import safejson
+from training.store.commit import RECORD
 from training.store.keys import BEST, FINAL, BadName, parse_fragment_dir
 from training.store.layout import (
     FRAGMENT_RESERVED,
@@ -226,7 +228,7 @@ class Snapshots:
     def record_final(self, record: Mapping[str, Any]) -> bool:
         """Write snapshots/FINAL.json once (create-only: the run's one finalize); False when it
         exists already."""
-        return self.create_json(FINAL, dict(record))
+        return self.commit(RECORD).mark(FINAL, dump_json(dict(record)))
 
     def offer_best(self, record: Mapping[str, Any]) -> bool:
         """Make `record` (an eval record naming a snapshot and its `loss`) BEST if its loss is
@@ -242,7 +244,8 @@ class Snapshots:
                 current = load_json(got[0], f"{self.url}/{BEST}", safejson.SNAPSHOT).get("loss")
                 if isinstance(current, float | int) and current <= loss:
                     return False
-            if self.store.compare_and_swap(key, dump_json(dict(record)), got and got[1]):
+            swapped = self.commit(RECORD).swap(BEST, dump_json(dict(record)), got and got[1])
+            if swapped is not None:
                 return True
         return False
 

@@ -5,7 +5,8 @@ swap), its own chain of immutable version directories (params, outer-optimizer s
 written last) and its own slice of the ledger: a merge of fragment p writes only fragment p, and
 two merges of different fragments never contend. Snapshots (the whole model: one version per
 fragment) are in training/store/snapshots.py, promotions of light versions in
-training/store/promotions.py. The protocol is in docs/STORE.md.
+training/store/promotions.py. A version is one commit (training/store/commit.py); the protocol
+is in docs/STORE.md.
 
 A mixin of `ExperimentStore` (training/store/experiment.py), which supplies the I/O helpers.
 """
@@ -20,6 +21,7 @@ import numpy as np
 
 from training.store import merge_records as records
 from training.store import safejson
+from training.store.commit import FULL_VERSION, LIGHT_VERSION
 from training.store.layout import (
     FRAGMENT_RESERVED,
     FragmentVersion,
@@ -102,8 +104,9 @@ class FragmentVersions:
         """Write version `version` of `fragment` and advance its HEAD if it is still `expected`.
 
         `version` must be expected.version + 1 (any int >= 0 when `expected` is None: HEAD must
-        not exist). Writes the payloads, then manifest.json (the directory's commit marker), then
-        compare-and-swaps HEAD, then records `applied` in the ledger. Returns the new HEAD, or
+        not exist). One commit (training/store/commit.py `FULL_VERSION`, `LIGHT_VERSION`): the
+        payloads, then manifest.json (the directory's marker), then HEAD by compare-and-swap;
+        then `applied` is recorded in the ledger. Returns the new HEAD, or
         None when another writer advanced HEAD first: the directory stays an unreferenced orphan
         and nothing is recorded. `manifest_extra` may not set the fields filled here.
         `payloads`: optional further payloads, named from EXTRA_PAYLOADS (written, checksummed
@@ -146,18 +149,18 @@ class FragmentVersions:
             raise ValueError("only a light version with an update leaves its params out")
 
         directory = fragment_dir(fragment, version, new_uuid8())
+        commit = self.commit(LIGHT_VERSION if light else FULL_VERSION)
         sums, sizes = {}, {}
         state = () if light else (("outer_state", outer_state),)
         for name, tensors in (("params", params), *state, *more.items()):
             parts = tensor_parts(tensors)  # the arrays' own bytes: nothing is serialized
             sums[name], sizes[name] = checksum(parts), sum(len(p) for p in parts)
             if name != "params" or params_kept:
-                self.store.write_parts(self.object_key(f"{directory}/{name}.safetensors"), parts)
+                commit.write_parts(f"{directory}/{name}.safetensors", parts)
             del parts
         summed = {}
         if not params_kept:
             summed = {"params_crc32c": sums.pop("params"), "params_nbytes": sizes.pop("params")}
-        self.hit_fault("global.payload-written")
         created = now()
         manifest = {
             **extra,
@@ -174,20 +177,16 @@ class FragmentVersions:
         }
         if light:
             manifest.update(full=False, full_version=full_at[0], full_dir=full_at[1], **summed)
-            self.hit_fault("light.before-manifest")
-        if not self.create_json(f"{directory}/manifest.json", manifest):
+        if not commit.mark(f"{directory}/manifest.json", dump_json(manifest)):
             raise StoreError(f"{self.url}/{directory}/manifest.json exists: uuid collision")
-        self.hit_fault("global.before-cas")
-        pointer = dump_json({"version": version, "dir": directory})
-        generation = self.store.compare_and_swap_generation(
-            self.object_key(f"{root}/HEAD.json"),
-            pointer,
+        generation = commit.swap(
+            f"{root}/HEAD.json",
+            dump_json({"version": version, "dir": directory}),
             None if expected is None else expected.generation,
         )
         if generation is None:
             log.info("%s: lost the race for fragment %d version %d", self.url, fragment, version)
             return None
-        self.hit_fault("global.after-cas")
         self.settle_ledger(fragment, ids, version)
         return HeadPointer(fragment, version, directory, generation)
 
