@@ -142,7 +142,7 @@ def test_diloco_replay_checks_a_promotion_against_the_replay():
     # a promotion whose outer state was written from other (checksummed) arrays: the replay's
     # verdict on that version names it
     cfg, store, merger = _run(4, 6, "audit")
-    directory, params, outer, shadow, size = merger._warm[0]
+    params, outer, shadow = merger._warm[0][1:4]
     outer = {n: v + 1.0 for n, v in outer.items()}
     store.promote_version(
         store.head(0), store.fragment_manifest(store.head(0)), params, outer, shadow
