@@ -19,6 +19,7 @@ light), int4 with update broadcast, nesterov; islands a and b publish every roun
 
 from __future__ import annotations
 
+import json
 import logging
 
 import numpy as np
@@ -31,6 +32,7 @@ from training.island.process import Island
 from training.merge.merger import Merger
 from training.protocol import broadcast
 from training.store.keys import promoted_payload
+from training.store.tensors import checksum, tensor_parts
 
 
 def _url(kind: str, request, tmp_path) -> str:
@@ -193,3 +195,42 @@ def test_finalize_passes_over_a_best_off_the_chain(tmp_path, caplog):
         out = finish_at_best(cfg, store, final, replay.arrays_of(cfg, store))
     assert out["restored"] is False and store.head(0).version == 1  # nothing restored
     assert any("BEST passed over" in r.getMessage() for r in caplog.records)
+
+
+def test_a_promoted_outer_state_scaled_1000x_is_passed_over_and_the_cold_start_replays(
+    tmp_path, request
+):
+    # finite, checksummed, and 1000x the momentum the version's merged norms allow (the bound:
+    # rules.check_outer_state_bound): the cold merger replays 5 and 6 from version 4 instead and
+    # merges the bits of a merger that never saw the promotion
+    cfg_a, warm, merger_a = _experiment("file", request, tmp_path / "a", 6, "hvwarm")
+    cfg_b, cold, merger_b = _experiment("file", request, tmp_path / "b", 6, "hvcold")
+    params, outer, shadow = merger_b._warm[0][1:4]
+    outer = {n: v * np.float32(1000.0) for n, v in outer.items()}
+    head = cold.head(0)
+    assert cold.promote_version(head, cold.fragment_manifest(head), params, outer, shadow)
+    ticks = []
+    fresh = Merger(cfg_b, cold)
+    fresh.store.hit_fault = ticks.append
+    _round(warm, cfg_a, merger_a, 6)
+    _round(cold, cfg_b, fresh, 6)
+    assert ticks.count("merge.cold-replay") == 2
+    assert _params_bits(warm, cfg_a) == _params_bits(cold, cfg_b)
+
+
+def test_promoted_params_that_are_not_the_versions_are_passed_over(tmp_path, request):
+    # full.json names params whose checksum is their file's, not the light version's recorded
+    # params_crc32c: load_promoted refuses them
+    cfg, store, merger = _experiment("file", request, tmp_path, 6)
+    params, outer, shadow = merger._warm[0][1:4]
+    head = store.head(0)
+    manifest = store.fragment_manifest(head)
+    assert store.promote_version(head, manifest, params, outer, shadow)
+    other = {n: v + np.float32(1.0) for n, v in params.items()}
+    parts = tensor_parts(other)
+    key = store.object_key(f"{head.dir}/{promoted_payload('params')}")
+    store.store.write(key, b"".join(bytes(p) for p in parts))
+    record = json.loads(store.store.read(store.object_key(f"{head.dir}/full.json")))
+    record["crc32c"]["params"] = checksum(parts)
+    store.store.write(store.object_key(f"{head.dir}/full.json"), json.dumps(record).encode())
+    assert store.load_promoted(head, manifest) is None

@@ -363,3 +363,26 @@ def test_a_warm_merge_carries_its_norms_and_gives_a_cold_merges_bits(monkeypatch
         want = stores[1].load_params()
         for k, v in stores[0].load_params().items():
             assert v.tobytes() == want[k].tobytes(), (version, k)
+
+
+def test_a_merger_reads_its_payloads_into_the_same_buffers_merge_after_merge(tmp_path):
+    """file:// reads into the merger's pool (training/store/buffers.py): the second merge of
+    two contributions takes the first merge's two buffers again, and gives the bits a fresh
+    merger gives (its own new buffers)."""
+    cfg = small_config(codec="int8", outer={"method": "decoupled", "quorum": 2})
+    stores = [new_store(cfg, f"file://{tmp_path}/{k}") for k in ("pool", "fresh")]
+    merger = Merger(cfg, stores[0])
+    theta = stores[0].load_params()
+    sizes = []
+    for version in range(2):
+        for s in stores:
+            for n, island in enumerate("ab"):
+                delta = random_delta(theta, 10 * version + n)
+                publish_delta(s, cfg, island, version, delta, base_version=version)
+        assert len(merger.merge_once().applied) == 2
+        sizes.append(merger._buffers.nbytes)
+        assert len(Merger(cfg, stores[1]).merge_once().applied) == 2
+    assert sizes[0] > 0 and sizes[1] == sizes[0]  # no new buffer the second time
+    want = stores[1].load_params()
+    for k, v in stores[0].load_params().items():
+        assert v.tobytes() == want[k].tobytes(), k

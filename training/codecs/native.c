@@ -20,6 +20,9 @@ when `out` is `b`.
 #include <stdlib.h>
 #include <string.h>
 #include <math.h>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 #define MAGIC 12582912.0f /* 1.5 * 2^23 */
 
@@ -206,6 +209,38 @@ int encode_bf16(int64_t n, const float *a, const float *b, int op, uint16_t *dat
     return bad ? 1 : 0;
 }
 
+/* Whether the codes of n elements from d hold an invalid one: int8 -128, int4 nibble 0 (the
+   pad nibble of an odd count is not a code); int2 has none. */
+static int bad_codes(int kind, const uint8_t *d, int64_t n) {
+    if (kind == 2) return 0;
+    uint32_t bad = 0;
+    int64_t nbytes = kind == 8 ? n : n / 2, j = 0;
+#if defined(__AVX2__)
+    __m256i any = _mm256_setzero_si256();
+    const __m256i zero = _mm256_setzero_si256(), low = _mm256_set1_epi8(0x0F);
+    const __m256i min8 = _mm256_set1_epi8((char)0x80);
+    for (; j + 32 <= nbytes; j += 32) {
+        __m256i b = _mm256_loadu_si256((const __m256i *)(d + j));
+        if (kind == 8) {
+            any = _mm256_or_si256(any, _mm256_cmpeq_epi8(b, min8));
+        } else {
+            __m256i lo = _mm256_and_si256(b, low);
+            __m256i hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), low);
+            any = _mm256_or_si256(any, _mm256_cmpeq_epi8(lo, zero));
+            any = _mm256_or_si256(any, _mm256_cmpeq_epi8(hi, zero));
+        }
+    }
+    bad |= (uint32_t)_mm256_movemask_epi8(any) != 0;
+#endif
+    if (kind == 8) {
+        for (; j < nbytes; j++) bad |= d[j] == 0x80u;
+    } else {
+        for (; j < nbytes; j++) bad |= ((d[j] & 15u) == 0) | ((d[j] >> 4) == 0);
+        if (n & 1) bad |= (d[n / 2] & 15u) == 0; /* the pad nibble is not a code */
+    }
+    return bad != 0;
+}
+
 /* Elements [s, e) of a quantized tensor (s a multiple of the block and of the codes per
    byte), each code x its block's scale, into out[0, e - s): written (accumulate 0) or added
    (accumulate 1: out += value, as numpy's out += decoded). Status 1 (nothing written) if a
@@ -215,19 +250,45 @@ int decode_quantized(int kind, const uint8_t *data, const float *scales, int64_t
     int64_t per = kind == 8 ? 1 : (kind == 4 ? 2 : 4);
     const uint8_t *d = data + s / per;
     int64_t n = e - s;
-    if (check && kind != 2) {
-        uint32_t bad = 0;
-        if (kind == 8) {
-            for (int64_t i = 0; i < n; i++) bad |= d[i] == 0x80u;
-        } else {
-            for (int64_t j = 0; j < n / 2; j++) bad |= ((d[j] & 15u) == 0) | ((d[j] >> 4) == 0);
-            if (n & 1) bad |= (d[n / 2] & 15u) == 0; /* the pad nibble is not a code */
-        }
-        if (bad) return 1;
-    }
+    if (check && bad_codes(kind, d, n)) return 1;
     enum { STEP = 256 }; /* a multiple of 4: every step starts on a byte */
     float v[STEP];
-    for (int64_t i0 = 0; i0 < n; i0 += STEP) {
+    int64_t i0 = 0;
+#if defined(__AVX2__)
+    /* whole blocks of int8 / int4 codes, 8 at a time: code -> float, x scale, then written or
+       added (the same two roundings as below: no fused multiply-add) */
+    if ((kind == 8 || kind == 4) && s % block == 0 && block % 32 == 0) {
+        for (; i0 + block <= n; i0 += block) {
+            __m256 sc = _mm256_set1_ps(scales[(s + i0) / block]);
+            float *o = out + i0;
+            for (int64_t i = 0; i < block; i += 32) {
+                __m256i w[4];
+                if (kind == 8) {
+                    const int8_t *d8 = (const int8_t *)d + i0 + i;
+                    for (int k = 0; k < 4; k++)
+                        w[k] = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(d8 + 8 * k)));
+                } else {
+                    __m128i b = _mm_loadu_si128((const __m128i *)(d + (i0 + i) / 2));
+                    __m128i lo = _mm_and_si128(b, _mm_set1_epi8(0x0F));
+                    __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(0x0F));
+                    __m128i c0 = _mm_unpacklo_epi8(lo, hi), c1 = _mm_unpackhi_epi8(lo, hi);
+                    __m256i eight = _mm256_set1_epi32(8);
+                    w[0] = _mm256_sub_epi32(_mm256_cvtepu8_epi32(c0), eight);
+                    w[1] = _mm256_sub_epi32(_mm256_cvtepu8_epi32(_mm_srli_si128(c0, 8)), eight);
+                    w[2] = _mm256_sub_epi32(_mm256_cvtepu8_epi32(c1), eight);
+                    w[3] = _mm256_sub_epi32(_mm256_cvtepu8_epi32(_mm_srli_si128(c1, 8)), eight);
+                }
+                for (int k = 0; k < 4; k++) {
+                    __m256 x = _mm256_mul_ps(_mm256_cvtepi32_ps(w[k]), sc);
+                    float *ok = o + i + 8 * k;
+                    if (accumulate) x = _mm256_add_ps(_mm256_loadu_ps(ok), x);
+                    _mm256_storeu_ps(ok, x);
+                }
+            }
+        }
+    }
+#endif
+    for (; i0 < n; i0 += STEP) {
         int64_t len = i0 + STEP < n ? STEP : n - i0;
         if (kind == 8) {
             const int8_t *d8 = (const int8_t *)d + i0;
@@ -419,6 +480,44 @@ static double pw_sum(const double *a, int64_t n) {
    code, 8 per block of 256). */
 static int64_t block_sq(int kind, const uint8_t *restrict bd, int64_t nbytes) {
     int32_t q = 0;
+#if defined(__AVX2__)
+    /* 32 bytes at a time, in integers: the same exact sums (the order of integer adds does
+       not matter) */
+    int64_t j0 = 0;
+    if (kind == 4 && nbytes >= 32) {
+        /* (nibble - 8)^2 by table: 64, 49, ..., 0, ..., 49 (nibble 0 to 15) */
+        const __m256i table = _mm256_setr_epi8(64, 49, 36, 25, 16, 9, 4, 1, 0, 1, 4, 9, 16,
+                                               25, 36, 49, 64, 49, 36, 25, 16, 9, 4, 1, 0, 1,
+                                               4, 9, 16, 25, 36, 49);
+        const __m256i low = _mm256_set1_epi8(0x0F);
+        __m256i acc = _mm256_setzero_si256();
+        for (; j0 + 32 <= nbytes; j0 += 32) {
+            __m256i b = _mm256_loadu_si256((const __m256i *)(bd + j0));
+            __m256i lo = _mm256_and_si256(b, low);
+            __m256i hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), low);
+            __m256i sq = _mm256_add_epi8(_mm256_shuffle_epi8(table, lo),
+                                         _mm256_shuffle_epi8(table, hi)); /* <= 128 */
+            acc = _mm256_add_epi64(acc, _mm256_sad_epu8(sq, _mm256_setzero_si256()));
+        }
+        int64_t lanes[4];
+        _mm256_storeu_si256((__m256i *)lanes, acc);
+        q = (int32_t)(lanes[0] + lanes[1] + lanes[2] + lanes[3]);
+    } else if (kind == 8 && nbytes >= 32) {
+        __m256i acc = _mm256_setzero_si256();
+        for (; j0 + 32 <= nbytes; j0 += 32) {
+            __m256i b = _mm256_loadu_si256((const __m256i *)(bd + j0));
+            __m256i x0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(b));
+            __m256i x1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(b, 1));
+            acc = _mm256_add_epi32(acc, _mm256_madd_epi16(x0, x0));
+            acc = _mm256_add_epi32(acc, _mm256_madd_epi16(x1, x1));
+        }
+        int32_t lanes[8];
+        _mm256_storeu_si256((__m256i *)lanes, acc);
+        for (int k = 0; k < 8; k++) q += lanes[k];
+    }
+    bd += j0;
+    nbytes -= j0;
+#endif
     if (kind == 8) {
         const int8_t *b8 = (const int8_t *)bd;
         for (int64_t j = 0; j < nbytes; j++) q += (int32_t)b8[j] * (int32_t)b8[j];
@@ -458,16 +557,7 @@ int64_t codes_sumsq(int kind, const uint8_t *data, const float *scales, int64_t 
         int64_t ce = c + step < e ? c + step : e;
         int64_t n = ce - c;
         const uint8_t *d = data + c / per;
-        if (check && kind != 2) {
-            uint32_t bad = 0;
-            if (kind == 8) {
-                for (int64_t i = 0; i < n; i++) bad |= d[i] == 0x80u;
-            } else {
-                for (int64_t j = 0; j < n / 2; j++) bad |= ((d[j] & 15u) == 0) | ((d[j] >> 4) == 0);
-                if (n & 1) bad |= (d[n / 2] & 15u) == 0;
-            }
-            if (bad) break;
-        }
+        if (check && bad_codes(kind, d, n)) break;
         int64_t t = 0;
         for (int64_t b0 = 0; b0 < n; b0 += block, t++) {
             int64_t len = b0 + block < n ? block : n - b0;

@@ -161,7 +161,8 @@ def apply_groups(
                 if cfg.outer.method == "sync"
                 else min(rules.island_weight(cfg.outer, kept), group_caps[island])
             )
-            combiner.add(vote, weight, scale, body_sq)
+            with stages("fold"):  # a fold at FOLD_BYTES happens here
+                combiner.add(vote, weight, scale, body_sq)
             del vote
             voted += kept
             norms += [records.IslandNorm(island, n) for n in vote_norms]

@@ -56,11 +56,12 @@ class Prefetch:
             if not self._ahead and not self._todo:
                 self.close()  # all handed out: the threads go
 
-    def close(self) -> None:
-        """Cancel what has not started; do not wait for downloads under way."""
+    def close(self, wait: bool = False) -> None:
+        """Cancel what has not started; wait for downloads under way only if asked (before
+        the buffers they read into are reused: training/store/buffers.py)."""
         for _, future in self._ahead:
             future.cancel()
         self._ahead.clear()
         self._todo.clear()
         if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool.shutdown(wait=wait, cancel_futures=True)

@@ -50,6 +50,7 @@ from training.model import definition as model
 from training.model.runtime import fragment_names
 from training.protocol import broadcast, claims, rounds
 from training.store import merge_records as records
+from training.store.buffers import BufferPool
 from training.store.experiment import ExperimentStore, HeadPointer, PseudoGradRef
 from training.store.objectstore import StoreError, StoreUnreachable, TransientStoreError
 from training.store.tensorboard import ScalarWriter, merge_run, merge_scalars
@@ -123,6 +124,7 @@ class Merger:
         # fragment -> the arrays of the version this merger published last
         self._warm: dict[int, Warm] = {}
         self._arena = merge_stream.Arena()  # the accumulators, reused merge after merge
+        self._buffers = BufferPool()  # the payloads' read buffers, reused merge after merge
         native.set_threads(cfg.syncer.threads)  # the C loops over chunks (the same bits)
         self.store = store
         self.clock = clock
@@ -202,6 +204,9 @@ class Merger:
 
     # -- one round ---------------------------------------------------------------------------
     def merge_once(self) -> MergeResult:
+        # the last merge's payloads are dead: its downloads stopped, its buffers free again
+        self._fetch.close(wait=True)
+        self._buffers.release_all()
         result = MergeResult()
         skipped_before = self.store.skipped.count
         heads = self.store.heads(self.fragments)
@@ -596,7 +601,11 @@ class Merger:
     def _load_payload(self, item) -> dict[str, np.ndarray]:
         c, max_nbytes, max_header = item
         return self.store.load_pseudograd(
-            self._ref(c), max_nbytes, max_header, f" of fragment {c.fragment} in {c.codec}"
+            self._ref(c),
+            max_nbytes,
+            max_header,
+            f" of fragment {c.fragment} in {c.codec}",
+            into=self._buffers.take,
         )
 
     def _prefetch(self, groups) -> None:

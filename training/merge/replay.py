@@ -226,6 +226,7 @@ def _promoted(cfg, store: ExperimentStore, shapes, chain, v: int, full: int) -> 
                     raise ValueError(f"promoted {what} do not fit the fragment")
             ms = records.merge_state_of(chain[u][1])
             rules.state_from_tensors(cfg.outer, shapes, outer, ms.steps, ms.seen)
+            rules.check_outer_state_bound(cfg.outer, outer, ms.norms)
         except ValueError as err:
             log.warning(
                 "fragment %d version %d: promotion passed over: %s", chain[u][0].fragment, u, err

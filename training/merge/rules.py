@@ -465,6 +465,38 @@ def vote_sq_norms(
         raise ValueError(f"unreadable payload: {reason.strip(chr(39))}") from None
 
 
+# A restored outer state's norm over the bound its chain's merged norms allow: refused (a
+# promotion, replayed instead). The momentum is a decaying sum of combined updates, each at
+# most the largest merged norm; the margin covers older, larger norms that left the history.
+STATE_NORM_MARGIN = 100.0
+
+
+def check_outer_state_bound(
+    outer: OuterConfig, tensors: Mapping[str, np.ndarray], norms: Sequence[Any]
+) -> None:
+    """ValueError when an outer state read from the bucket (a promotion's) is larger than its
+    version's history allows: each of its momentum and Delayed Nesterov buffer norms at most
+    STATE_NORM_MARGIN x the largest merged norm of the version's history / (1 - momentum)
+    (times the delay period for the buffer, which sums that many updates). No bound before a
+    norm is recorded (a version 0 state is zeros)."""
+    recorded = [float(n[1]) for n in norms if math.isfinite(float(n[1]))]
+    if not recorded:
+        return
+    beta = min(outer.momentum, 0.999)
+    bound = STATE_NORM_MARGIN * max(recorded) / (1.0 - beta)
+    for kind in ("momentum", "buffer"):
+        names = [n for n in tensors if n.startswith(f"{kind}/")]
+        if not names:
+            continue
+        norm = merge_stream.norm_of(tensors, names)
+        limit = bound * (outer.delay_period or 64 if kind == "buffer" else 1)
+        if not norm <= limit:
+            raise ValueError(
+                f"outer state {kind} norm {norm:.4g} is over the {limit:.4g} its version's "
+                "merged norms allow"
+            )
+
+
 def clip_limit(outer: OuterConfig, norms: Sequence[Any]) -> float | None:
     """k x the running median of merged norms (entries [island, norm]: one vote per island,
     claims.norm_median), or None until four norms are known."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -175,8 +175,10 @@ class Contributions:
         max_nbytes: int | None = None,
         max_header: int | None = None,
         limit_of: str = "",
+        into: Callable[[int], memoryview] | None = None,
     ) -> dict[str, np.ndarray]:
-        """The tensors of a committed pseudo-gradient, verified against its manifest.
+        """The tensors of a committed pseudo-gradient, verified against its manifest (read
+        into `into(n)` where given: the merger's reused buffers, training/store/buffers.py).
 
         CorruptObject unless: the marker was readable; the manifest names this experiment,
         island, seq and fragment (merge_records.parse_pseudograd_commit); the payload key is
@@ -211,6 +213,7 @@ class Contributions:
             what,
             copy=False,
             max_header=max_header or MAX_HEADER_BYTES,
+            into=into,
         )
 
     # ledger and quarantine -----------------------------------------------------------------

@@ -258,20 +258,26 @@ class ExperimentStore(
         what: str,
         copy: bool = True,
         max_header: int = MAX_HEADER_BYTES,
+        into: Callable[[int], memoryview] | None = None,
     ) -> dict[str, np.ndarray]:
         """Read a payload (never more than the manifest's `nbytes`), check its size and its
         checksum `digest` ((algorithm, hex), record_fields.checksum_field) against the manifest,
         decode it (a header of at most `max_header` bytes). The arrays are views into the one
         buffer read: writable (copy=True: nothing else holds it) or read-only (copy=False).
         The checksum is computed over the buffer's pieces as the store hands them over (on
-        gs://, while the later parts of a large payload still download)."""
+        gs://, while the later parts of a large payload still download). `into`: where the
+        store reads the bytes (a pool's buffers: ObjectStore.read_buffer)."""
         if not is_int(nbytes) or nbytes < 0:
             raise CorruptObject(f"{what}: invalid nbytes {safejson.show(nbytes)}")
         algorithm, expected = digest
         hasher = Checksum(algorithm)
         try:
             data = self.store.read_buffer(
-                self.object_key(relative), max_bytes=nbytes, writable=copy, consume=hasher.update
+                self.object_key(relative),
+                max_bytes=nbytes,
+                writable=copy,
+                consume=hasher.update,
+                into=into,
             )
         except ObjectNotFound:
             raise CorruptObject(f"{what}: payload {relative} is missing") from None

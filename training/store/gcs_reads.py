@@ -241,8 +241,9 @@ class GCSReads:
         max_bytes: int | None = None,
         writable: bool = True,
         consume: Consume | None = None,
+        into: Callable[[int], memoryview] | None = None,
     ) -> memoryview:
-        """The object in one new buffer. Under a limit of at most one part it is one GET, as
+        """The object in one new buffer (or `into(size)`, read in parts). Under a limit of at most one part it is one GET, as
         `read`. Otherwise its size and generation come first (one metadata request: over
         `max_bytes` is refused before any byte is read), then ceil(size / part_bytes) ranged
         GETs of that generation, `parallel_parts` in flight, each written into its slice of
@@ -261,7 +262,8 @@ class GCSReads:
         )
         if max_bytes is not None and size > max_bytes:
             raise _too_large(self._where(key), size, max_bytes)
-        buf = memoryview(np.empty(size, np.uint8))  # large numpy buffers: huge-page backed
+        # large numpy buffers: huge-page backed
+        buf = memoryview(np.empty(size, np.uint8)) if into is None else into(size)
         bounds = [(a, min(a + self.part_bytes, size)) for a in range(0, size, self.part_bytes)]
         stop = threading.Event()
         pool = self._part_pool()

@@ -240,10 +240,11 @@ class LocalStore(ObjectStore):
         max_bytes: int | None = None,
         writable: bool = True,
         consume: Consume | None = None,
+        into: Callable[[int], memoryview] | None = None,
     ) -> memoryview:
         """The file read straight into a new writable buffer (one copy from the page cache,
-        whether or not `writable` is asked); the size is checked on the open file first, as
-        in `read`."""
+        whether or not `writable` is asked), or into `into(size + 1)`; the size is checked on
+        the open file first, as in `read`."""
         path = self._path(key)
         _check_limit(max_bytes)
 
@@ -254,7 +255,9 @@ class LocalStore(ObjectStore):
                     if max_bytes is not None and size > max_bytes:
                         raise _too_large(self._where(key), size, max_bytes)
                     # numpy's large allocations are huge-page backed: ~2x faster to fill
-                    buf = memoryview(np.empty(size + 1, np.uint8))
+                    buf = (
+                        memoryview(np.empty(size + 1, np.uint8)) if into is None else into(size + 1)
+                    )
                     got = 0
                     while got <= size:
                         n = f.readinto(buf[got:])

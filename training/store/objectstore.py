@@ -212,6 +212,7 @@ class ObjectStore(ABC):
         max_bytes: int | None = None,
         writable: bool = True,
         consume: Consume | None = None,
+        into: Callable[[int], memoryview] | None = None,
     ) -> memoryview:
         """`read` into a buffer, writable if asked: arrays decoded from it without a copy are
         then writable (file:// reads straight into a writable buffer; gs:// reads a small
@@ -221,7 +222,11 @@ class ObjectStore(ABC):
         `consume`, if given, is called with consecutive pieces of the returned buffer, in
         order, covering it exactly once, before this returns: a checksum over them overlaps
         the rest of the download where the backend reads in parts (gs://), and is one call
-        with the whole buffer elsewhere. If the read raises, what was consumed is void."""
+        with the whole buffer elsewhere. If the read raises, what was consumed is void.
+
+        `into(n)`, if given, returns the writable buffer of n bytes to read into (a pool:
+        training/store/buffers.py) where the backend reads into a buffer of its own (file://,
+        gs:// in parts); elsewhere it is not used."""
         data = self.read(key, max_bytes)
         view = memoryview(bytearray(data)) if writable else memoryview(data)
         if consume is not None:

@@ -165,6 +165,12 @@ class Promotions:
             limits = dict(max_nbytes or {})
             limits.setdefault("shadow", limits.get("params"))  # the shadow: params' shapes
             wanted = {n: v for n, v in promoted.sums.items() if n in names}
+            # a light version recorded its params' checksum: the promotion's must be it
+            recorded = records.params_sum(manifest)
+            if "params" in wanted and recorded is not None and wanted["params"] != recorded:
+                raise CorruptObject(
+                    f"{what}: promoted params {wanted['params']} are not the version's {recorded}"
+                )
             for name, (_, size) in wanted.items():
                 limit = limits.get(name)
                 if limit is not None and size > limit:
