@@ -242,3 +242,10 @@ def test_a_boolean_syncer_field_is_a_boolean_and_an_integers_bounds_are_exclusiv
     # full_every: 1 <= k <= 10000 in the config; exclusive 0 and 10001 in the form
     schema = params["syncer_full_every"].schema
     assert (schema["exclusiveMinimum"], schema["exclusiveMaximum"]) == (0, 10_001)
+
+
+def test_the_preset_says_which_presets_export_to_transformers(params):
+    # the default (tiny, gpt family) cannot be exported with --format hf: the form says so
+    assert "Only the gemma presets export to Hugging Face transformers" in (
+        params["model_preset"].description
+    )

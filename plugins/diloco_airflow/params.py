@@ -290,8 +290,9 @@ def _form() -> dict[str, Param]:
             title="Model preset",
             description="The model's size: tiny .. 12b (GPT: learned positions, GELU MLP) or "
             "gemma-tiny .. gemma-12b (rotary positions, GeGLU, grouped-query attention, "
-            'QK-norm). To change one dimension, add it to "Other config fields", e.g. '
-            '{"model.n_layers": 4}.',
+            "QK-norm). Only the gemma presets export to Hugging Face transformers (diloco "
+            "export --format hf); every preset exports as safetensors and Orbax. To change "
+            'one dimension, add it to "Other config fields", e.g. {"model.n_layers": 4}.',
         ),
         "islands": Param(
             copy.deepcopy(DEFAULT_ISLANDS),

@@ -76,7 +76,8 @@ class ModelConfig(_Frozen):
         "tiny",
         description="model size preset (PRESETS: tiny .. 12b, a GPT with learned positions and "
         "a GELU MLP; GEMMA_PRESETS: gemma-tiny .. gemma-12b, rotary positions, GeGLU MLP, "
-        "grouped-query attention, QK-norm); the fields below override it",
+        "grouped-query attention, QK-norm; only these export to transformers, diloco export "
+        "--format hf); the fields below override it",
     )
     d_model: int | None = Field(None, gt=0, description="width; default: the preset's")
     n_layers: int | None = Field(
