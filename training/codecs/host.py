@@ -20,7 +20,7 @@ next residual, so the quantization error is sent later instead of lost.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import NamedTuple, get_args
 
 import ml_dtypes
@@ -121,12 +121,14 @@ def encode_step(
     base: dict[str, np.ndarray],
     codec: str,
     block: int = DEFAULT_BLOCK,
+    alloc: Callable[[int], memoryview] | None = None,
 ) -> dict[str, np.ndarray]:
     """The payload of `target - base` (float32, per name), bit for bit what `encode` gives
     for it, and `base[n] += decode(payload)[n]` in place, in one pass per tensor (no delta,
     residual or decoded array is made). `base` must hold writable float32 arrays of the
     targets' shapes. ValueError as `encode` for a non-finite difference (then `base` is
-    partly updated: discard it)."""
+    partly updated: discard it). `alloc`: where a quantized payload's codes and scales go (a
+    pool's buffers, reused merge after merge), else new arrays."""
     _check_codec(codec)
     payload: dict[str, np.ndarray] = {}
     for name, value in target.items():
@@ -150,7 +152,7 @@ def encode_step(
                 payload[name] = bits.view(ml_dtypes.bfloat16).reshape(t.shape)
             else:
                 levels = {"int2": codec2bit.HALF_RANGE}.get(codec, _LEVELS.get(codec))
-                data, scales = kernels.encode_quantized_step(tf, bf, levels, block, codec)
+                data, scales = kernels.encode_quantized_step(tf, bf, levels, block, codec, alloc)
                 payload.update(_quantized_entries(name, t.shape, codec, data, scales))
         except kernels.NonFinite:
             raise ValueError(f"tensor {name!r} has non-finite values") from None

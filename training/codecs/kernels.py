@@ -17,6 +17,7 @@ the fallback and the definition (the C file gives the same bits: tests/test_nati
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 
 import ml_dtypes
 import numpy as np
@@ -61,9 +62,17 @@ _PER = {"int8": 1, "int4": 2, "int2": 4}
 _CODE_LEVELS = {"int8": 127, "int4": 7, "int2": 0}  # the codes' range (int2: every code valid)
 
 
-def _quantized_outputs(n: int, block: int, kind: str) -> tuple[np.ndarray, np.ndarray]:
-    data = np.empty(-(-n // _PER[kind]), np.int8 if kind == "int8" else np.uint8)
-    return data, np.empty(-(-n // block), np.float32)
+def _quantized_outputs(
+    n: int, block: int, kind: str, alloc: Callable[[int], memoryview] | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """New (codes, scales) arrays for n elements, or views of `alloc(nbytes)` buffers (a
+    pool's, reused from one merge to the next: training/store/buffers.py)."""
+    dtype = np.int8 if kind == "int8" else np.uint8
+    size, blocks = -(-n // _PER[kind]), -(-n // block)
+    if alloc is None:
+        return np.empty(size, dtype), np.empty(blocks, np.float32)
+    data = np.frombuffer(alloc(size), dtype)
+    return data, np.frombuffer(alloc(4 * blocks), np.float32)
 
 
 def encode_quantized(
@@ -80,13 +89,18 @@ def encode_quantized(
 
 
 def encode_quantized_step(
-    target: np.ndarray, base: np.ndarray, levels: float, block: int, kind: str
+    target: np.ndarray,
+    base: np.ndarray,
+    levels: float,
+    block: int,
+    kind: str,
+    alloc: Callable[[int], memoryview] | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """(data, scales) of `target - base` (flat float32) as encode_quantized, and `base` +=
     its decoded values, in place: the broadcast's update and new shadow in one pass (the
     shadow's add is decode's values, bit for bit). NonFinite as above (then `base` is partly
     updated: the caller discards it)."""
-    data, scales = _quantized_outputs(target.size, block, kind)
+    data, scales = _quantized_outputs(target.size, block, kind, alloc)
     _quantize(kind, levels, block, target, base, -1, data, scales, base, 1)
     return data, scales
 

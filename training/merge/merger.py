@@ -124,7 +124,8 @@ class Merger:
         # fragment -> the arrays of the version this merger published last
         self._warm: dict[int, Warm] = {}
         self._arena = merge_stream.Arena()  # the accumulators, reused merge after merge
-        self._buffers = BufferPool()  # the payloads' read buffers, reused merge after merge
+        # the payloads' read buffers and the update's codes, reused merge after merge
+        self._buffers = BufferPool()
         native.set_threads(cfg.syncer.threads)  # the C loops over chunks (the same bits)
         self.store = store
         self.clock = clock
@@ -407,7 +408,9 @@ class Merger:
             merged_at=merged_at,
         )
         with stages("encode"):
-            payloads, shadow = broadcast.version_payloads(params, shadow, self.cfg.codec, extra)
+            payloads, shadow = broadcast.version_payloads(
+                params, shadow, self.cfg.codec, extra, self._buffers.take
+            )
         full_at = self._full_ancestor(head, manifest)
         due = self._full_due(p, head.version + 1, full_at, tokens_merged)
         # a periodic full version goes light now and is promoted in the background (the

@@ -26,7 +26,7 @@ Pure functions except `fetch` and `read_full`, the island's reads.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,7 +77,10 @@ def step(shadow: Mapping[str, np.ndarray], decoded: Mapping[str, np.ndarray]) ->
 
 
 def encode_update(
-    theta: Mapping[str, np.ndarray], shadow: dict[str, np.ndarray], codec: str
+    theta: Mapping[str, np.ndarray],
+    shadow: dict[str, np.ndarray],
+    codec: str,
+    alloc: Callable[[int], memoryview] | None = None,
 ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """The syncer's part: (update payload, new shadow) of new parameters `theta` against the
     previous version's shadow, which becomes the new one in place (`step(shadow,
@@ -85,7 +88,7 @@ def encode_update(
     difference is not finite (then `shadow` is partly updated: discard it)."""
     if sorted(theta) != sorted(shadow):
         raise ValueError("theta and shadow name different tensors")
-    return codecs.encode_step(theta, shadow, codec), shadow
+    return codecs.encode_step(theta, shadow, codec, alloc=alloc), shadow
 
 
 def version_payloads(
@@ -93,14 +96,16 @@ def version_payloads(
     shadow: dict[str, np.ndarray] | None,
     codec: str,
     extra: dict,
+    alloc: Callable[[int], memoryview] | None = None,
 ) -> tuple[dict | None, dict | None]:
     """The syncer's extra payloads of a new version with parameters `theta` (and its
     manifest's CODEC_FIELD, set in `extra`), from the previous version's shadow (None:
     broadcast off, nothing extra), which becomes the new one in place (encode_update):
-    ({"update", "shadow"} or None, the new shadow or None)."""
+    ({"update", "shadow"} or None, the new shadow or None). `alloc`: where the update's codes
+    go (codecs.encode_step)."""
     if shadow is None:
         return None, None
-    update, new = encode_update(theta, shadow, codec)
+    update, new = encode_update(theta, shadow, codec, alloc)
     extra[CODEC_FIELD] = codec
     return {UPDATE: update, SHADOW: new}, new
 

@@ -28,10 +28,10 @@ class BufferPool:
 
     def take(self, nbytes: int) -> memoryview:
         with self._lock:
-            fits = [a for a in self._free if a.size >= nbytes]
+            # by index, never by `==` (numpy compares arrays element-wise)
+            fits = [i for i, a in enumerate(self._free) if a.size >= nbytes]
             if fits:
-                array = min(fits, key=lambda a: a.size)
-                self._free.remove(array)
+                array = self._free.pop(min(fits, key=lambda i: self._free[i].size))
             else:
                 array = np.empty(max(nbytes, 1), np.uint8)
             self._used.append(array)
