@@ -138,7 +138,7 @@ def test_a_heartbeat_newer_than_the_claim_does_not_bound_it():
 
 
 def test_a_round_judges_each_claim_against_the_ones_accepted_before_it():
-    """As the merger's admission does (merge_rules.check_manifest, in (island, seq) order): a
+    """As the merger's admission does (admit.check_manifest, in (island, seq) order): a
     claim that passes is accepted into the round, a refused one is not."""
     # base 3 published 0.01 s ago: bound 2 x n + 1000 x 5.01 = 5010 + 2n steps
     round_, rejected = Round(L, NOW, {3: NOW - 0.01}, {}, {}), []

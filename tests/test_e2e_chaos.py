@@ -33,7 +33,7 @@ from devtools.demo import demo_conf
 from tests.airflow_fixture import running_airflow
 from tests.gcs_fixture import gcs_bucket  # noqa: F401
 from tests.test_e2e_airflow import DAG, ISLANDS, Bucket
-from training.merge.rules import HELD_BACK
+from training.merge.admit import HELD_BACK
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(720)]
 

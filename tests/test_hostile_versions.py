@@ -201,8 +201,8 @@ def test_a_promoted_outer_state_scaled_1000x_is_passed_over_and_the_cold_start_r
     tmp_path, request
 ):
     # finite, checksummed, and 1000x the momentum the version's merged norms allow (the bound:
-    # rules.check_outer_state_bound): the cold merger replays 5 and 6 from version 4 instead and
-    # merges the bits of a merger that never saw the promotion
+    # norm_bounds.check_outer_state_bound): the cold merger replays 5 and 6 from version 4
+    # instead and merges the bits of a merger that never saw the promotion
     cfg_a, warm, merger_a = _experiment("file", request, tmp_path / "a", 6, "hvwarm")
     cfg_b, cold, merger_b = _experiment("file", request, tmp_path / "b", 6, "hvcold")
     params, outer, shadow = merger_b._warm[0][1:4]

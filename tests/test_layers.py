@@ -95,7 +95,7 @@ def _files(folder: str) -> list[Path]:
 
 
 def _role(path: Path) -> str:
-    """The role of a file under training/: its package (training/merge/rules.py: merge), or its
+    """The role of a file under training/: its package (training/merge/admit.py: merge), or its
     module name for the files at the top (training/cli.py: cli)."""
     parts = path.relative_to(ROOT / "training").parts
     return parts[0] if len(parts) > 1 else Path(parts[0]).stem

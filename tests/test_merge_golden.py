@@ -67,7 +67,7 @@ def test_threads_over_chunks_give_the_golden_bits(threads):
 
 def test_votes_folded_one_by_one_give_the_golden_bits(monkeypatch):
     # FOLD_BYTES 0: every vote folded as it is added (one pass over the accumulators each)
-    from training.merge import rules
+    from training.merge import combine
 
-    monkeypatch.setattr(rules, "FOLD_BYTES", 0)
+    monkeypatch.setattr(combine, "FOLD_BYTES", 0)
     assert _run("int8") == GOLDEN["int8"]

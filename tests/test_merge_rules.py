@@ -9,8 +9,10 @@ import pytest
 from tests import reference_outer as outer
 from tests.helpers import new_store, publish_delta, random_delta, small_config
 from training.config.experiment import OuterConfig
-from training.merge import rules
+from training.merge import admit
+from training.merge.combine import Combiner
 from training.merge.merger import Merger
+from training.merge.outer import init_state, outer_step_
 
 SHAPES = {"blocks/0/w": (3, 4), "blocks/1/b": (5,), "embed/tokens": (6, 2)}
 
@@ -35,9 +37,9 @@ def test_in_place_outer_step_equals_optax_sgd_with_momentum(nesterov):
     steps = _deltas(4)
     expected = _run_optax(optax.sgd(0.7, momentum=0.9, nesterov=nesterov), steps)
     params = {k: np.zeros(s, np.float32) for k, s in SHAPES.items()}
-    state = rules.init_state(cfg, SHAPES)
+    state = init_state(cfg, SHAPES)
     for g in steps:
-        state = rules.outer_step_(cfg, 1, params, state, {k: v.copy() for k, v in g.items()})
+        state = outer_step_(cfg, 1, params, state, {k: v.copy() for k, v in g.items()})
     assert state.steps == 4
     for k in SHAPES:
         np.testing.assert_allclose(params[k], np.asarray(expected[k]), rtol=1e-5, atol=1e-6)
@@ -48,9 +50,9 @@ def test_in_place_delayed_nesterov_equals_the_optax_transform():
     steps = _deltas(5, seed=1)
     expected = _run_optax(outer.delayed_nesterov(0.5, 0.8, period=2), steps)
     params = {k: np.zeros(s, np.float32) for k, s in SHAPES.items()}
-    state = rules.init_state(cfg, SHAPES)
+    state = init_state(cfg, SHAPES)
     for g in steps:
-        state = rules.outer_step_(cfg, 2, params, state, {k: v.copy() for k, v in g.items()})
+        state = outer_step_(cfg, 2, params, state, {k: v.copy() for k, v in g.items()})
     for k in SHAPES:
         np.testing.assert_allclose(params[k], np.asarray(expected[k]), rtol=1e-5, atol=1e-6)
 
@@ -59,7 +61,7 @@ def test_in_place_delayed_nesterov_equals_the_optax_transform():
 def test_streaming_combiner_equals_the_whole_array_combine(rda):
     votes, weights = _deltas(3, seed=2), [1.0, 3.0, 0.5]
     expected = outer.combine(votes, weights, rda=rda)
-    combiner = rules.Combiner(SHAPES, rda)
+    combiner = Combiner(SHAPES, rda)
     for v, w in zip(votes, weights, strict=True):
         combiner.add({k: x.copy() for k, x in v.items()}, w)
     got = combiner.result()
@@ -70,7 +72,7 @@ def test_streaming_combiner_equals_the_whole_array_combine(rda):
 def test_rda_keeps_the_norm_of_orthogonal_votes():
     # two orthogonal body votes of norm 2: the mean has norm sqrt(2), RDA keeps 2
     shapes = {"blocks/0/w": (2,)}
-    combiner = rules.Combiner(shapes, rda=True)
+    combiner = Combiner(shapes, rda=True)
     combiner.add({"blocks/0/w": np.array([2.0, 0.0], np.float32)}, 1.0)
     combiner.add({"blocks/0/w": np.array([0.0, 2.0], np.float32)}, 1.0)
     assert np.linalg.norm(combiner.result()["blocks/0/w"]) == pytest.approx(2.0)
@@ -79,13 +81,13 @@ def test_rda_keeps_the_norm_of_orthogonal_votes():
 def test_a_final_remainder_moves_the_parameters_by_lr_times_delta_only():
     cfg = OuterConfig(method="decoupled", lr=0.5, momentum=0.9)
     params = {k: np.zeros(s, np.float32) for k, s in SHAPES.items()}
-    state = rules.init_state(cfg, SHAPES)
+    state = init_state(cfg, SHAPES)
     for g in _deltas(3, seed=3):  # build up momentum
-        state = rules.outer_step_(cfg, 1, params, state, g)
+        state = outer_step_(cfg, 1, params, state, g)
     before = {k: v.copy() for k, v in params.items()}
     momentum = {k: v.copy() for k, v in state.momentum.items()}
     tiny = {k: np.full(s, 1e-3, np.float32) for k, s in SHAPES.items()}
-    after_state = rules.outer_step_(cfg, 1, params, state, dict(tiny), final=True)
+    after_state = outer_step_(cfg, 1, params, state, dict(tiny), final=True)
     for k in SHAPES:  # -lr * delta (to float32 rounding); a momentum step adds ~lr*beta^2*m
         np.testing.assert_allclose(params[k] - before[k], -0.5 * tiny[k], atol=1e-6)
         np.testing.assert_array_equal(after_state.momentum[k], momentum[k])
@@ -139,10 +141,10 @@ def test_a_payload_read_in_chunks_folds_as_its_decoded_arrays(codec):
     deltas = [{k: rng.normal(0, 1e-2, s).astype(np.float32) for k, s in BIG.items()}]
     deltas.append({k: v * -0.5 + 1e-3 for k, v in deltas[0].items()})
     payloads = [codecs.encode(d, codec)[0] for d in deltas]
-    streamed, whole = rules.Combiner(BIG, True), rules.Combiner(BIG, True)
+    streamed, whole = Combiner(BIG, True), Combiner(BIG, True)
     for payload, w in zip(payloads, [1.0, 2.5], strict=True):
-        vote = rules.check_payload(payload, codec, BIG)
-        total, body = rules.vote_sq_norms(vote, BIG, streamed.body, streamed.scratch)
+        vote = admit.check_payload(payload, codec, BIG)
+        total, body = admit.vote_sq_norms(vote, BIG, streamed.body, streamed.scratch)
         decoded = codecs.decode(payload, codec)
         exact = sum(float(np.vdot(v.astype(np.float64), v)) for v in decoded.values())
         assert total == pytest.approx(exact, rel=1e-5)  # float32 dots per chunk
@@ -154,7 +156,7 @@ def test_a_payload_read_in_chunks_folds_as_its_decoded_arrays(codec):
             np.testing.assert_array_equal(got[k], want[k])
         else:
             np.testing.assert_allclose(got[k], want[k], rtol=1e-6, atol=1e-9)
-    votes = [rules.check_payload(p, codec, BIG) for p in payloads]
+    votes = [admit.check_payload(p, codec, BIG) for p in payloads]
     summed = merge_stream.add_votes(votes[0], votes[1], BIG, streamed.scratch)
     summed = merge_stream.add_votes(summed, votes[0], BIG, streamed.scratch)  # in place
     decoded = [codecs.decode(p, codec) for p in payloads]
@@ -170,15 +172,15 @@ def test_a_payload_value_problem_is_found_by_the_norm_pass():
     payload, _ = codecs.encode({k: np.ones(s, np.float32) for k, s in BIG.items()}, "int8")
     bad = dict(payload, **{"embed/tokens": payload["embed/tokens"].copy()})
     bad["embed/tokens"][200_000] = -128
-    vote = rules.check_payload(bad, "int8", BIG)
+    vote = admit.check_payload(bad, "int8", BIG)
     with pytest.raises(
         ValueError, match="unreadable payload: payload tensor 'embed/tokens' has codes"
     ):
-        rules.vote_sq_norms(vote, BIG, [], np.empty(1 << 17, np.float32))
+        admit.vote_sq_norms(vote, BIG, [], np.empty(1 << 17, np.float32))
     nan = dict(payload, **{"embed/tokens.__scale": payload["embed/tokens.__scale"].copy()})
     nan["embed/tokens.__scale"][-1] = np.nan
     with pytest.raises(ValueError, match="non-finite values in embed/tokens"):
-        rules.vote_sq_norms(rules.check_payload(nan, "int8", BIG), BIG, [], np.empty(1 << 17))
+        admit.vote_sq_norms(admit.check_payload(nan, "int8", BIG), BIG, [], np.empty(1 << 17))
 
 
 def test_an_islands_two_pending_contributions_are_summed_into_one_vote():
@@ -214,12 +216,10 @@ def _one_step(share: float, fractional: bool) -> tuple[float, float]:
     """theta, m after one Nesterov outer step from theta 0, m 1 with g = 0.2 at `share`."""
     cfg = OuterConfig(method="decoupled", lr=0.5, momentum=0.8, fractional_momentum=fractional)
     shapes = {"w": (1,)}
-    state = rules.init_state(cfg, shapes)
+    state = init_state(cfg, shapes)
     state.momentum["w"][...] = 1.0
     params = {"w": np.zeros(1, np.float32)}
-    state = rules.outer_step_(
-        cfg, 1, params, state, {"w": np.full(1, 0.2, np.float32)}, share=share
-    )
+    state = outer_step_(cfg, 1, params, state, {"w": np.full(1, 0.2, np.float32)}, share=share)
     return float(params["w"][0]), float(state.momentum["w"][0])
 
 

@@ -8,7 +8,7 @@ import pytest
 from tests.helpers import new_store, small_config
 from training.config.experiment import ConfigError, OuterConfig, parse_config
 from training.island.process import Island
-from training.merge.rules import vote_weight
+from training.merge.selection import vote_weight
 from training.protocol import claims
 
 # data.batch_size 16, seq_len 64; a: speed 1, batch 16; b: speed 1 (tokens/s), batch 32;

@@ -169,7 +169,7 @@ def test_encode_step_is_the_payload_of_the_difference(codec):
 )
 def test_native_outer_step_matches_numpy(method, momentum, nesterov, final, seen, numpy_only):
     from training.config.experiment import OuterConfig
-    from training.merge import rules
+    from training.merge.outer import init_state, outer_step_
 
     outer = OuterConfig(method=method, lr=0.7, momentum=momentum, nesterov=nesterov)
     rng = np.random.default_rng(6)
@@ -177,7 +177,7 @@ def test_native_outer_step_matches_numpy(method, momentum, nesterov, final, seen
 
     def run(step):
         params = {n: rng_copy(n, 1) for n in shapes}
-        state = rules.init_state(outer, shapes)._replace(seen=seen)
+        state = init_state(outer, shapes)._replace(seen=seen)
         for k in ("momentum", "buffer"):
             for n in getattr(state, k):
                 getattr(state, k)[n][...] = rng_copy(n, 2 if k == "momentum" else 3)
@@ -193,7 +193,7 @@ def test_native_outer_step_matches_numpy(method, momentum, nesterov, final, seen
     def rng_copy(n, k):
         return np.random.default_rng(seeds[n] + k).normal(size=shapes[n]).astype(np.float32)
 
-    assert _bits(run(rules.outer_step_)) == _bits(numpy_only(run, rules.outer_step_))
+    assert _bits(run(outer_step_)) == _bits(numpy_only(run, outer_step_))
 
 
 def _numpy_sq(x: np.ndarray) -> float:
@@ -260,8 +260,8 @@ def test_decode_span_stops_at_the_chunk_with_a_bad_code():
 @pytest.mark.parametrize("method", ["decoupled", "delayed_nesterov"])
 def test_outer_step_carries_the_new_params_norm_terms(method, numpy_only):
     from training.config.experiment import OuterConfig
-    from training.merge import rules
     from training.merge import stream as merge_stream
+    from training.merge.outer import init_state, outer_step_
 
     outer = OuterConfig(method=method, lr=0.7, momentum=0.9)
     shapes = {"w": (3 * kernels.CHUNK + 77,), "b": (7,)}
@@ -271,9 +271,7 @@ def test_outer_step_carries_the_new_params_norm_terms(method, numpy_only):
         params = {n: rng.normal(size=s).astype(np.float32) for n, s in shapes.items()}
         delta = {n: rng.normal(size=s).astype(np.float32) for n, s in shapes.items()}
         carried: dict = {}
-        rules.outer_step_(
-            outer, 4, params, rules.init_state(outer, shapes), delta, params_sq=carried
-        )
+        outer_step_(outer, 4, params, init_state(outer, shapes), delta, params_sq=carried)
         return carried, merge_stream.chunk_sq_of(params)
 
     carried, recomputed = run()
@@ -341,8 +339,8 @@ def test_threads_over_chunks_give_one_threads_bits():
     # a tensor of 3 chunks and 77 elements: 2 threads take chunks [0, 2) and [2, 4), 3 threads
     # one or two each; every result the same bits as on one thread
     from training.config.experiment import OuterConfig
-    from training.merge import rules
     from training.merge import stream as merge_stream
+    from training.merge.outer import init_state, outer_step_
 
     x = _tensors()["chunks"]
     outer = OuterConfig(method="decoupled", lr=0.7, momentum=0.9)
@@ -359,8 +357,8 @@ def test_threads_over_chunks_give_one_threads_bits():
         codecs.decode_span(codes[0], 0, x.size, got, accumulate=True, sums=np.empty(4))
         params, delta = {"w": x.copy()}, {"w": acc.copy()}
         carried: dict = {}
-        state = rules.outer_step_(
-            outer, 4, params, rules.init_state(outer, {"w": x.shape}), delta, params_sq=carried
+        state = outer_step_(
+            outer, 4, params, init_state(outer, {"w": x.shape}), delta, params_sq=carried
         )
         out += [native.chunk_sumsq(x, kernels.CHUNK).tolist(), carried]
         return out, _bits([acc, got, params["w"], state.momentum["w"]])

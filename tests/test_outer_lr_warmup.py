@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from training.config.experiment import OuterConfig
-from training.merge.rules import init_state, outer_lr, outer_step_
+from training.merge.outer import init_state, outer_lr, outer_step_
 
 
 def test_ramp_reaches_lr_at_the_warmup_step_and_stays():

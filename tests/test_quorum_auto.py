@@ -6,8 +6,9 @@ import pytest
 
 from tests.helpers import FakeClock, new_store, publish_delta, random_delta, small_config
 from training.merge import quorum
+from training.merge.admit import Candidate
 from training.merge.merger import Merger
-from training.merge.rules import Candidate, select
+from training.merge.selection import select
 
 
 def facts(live, round_s=24.0, download_s=1.0, fragments=4):

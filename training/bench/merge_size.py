@@ -104,7 +104,7 @@ def measure(preset: str, P: int, K: int, codec: str, repeats: int, threads: int,
     import gc
 
     from training.codecs import host as codecs
-    from training.merge import rules
+    from training.merge import outer
     from training.merge.merger import Merger
     from training.store import merge_records as records
     from training.store.experiment import ExperimentStore
@@ -118,10 +118,10 @@ def measure(preset: str, P: int, K: int, codec: str, repeats: int, threads: int,
     params = {
         n: rng.standard_normal(s, dtype=np.float32) * np.float32(0.02) for n, s in shapes.items()
     }
-    state = rules.init_state(cfg.outer, shapes)
+    state = outer.init_state(cfg.outer, shapes)
     ms = records.MergeState(state.steps, state.seen, version_times={"0": time.time()})
     extra = dict(tokens_merged=0, merge_state=ms.to_json())
-    store.publish_fragment(p, 0, params, rules.state_tensors(state), extra)
+    store.publish_fragment(p, 0, params, outer.state_tensors(state), extra)
     del params, state
     payloads = []
     for seed in (1, 2):

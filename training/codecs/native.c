@@ -2,7 +2,7 @@
 about seven numpy passes.
 
 Loaded by training/codecs/native.py (compiled on first use with the system C compiler; without one,
-training/codecs/kernels.py and training/merge/rules.py keep their numpy code). Every result is
+training/codecs/kernels.py and training/merge/outer.py keep their numpy code). Every result is
 bit-identical to that numpy code, so to the reference (tests/test_codec_golden.py,
 tests/test_native.py):
 - only IEEE float32 add, subtract, multiply and divide, each rounded once: built with
@@ -323,7 +323,7 @@ int decode_quantized(int kind, const uint8_t *data, const float *scales, int64_t
     return 0;
 }
 
-/* The outer step on n elements in place (training/merge_rules.outer_step_, whose numpy loop
+/* The outer step on n elements in place (training/merge/outer.outer_step_, whose numpy loop
    it replaces bit for bit: each operation rounded as there). g = g x factors[0] x ... (in
    turn; g itself is not written back); then mode 0: p -= lr g; mode 1 (SGD with momentum):
    m = m beta + g, p -= lr (g + beta m) with nesterov, else p -= lr m; mode 2 (Delayed

@@ -1,7 +1,7 @@
 """The C loops of training/codecs/native.c, compiled on first use and called through ctypes.
 
 The loops: the codecs' encode and decode (training/codecs/kernels.py), the merge's outer
-step (training/merge/rules.outer_step_) and the float64 sums of squares of its norms (numpy's
+step (training/merge/outer.outer_step_) and the float64 sums of squares of its norms (numpy's
 pairwise order, bit for bit: `chunk_sumsq` here, training/merge/stream.py). `library()` returns the loaded library, or None when
 it cannot be had: no C compiler (`$CC`, else `cc`), a failed build, an unwritable cache, or
 `DILOCO_NATIVE=0`. Then the callers run their numpy code, which gives the same bits (the C

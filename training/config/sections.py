@@ -17,7 +17,7 @@ from training.config.names import validate_name
 MAX_ROUND_S = 86400.0  # the longest clock-round period (outer.round_s, control/rounds.json)
 
 OuterMethod = Literal["sync", "nesterov", "delayed_nesterov", "decoupled"]
-"""The merger's methods (`training.merge.rules`). Data-parallel is no merge method: the benchmarks'
+"""The merger's methods (`training.merge.selection.select`). Data-parallel is no merge method: the benchmarks'
 ``dp`` is `training.model.baseline`, which uses no merger."""
 Codec = Literal["fp32", "bf16", "int8", "int4", "int2"]
 Backend = Literal["local", "tpu_vm", "gke"]

@@ -5,8 +5,8 @@ and the groups of contributions a merge decided to apply, and does everything th
 into the next version's params and outer state: per island, its contributions summed into one
 vote as they are read (each checked, its norm judged against the clip limit; with
 `outer.anchor = "now"` a stale one re-anchored at the params as they stand), the votes weighted
-(each island's weight capped) and combined (rules.Combiner), then the outer step
-(rules.outer_step_), group after group. It reads through an `Io` of three callables, so the
+(each island's weight capped) and combined (combine.Combiner), then the outer step
+(outer.outer_step_), group after group. It reads through an `Io` of three callables, so the
 merger (training/merge/merger.py: prefetched payloads, quarantine, the store's versions) and
 the replay (training/merge/replay.py: the recorded contributions, any refusal a mismatch) run
 the same rule: the bits of a replayed version are those of the merge, or a difference to report.
@@ -25,7 +25,7 @@ import numpy as np
 
 from training.codecs import host as codecs
 from training.config.experiment import ExperimentConfig
-from training.merge import rules, staleness, timing
+from training.merge import admit, combine, norm_bounds, outer, selection, staleness, timing
 from training.merge import stream as merge_stream
 from training.protocol import broadcast
 from training.store import merge_records as records
@@ -42,7 +42,7 @@ class Io:
     base(fragment, version): the params of a committed version (anchor "now"), or None to leave
     a vote anchored at its base."""
 
-    payload: Callable[[rules.Candidate, int, int], Mapping[str, np.ndarray]]
+    payload: Callable[[admit.Candidate, int, int], Mapping[str, np.ndarray]]
     reject: Callable[[str, str], None]
     base: Callable[[int, int], Mapping[str, np.ndarray] | None]
 
@@ -53,11 +53,11 @@ class Applied:
     contributions applied in the order applied, one record per contribution for the manifest,
     and the merged-norm history with this merge's norms appended."""
 
-    state: rules.OuterFragmentState
-    applied: list[rules.Candidate]
+    state: outer.OuterFragmentState
+    applied: list[admit.Candidate]
     details: list[dict]
     norms: list
-    # the new params' per-chunk sums of squares (rules.outer_step_), for the next merge's
+    # the new params' per-chunk sums of squares (outer.outer_step_), for the next merge's
     # params norm without a pass (None: no outer step ran)
     params_sq: dict[str, list[float]] | None = None
 
@@ -104,9 +104,9 @@ def apply_groups(
     shapes: Mapping[str, tuple[int, ...]],
     head_version: int,
     params: dict[str, np.ndarray],
-    state: rules.OuterFragmentState,
+    state: outer.OuterFragmentState,
     norms: Sequence,
-    groups: Sequence[Sequence[rules.Candidate]],
+    groups: Sequence[Sequence[admit.Candidate]],
     caps: Sequence[Mapping[str, float]],
     active: int,
     io: Io,
@@ -132,9 +132,9 @@ def apply_groups(
     # outer.anchor = now: stale votes re-anchored at the params as they stand (`_vote`)
     now = (head_version, params, {}) if cfg.outer.anchor == "now" else None
     for index, (group, group_caps) in enumerate(zip(groups, caps, strict=True)):
-        combiner = rules.Combiner(shapes, cfg.outer.rda and cfg.outer.method != "sync", arena)
-        voted: list[rules.Candidate] = []
-        by_island: dict[str, list[rules.Candidate]] = {}
+        combiner = combine.Combiner(shapes, cfg.outer.rda and cfg.outer.method != "sync", arena)
+        voted: list[admit.Candidate] = []
+        by_island: dict[str, list[admit.Candidate]] = {}
         for c in group:
             by_island.setdefault(c.island, []).append(c)
         for island, contribs in sorted(by_island.items()):
@@ -153,13 +153,13 @@ def apply_groups(
             if vote is None:
                 continue
             norm = math.sqrt(total_sq)
-            scale, _ = rules.norm_verdict(
-                cfg.outer, norm, rules.clip_limit(cfg.outer, norms), params_norm
+            scale, _ = norm_bounds.norm_verdict(
+                cfg.outer, norm, norm_bounds.clip_limit(cfg.outer, norms), params_norm
             )
             weight = (
                 1.0
                 if cfg.outer.method == "sync"
-                else min(rules.island_weight(cfg.outer, kept), group_caps[island])
+                else min(selection.island_weight(cfg.outer, kept), group_caps[island])
             )
             with stages("fold"):  # a fold at FOLD_BYTES happens here
                 combiner.add(vote, weight, scale, body_sq)
@@ -197,7 +197,7 @@ def apply_groups(
                 for factors in gains.values():
                     factors.append(np.float32(share))
         with stages("outer"):
-            state = rules.outer_step_(
+            state = outer.outer_step_(
                 cfg.outer,
                 outer_period(cfg),
                 params,
@@ -243,7 +243,7 @@ def _vote(
     the clipping history and the quarantine judge, the corrected vote is what is folded."""
     vote: merge_stream.Vote | None = None
     kept, vote_norms, sqs = [], [], (0.0, 0.0)
-    limit = rules.clip_limit(cfg.outer, norms)
+    limit = norm_bounds.clip_limit(cfg.outer, norms)
     buf = combiner.scratch
     stages = stages or timing.untimed()
     for c in contribs:
@@ -258,17 +258,17 @@ def _vote(
             continue
         try:
             with stages("norms"):
-                this = rules.check_payload(payload, c.codec, shapes, c.fragment)
+                this = admit.check_payload(payload, c.codec, shapes, c.fragment)
                 if now is not None and c.staleness > 0:
                     this = _anchored_now(shapes, c, this, *now, buf, io)
-                total_sq, body_sq = rules.vote_sq_norms(this, shapes, combiner.body, buf)
+                total_sq, body_sq = admit.vote_sq_norms(this, shapes, combiner.body, buf)
         except (ValueError, KeyError) as err:
             io.reject(c.id, str(err).strip("'\""))
             continue
         finally:
             del payload
         norm = math.sqrt(total_sq)
-        _, reason = rules.norm_verdict(cfg.outer, norm, limit, params_norm)
+        _, reason = norm_bounds.norm_verdict(cfg.outer, norm, limit, params_norm)
         if reason is not None:
             io.reject(c.id, reason)
             continue

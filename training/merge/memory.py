@@ -5,7 +5,7 @@ A merger holds, for each fragment it owns, the state of the version it published
 fragment reads nothing back and replays nothing ("warm"). One merge needs beside that state a
 working set (`working_bytes`): the float32 accumulator (kept from merge to merge:
 merge_stream.Arena), the contribution payloads held for one fold (one per island, up to
-rules.FOLD_BYTES) and fetched ahead, one
+combine.FOLD_BYTES) and fetched ahead, one
 fragment-sized float32 array (an island's summed vote, or the shadow made from params) and
 the update it encodes. So a shard with memory M keeps warm at most M - working_bytes of
 state (`warm_limit`): every fragment when that covers them all, else the most recently merged
@@ -18,16 +18,19 @@ Pure functions of the config, and `available_bytes()`: what this machine (or its
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from training.codecs import host as codecs
 from training.config.experiment import ExperimentConfig
-from training.merge.rules import FOLD_BYTES
+from training.merge.combine import FOLD_BYTES
 from training.protocol import broadcast
 
 GiB = 2**30
+
+log = logging.getLogger("diloco.merge")
 
 
 @dataclass(frozen=True)
@@ -58,7 +61,7 @@ def fragment_memory(
     elems = sum(math.prod(s) for s in shapes.values())
     payload = codecs.payload_limits(shapes, cfg.codec)[0]
     fetched = cfg.syncer.fetch_concurrency * payload  # downloads ahead of the votes held
-    # the votes held for one fold (rules.Combiner: up to FOLD_BYTES, one per island)
+    # the votes held for one fold (combine.Combiner: up to FOLD_BYTES, one per island)
     held = min(len(cfg.islands) * payload, FOLD_BYTES + payload)
     # accumulator + one fragment-sized float32 array + the payloads + the encoded update
     working = 2 * 4 * elems + fetched + held + payload
@@ -125,3 +128,27 @@ def shard_budget(cfg: ExperimentConfig) -> int:
     """syncer.memory_gib in bytes, else what the machine has available now."""
     gib = cfg.syncer.memory_gib
     return int(gib * GiB) if gib is not None else available_bytes()
+
+
+def shard_warm_limit(
+    cfg: ExperimentConfig,
+    fragments: Sequence[int],
+    shapes: Sequence[Mapping[str, tuple[int, ...]]],
+) -> int:
+    """The warm limit of a merge shard of `fragments` on this machine (`shard_budget`): all of
+    their state when the shard's memory holds it, else what is left beside the working set
+    (logged: the others start cold). ValueError (`check_fits`) when it cannot hold one."""
+    frags = shard_memory(cfg, fragments, shapes)
+    budget = shard_budget(cfg)
+    check_fits(frags, budget, f"merge shard of fragments {fragments}")
+    limit = warm_limit(frags, budget)
+    if limit < sum(f.state for f in frags):
+        log.warning(
+            "%s keeps %s of the %s of state of fragments %s resident: the others "
+            "start cold (syncer.memory_gib, docs/AIRFLOW.md)",
+            size(budget),
+            size(limit),
+            size(sum(f.state for f in frags)),
+            fragments,
+        )
+    return limit

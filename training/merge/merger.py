@@ -7,26 +7,23 @@ makes, for each owned fragment with work, at most one new version:
 2. find pending pseudo-gradients without listing the history: per island, the listing starts
    after the smallest cursor (`merge_state.cursors[island]`, the highest seq applied) of the
    owned fragments; quarantined ones are skipped;
-3. admit each by its manifest (training/merge_rules.check_manifest), quarantining the bad ones;
-4. let the method decide what to apply now (quorum, grace window, sync);
-5. stream: load the fragment's params and outer state once (or keep the arrays of the version
-   this merger published last, if HEAD still names it: `warm_bytes`, from the shard's memory
-   by training/merge/memory.py; a light HEAD with
-   nothing warm is replayed forward from its full ancestor: replay.state_at), read each contribution
-   chunk by chunk from its codes (checked as decoded, its norms in the same pass), fold each
-   island's vote into one float32 accumulator, apply the outer step in place, chunk by chunk;
+3. admit each by its manifest (admit.judge), quarantining the bad ones;
+4. let the method decide what to apply now (selection.select; K from quorum.py);
+5. stream: take the fragment's params and outer state (warm.FragmentStates: the arrays of the
+   version this merger published last if HEAD still names it, else read, or a light HEAD
+   replayed forward from its full ancestor), read each contribution chunk by chunk from its
+   codes (reads.MergeReads), fold each island's vote into one float32 accumulator and apply the
+   outer step in place, chunk by chunk (apply.apply_groups, shared with `diloco replay`);
 6. write the new version (payloads, manifest, then HEAD by compare-and-swap from the head read
-   in step 1; a light one without outer state and shadow, and under update broadcast without
-   params, unless full is due: `syncer.full_every`) and the ledger entries. Losing the race publishes nothing: the next attempt starts
-   again at 1.
+   in step 1; light or full as light.plan says) and the ledger entries, with its merge state
+   (merge_state.after_merge). Losing the race publishes nothing: the next attempt starts again
+   at 1.
 So a contribution is applied at most once (only a version that won the CAS counts, and its
 cursors and `applied` list are what the next attempt reads) and at least once (it stays pending
 until a version of its fragment names it). Fragments are independent: two shards never contend.
 
-The arithmetic of step 5 (votes, combination, outer step) is training/merge/apply.py, shared
-with `diloco replay`. Length: about 500 lines, on purpose: the decisions are in rules.py, the
-arithmetic in apply.py and stream.py; what is left is the I/O of one merge round in the order
-above, which reads best unbroken.
+Every decision is a pure function of the modules named above; this module is the I/O of one
+merge round, in the order above.
 """
 
 from __future__ import annotations
@@ -35,24 +32,31 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import NamedTuple
 
 import numpy as np
 
-from training.codecs import host as codecs
 from training.codecs import native
 from training.config.experiment import ExperimentConfig
-from training.merge import apply, memory, quorum, replay, rules, timing
+from training.merge import (
+    admit,
+    apply,
+    light,
+    memory,
+    merge_state,
+    outer,
+    quorum,
+    selection,
+    timing,
+)
 from training.merge import stream as merge_stream
-from training.merge.fetch import Prefetch
 from training.merge.promote import BackgroundPromotions
+from training.merge.reads import MergeReads
+from training.merge.warm import FragmentStates
 from training.model import definition as model
 from training.model.runtime import fragment_names
 from training.protocol import broadcast, claims, rounds
 from training.store import merge_records as records
-from training.store.buffers import BufferPool
 from training.store.experiment import ExperimentStore, HeadPointer, PseudoGradRef
-from training.store.objectstore import StoreError, StoreUnreachable, TransientStoreError
 from training.store.tensorboard import ScalarWriter, merge_run, merge_scalars
 
 log = logging.getLogger("diloco.merge")
@@ -93,22 +97,11 @@ def initial_version(cfg: ExperimentConfig, store: ExperimentStore) -> int | None
         if heads[p] is not None:
             continue
         frag = {n: params[n] for n in names}
-        state = rules.init_state(cfg.outer, {n: v.shape for n, v in frag.items()})
+        state = outer.init_state(cfg.outer, {n: v.shape for n, v in frag.items()})
         ms = records.MergeState(state.steps, state.seen, version_times={"0": time.time()})
         extra = dict(tokens_merged=0, merge_state=ms.to_json())
-        created |= store.publish_fragment(p, 0, frag, rules.state_tensors(state), extra) is not None
+        created |= store.publish_fragment(p, 0, frag, outer.state_tensors(state), extra) is not None
     return 0 if created else None
-
-
-class Warm(NamedTuple):
-    """A fragment version's state a merger keeps resident for its next merge of it."""
-
-    dir: str  # the version's directory (HEAD must still name it)
-    params: dict
-    outer: dict  # the outer-state tensors
-    shadow: dict | None  # the broadcast shadow (None: broadcast off, or S = params)
-    nbytes: int
-    params_sq: dict | None  # the params' per-chunk sums of squares (the outer step took them)
 
 
 class Merger:
@@ -121,11 +114,7 @@ class Merger:
         warm_bytes: int | None = None,
     ):
         self.cfg = cfg
-        # fragment -> the arrays of the version this merger published last
-        self._warm: dict[int, Warm] = {}
         self._arena = merge_stream.Arena()  # the accumulators, reused merge after merge
-        # the payloads' read buffers and the update's codes, reused merge after merge
-        self._buffers = BufferPool()
         native.set_threads(cfg.syncer.threads)  # the C loops over chunks (the same bits)
         self.store = store
         self.clock = clock
@@ -143,26 +132,16 @@ class Merger:
         # the state kept resident between merges (training/merge/memory.py): all of it when
         # the shard's memory holds it, else the most recently merged fragments'
         if warm_bytes is None:
-            frags = memory.shard_memory(cfg, self.fragments, self.shapes)
-            budget = memory.shard_budget(cfg)
-            memory.check_fits(frags, budget, f"merge shard of fragments {self.fragments}")
-            warm_bytes = memory.warm_limit(frags, budget)
-            if warm_bytes < sum(f.state for f in frags):
-                log.warning(
-                    "%s keeps %s of the %s of state of fragments %s resident: the others "
-                    "start cold (syncer.memory_gib, docs/AIRFLOW.md)",
-                    memory.size(budget),
-                    memory.size(warm_bytes),
-                    memory.size(sum(f.state for f in frags)),
-                    self.fragments,
-                )
+            warm_bytes = memory.shard_warm_limit(cfg, self.fragments, self.shapes)
         self.warm_bytes = warm_bytes
-        self._fragment_limits = [apply.fragment_limits(s) for s in self.shapes]
+        # the payloads (fetched ahead, into reused buffers) and re-anchored votes' base params
+        self._reads = MergeReads(store, self.shapes, cfg.syncer.fetch_concurrency)
+        # the payloads' read buffers and the update's codes, reused merge after merge
+        self._buffers = self._reads.buffers
         self._snapshot_at = 0.0
         # version dir -> (manifest, its merge state) (immutable once committed)
         self._manifests: dict[str, tuple[dict, records.MergeState]] = {}
         self._repaired: set[str] = set()  # version dirs whose ledger entries this merger wrote
-        self._fetch = Prefetch([], self._load_payload, 1)  # a merge's payload downloads
         self._round_clock_known = not rounds.clock_rounds(cfg)
         # fragment -> {candidate id: when this merger first saw it} (the grace floor's start;
         # rebuilt every pass from the pending candidates, so it holds no applied ones)
@@ -176,6 +155,9 @@ class Merger:
         self._stopped = False  # control/STOP as this pass read it (merge_once)
         # syncer.full_in_background: due full versions written beside light ones, meanwhile
         self._promotions = BackgroundPromotions(store)
+        # the arrays of the versions this merger published last (training/merge/warm.py)
+        self._states = FragmentStates(cfg, store, self.shapes, warm_bytes, self._promotions)
+        self._warm = self._states.warm  # fragment -> Warm
 
     def _version(self, head: HeadPointer) -> tuple[dict, records.MergeState]:
         """The manifest of a committed version and its merge state, read and parsed once per
@@ -205,9 +187,7 @@ class Merger:
 
     # -- one round ---------------------------------------------------------------------------
     def merge_once(self) -> MergeResult:
-        # the last merge's payloads are dead: its downloads stopped, its buffers free again
-        self._fetch.close(wait=True)
-        self._buffers.release_all()
+        self._reads.reset()  # the last merge's payloads are dead
         result = MergeResult()
         skipped_before = self.store.skipped.count
         heads = self.store.heads(self.fragments)
@@ -225,17 +205,7 @@ class Merger:
             cursors, [i.name for i in self.cfg.islands], strays, len(self.frags)
         )
         for ref in strays or ():
-            reason = rules.check_manifest(
-                self.cfg,
-                ref.id,
-                ref.island,
-                ref.seq,
-                ref.fragment,
-                ref.manifest,
-                -1,
-                None,
-                ref.error,
-            )
+            reason = admit.check_ref(self.cfg, ref, ref.fragment, -1)
             if isinstance(reason, str):
                 self._quarantine(ref.id, reason, result)
         self.store.hit_fault("merge.after-read")  # the store's fault plan (faults/points.py)
@@ -248,22 +218,15 @@ class Merger:
         self._stopped = wants_stop and any(pending.values()) and self.store.stop_requested()
         ending = self.cfg.outer.end_max_staleness is not None and self._stopped
         for head in heads:
-            if pending[head.fragment]:
-                self._merge_fragment(
-                    head,
-                    *versions[head.fragment],
-                    pending[head.fragment],
-                    active,
-                    result,
-                    beats,
-                    ending,
-                )
+            p = head.fragment
+            if pending[p]:
+                self._merge_fragment(head, *versions[p], pending[p], active, result, beats, ending)
         result.skipped = self.store.skipped.count - skipped_before
         if result.versions:
             self._after_merge(result)
         return result
 
-    def _set_round_clock(self, candidates: Sequence[rules.Candidate]) -> None:
+    def _set_round_clock(self, candidates: Sequence[admit.Candidate]) -> None:
         """Clock rounds (training/protocol/rounds.py): the first valid contribution to fragment 0 sets
         the islands' shared round clock, once (create-only: a racing shard's clock stands)."""
         if self.store.round_clock() is not None:
@@ -291,32 +254,14 @@ class Merger:
         ending: bool = False,
     ) -> None:
         """One fragment's merge. `ending` (control/STOP exists): contributions staler than
-        `outer.end_max_staleness` are held back (rules.held_back_at_end)."""
+        `outer.end_max_staleness` are held back (admit.judge)."""
         started = time.monotonic()
         p = head.fragment
         base_times, previous = claims.history(ms)
         round_ = claims.Round(
             claims.Limits.from_config(self.cfg), self.clock(), base_times, previous, beats
         )
-        candidates, rejected = [], {}
-        for ref in sorted(refs, key=lambda r: (r.island, r.seq)):
-            checked = rules.check_manifest(
-                self.cfg,
-                ref.id,
-                ref.island,
-                ref.seq,
-                p,
-                ref.manifest,
-                head.version,
-                round_,
-                ref.error,
-            )
-            if isinstance(checked, str):
-                rejected[ref.id] = checked
-            elif ending and (held := rules.held_back_at_end(self.cfg.outer, checked.staleness)):
-                rejected[ref.id] = held
-            else:
-                candidates.append(checked)
+        candidates, rejected = admit.judge(self.cfg, refs, p, head.version, round_, ending)
         if rejected:
             # Judge only against the current HEAD: a racing merger may have published a newer
             # version these are based on; then they wait for the next round.
@@ -332,15 +277,9 @@ class Merger:
         seen = self._seen.get(p, {})
         self._seen[p] = seen = {c.id: seen.get(c.id, now) for c in candidates}
         k, k_wait_s = self._quorum(p, candidates, active, now)
-        groups, wait = rules.select(
-            self.cfg,
-            candidates,
-            active,
-            now,
-            ms.sync_s,
-            min(seen.values(), default=now),
-            k,
-            k_wait_s,
+        first_seen = min(seen.values(), default=now)
+        groups, wait = selection.select(
+            self.cfg, candidates, active, now, ms.sync_s, first_seen, k, k_wait_s
         )
         if wait is not None:
             result.waiting_until = min(result.waiting_until or wait, wait)
@@ -352,14 +291,11 @@ class Merger:
             params, outer_tensors, shadow, params_sq = self._fragment_arrays(head, manifest)
         if broadcast.enabled(self.cfg) and shadow is None:
             shadow = {n: v.copy() for n, v in params.items()}  # S = Theta: params change below
-        state = rules.state_from_tensors(
+        state = outer.state_from_tensors(
             self.cfg.outer, self.shapes[p], outer_tensors, ms.steps, ms.seen
         )
         del outer_tensors
-        cursors = dict(ms.cursors)
-        last_claim = ms.last_claim
-        tokens_merged = int(manifest["tokens_merged"])
-        self._prefetch(groups)
+        self._reads.start(groups)
         done = apply.apply_groups(
             self.cfg,
             self.shapes[p],
@@ -368,38 +304,33 @@ class Merger:
             state,
             ms.norms,
             groups,
-            [rules.capped_weights(self.cfg.outer, g) for g in groups],
+            [selection.capped_weights(self.cfg.outer, g) for g in groups],
             len(active),
             apply.Io(
-                lambda c, *limits: self._fetch.get(c.id, (c, *limits)),
+                self._reads.payload,
                 lambda pg_id, reason: self._quarantine(pg_id, reason, result),
-                self._base_params,
+                self._reads.base_params,
             ),
             self._arena,
             params_sq,
             stages,
         )
-        state, norms, details = done.state, done.norms, done.details
+        state, details = done.state, done.details
         applied = [c.id for c in done.applied]
-        for c in done.applied:
-            cursors[c.island] = max(cursors.get(c.island, -1), c.seq)
-            tokens_merged += c.tokens
-            last_claim = claims.remember(last_claim, self._claim(c))
         if not applied:
             return
-        sync_s = 0.8 * ms.sync_s + 0.2 * (time.monotonic() - started)
+        took_s = time.monotonic() - started
         merged_at = self.clock()
-        times = claims.version_times(
-            ms, head.version + 1, merged_at, self.cfg.outer.max_staleness + 1
-        )
-        next_ms = records.MergeState(
-            steps=state.steps,
-            seen=state.seen,
-            cursors=cursors,
-            norms=tuple(norms[-rules.NORM_HISTORY :]),
-            sync_s=sync_s,
-            version_times=times,
-            last_claim=last_claim,
+        next_ms, tokens_merged = merge_state.after_merge(
+            self.cfg,
+            ms,
+            head.version + 1,
+            int(manifest["tokens_merged"]),
+            state,
+            done.norms,
+            done.applied,
+            took_s,
+            merged_at,
         )
         extra = dict(
             tokens_merged=tokens_merged,
@@ -412,36 +343,37 @@ class Merger:
                 params, shadow, self.cfg.codec, extra, self._buffers.take
             )
         full_at = self._full_ancestor(head, manifest)
-        due = self._full_due(p, head.version + 1, full_at, tokens_merged)
-        # a periodic full version goes light now and is promoted in the background (the
-        # ending ones are written full by the merge: a run ends on full versions)
-        later = due and self._full_later(tokens_merged)
-        light = not due or later
-        if light and payloads is not None:
+        how = light.plan(
+            self.cfg,
+            head.version + 1,
+            tokens_merged,
+            self.full_always,
+            self._stopped,
+            lambda: self._age_s(p, full_at),
+            payloads is not None,
+        )
+        if how.light and payloads is not None:
             payloads = {n: t for n, t in payloads.items() if n != broadcast.SHADOW}
-        # a light version with an update leaves its params out (their checksum recorded),
-        # unless stale votes read base versions' params (outer.anchor "now")
-        kept = not light or payloads is None or self.cfg.outer.anchor == "now"
         with stages("write"):
             new = self.store.publish_fragment(
                 p,
                 head.version + 1,
                 params,
-                None if light else rules.state_tensors(state),
+                None if how.light else outer.state_tensors(state),
                 extra,
                 applied,
                 expected=head,
                 payloads=payloads,
-                full_at=full_at if light else None,
-                params_kept=kept,
+                full_at=full_at if how.light else None,
+                params_kept=how.params_kept,
             )
         if new is None:
             log.info("fragment %d: lost the head race at version %d", p, head.version + 1)
             result.lost_race = True
             return
-        outer_tensors = rules.state_tensors(state)
-        self._keep_warm(p, new.dir, params, outer_tensors, shadow, done.params_sq)
-        if later:
+        outer_tensors = outer.state_tensors(state)
+        self._states.keep(p, new.dir, params, outer_tensors, shadow, done.params_sq)
+        if how.background:
             self._promotions.submit(new, params, outer_tensors, shadow)
         result.versions[p] = new.version
         result.applied += applied
@@ -468,44 +400,23 @@ class Merger:
             at = HeadPointer(head.fragment, manifest["parent_version"], manifest["parent_dir"], 0)
         return at.version == version and at.dir == directory
 
-    def _full_later(self, tokens: int) -> bool:
-        """Whether a due full version is written in the background (syncer.full_in_background,
-        full_every > 1), not by the merge: never for the run's ending merges (the last
-        drain, control/STOP, the token budget reached)."""
-        syncer = self.cfg.syncer
-        ending = self.full_always or self._stopped or tokens >= self.cfg.token_budget
-        return syncer.full_in_background and syncer.full_every > 1 and not ending
-
-    def _full_due(self, p: int, version: int, full_at: tuple[int, str], tokens: int) -> bool:
-        """Whether the new `version` is written full (docs/STORE.md, "Light versions"): always
-        with syncer.full_every = 1; else every full_every-th version, once full_every_s passed
-        since the full ancestor was written, in the syncer's last drain, once control/STOP
-        exists, and once the fragment's `tokens` merged reach the token budget (the merge that
-        ends a run on its budget, and every one after it, is full)."""
-        every, every_s = self.cfg.syncer.full_every, self.cfg.syncer.full_every_s
-        if every == 1 or version % every == 0 or self.full_always:
-            return True
-        if tokens >= self.cfg.token_budget:
-            return True
-        if every_s > 0:
-            created = self._version(HeadPointer(p, *full_at, 0))[0].get("created_at", 0.0)
-            if time.time() - float(created) >= every_s:
-                return True
-        return self._stopped
+    def _age_s(self, fragment: int, version: tuple[int, str]) -> float:
+        """Seconds since version (number, dir) of `fragment` was written (its created_at)."""
+        created = self._version(HeadPointer(fragment, *version, 0))[0].get("created_at", 0.0)
+        return time.time() - float(created)
 
     def _quorum(
-        self, p: int, candidates: Sequence[rules.Candidate], active: set[str], now: float
+        self, p: int, candidates: Sequence[admit.Candidate], active: set[str], now: float
     ) -> tuple[int | None, float | None]:
         """(K, the longest wait for it) of fragment p's merge now: `outer.quorum` as configured
         (None, None), or with "auto" the K of training/merge/quorum.auto_quorum from the live
         islands' heartbeats and the round period, waiting at most one round. Logs each change."""
         if self.cfg.outer.quorum != "auto" or not candidates:
             return None, None
-        round_s = self._round_period(candidates)
-        window = quorum.live_window(self.cfg.heartbeat_s, round_s)
-        live = quorum.live_islands(self._heartbeats, active, now, window)
-        facts = quorum.QuorumFacts(
-            len(live), round_s, quorum.slowest_download_s(live), len(self.frags)
+        step_s = selection.median_step_s(candidates)
+        round_s = quorum.round_period(self.cfg.inner.H, self._clock_period(), step_s)
+        facts = quorum.facts_of(
+            self._heartbeats, active, now, self.cfg.heartbeat_s, round_s, len(self.frags)
         )
         k = quorum.auto_quorum(facts)
         if self._k.get(p) != k:
@@ -513,157 +424,26 @@ class Merger:
             self._k[p] = k
         return k, round_s
 
-    def _round_period(self, candidates: Sequence[rules.Candidate]) -> float | None:
-        """The round period: the shared round clock's (read once: it is create-only), else H
-        times the candidates' median step time (None when no step time is known)."""
+    def _clock_period(self) -> float | None:
+        """The shared round clock's period, read once (it is create-only); None before it is
+        set, or without clock rounds."""
         if self._period is None and rounds.clock_rounds(self.cfg):
             clock = self.store.round_clock()
             self._period = None if clock is None else clock[1]
-        if self._period is not None:
-            return self._period
-        step_s = rules.median_step_s(candidates)
-        return self.cfg.inner.H * step_s if step_s > 0 else None
+        return self._period
 
     def _fragment_arrays(self, head: HeadPointer, manifest: dict):
-        """(params, outer-state tensors, broadcast shadow, the params' per-chunk sums of
-        squares or None) of the version `head` names,
-        writable: the arrays this merger published as that very version if it still holds them
-        (HEAD names the directory it wrote: the bytes are those it checksummed), else read and
-        verified from the store. The shadow is None when broadcast is off or the version has
-        none (then S = its params). Taken out of the warm set either way: the merge mutates
-        them."""
-        self._promotions.wait(head.fragment)  # its arrays may still be being written
-        warm = self._warm.pop(head.fragment, None)
-        if warm is not None and warm.dir == head.dir:
-            shadow = warm.shadow if broadcast.enabled(self.cfg) else None
-            return warm.params, warm.outer, shadow, warm.params_sq
-        if records.light_ancestor(manifest) is None:
-            arrays = apply.load_arrays(
-                self.cfg, self.store, head, manifest, self.shapes[head.fragment]
-            )
-            return (*arrays, None)
-        # a light HEAD and nothing warm (a cold start: after a crash, on another worker): its
-        # nearest full version and the merges since re-applied, each checked (replay.state_at)
-        started = time.monotonic()
-        state = replay.state_at(
-            self.cfg,
-            self.store,
-            self.shapes[head.fragment],
-            head,
-            manifest,
-            lambda version: self.store.hit_fault("merge.cold-replay"),
-        )
-        log.info(
-            "fragment %d: cold start at version %d, replayed from its full version in %.2f s",
-            head.fragment,
-            head.version,
-            time.monotonic() - started,
-        )
-        return state.params, state.outer, state.shadow, None
-
-    def _keep_warm(
-        self,
-        fragment: int,
-        directory: str,
-        params: dict,
-        outer_tensors: dict,
-        shadow: dict | None = None,
-        params_sq: dict | None = None,
-    ):
-        """Hold a just-published version's arrays (and its params' norm terms) for the next
-        merge of its fragment, within `warm_bytes` in all (the oldest let go first)."""
-        size = sum(v.nbytes for d in (params, outer_tensors, shadow or {}) for v in d.values())
-        self._warm[fragment] = Warm(directory, params, outer_tensors, shadow, size, params_sq)
-        while sum(w.nbytes for w in self._warm.values()) > self.warm_bytes:
-            self._warm.pop(next(iter(self._warm)))
+        """The writable arrays of the version `head` names (warm.FragmentStates.take)."""
+        return self._states.take(head, manifest)
 
     def promote_heads(self) -> list[int]:
         """Promote each owned fragment's light HEAD this merger holds warm (it published that
-        very version and nothing has merged it since): its params, outer state and shadow
-        written beside it (training/store/promotions.py), so that whoever merges it next starts
-        there instead of replaying the merges since its full ancestor. What the syncer does
-        before its memory goes: on SIGTERM, before deferring when idle, at the end of `diloco
-        merge`. Returns the fragments promoted now; a HEAD another merger moved is left."""
-        self._promotions.wait_all()
-        promoted = []
-        for p in self.fragments:
-            warm = self._warm.get(p)
-            head = self.store.head(p)
-            if warm is None or head is None or head.dir != warm.dir:
-                continue
-            manifest = self._version(head)[0]
-            params, outer_tensors, shadow = warm.params, warm.outer, warm.shadow
-            if broadcast.enabled(self.cfg) and shadow is None:
-                shadow = params  # S = Theta (a version made without a shadow)
-            if self.store.promote_version(head, manifest, params, outer_tensors, shadow):
-                log.info("fragment %d: promoted light version %d", p, head.version)
-                self._promotions.promoted[p] = (head.version, head.dir)  # later ones name it
-                promoted.append(p)
-        return promoted
-
-    def _load_payload(self, item) -> dict[str, np.ndarray]:
-        c, max_nbytes, max_header = item
-        return self.store.load_pseudograd(
-            self._ref(c),
-            max_nbytes,
-            max_header,
-            f" of fragment {c.fragment} in {c.codec}",
-            into=self._buffers.take,
-        )
-
-    def _prefetch(self, groups) -> None:
-        """Start fetching the payloads of `groups` in the order `_vote` sums them
-        (training/merge/fetch.py): groups, islands sorted, contributions in group order."""
-        self._fetch.close()  # an earlier merge's, if it ended early (an error)
-        order = []
-        for group in groups:
-            for c in sorted(group, key=lambda c: c.island):  # stable: group order per island
-                limits = codecs.payload_limits(self.shapes[c.fragment], c.codec)
-                order.append((c.id, (c, *limits)))
-        self._fetch = Prefetch(order, self._load_payload, self.cfg.syncer.fetch_concurrency)
-
-    def _base_params(self, fragment: int, version: int) -> dict | None:
-        """The params of fragment version `version`, for a stale vote re-anchored at the
-        fragment as it stands (apply._anchored_now). A version the store no longer holds
-        (garbage-collected) or refuses: None (the vote stays anchored at its base), logged."""
-        try:
-            at = self.store.find_version(fragment, version)
-            return self.store.load_fragment(at, max_nbytes=self._fragment_limits[fragment]).params
-        except (TransientStoreError, StoreUnreachable):
-            raise  # the store's fault, not the base's: retry later
-        except StoreError as err:  # collected (ObjectNotFound) or refused
-            log.warning(
-                "fragment %d: version %d unreadable, votes anchored at it stay so: %s",
-                fragment,
-                version,
-                err,
-            )
-            return None
-
-    @staticmethod
-    def _claim(c: rules.Candidate) -> claims.Claim:
-        step = c.manifest.get("island_step")
-        return claims.Claim(
-            c.island,
-            c.fragment,
-            c.seq,
-            0,
-            c.steps,
-            c.tokens,
-            c.published_at if "published_at" in c.manifest else None,
-            step if isinstance(step, int) else None,
-        )
-
-    def _ref(self, c: rules.Candidate) -> PseudoGradRef:
-        payload = c.manifest.get("payload")
-        return PseudoGradRef(
-            c.island,
-            c.seq,
-            c.fragment,
-            c.id,
-            dict(c.manifest),
-            payload if isinstance(payload, str) else "",
-        )
+        very version and nothing has merged it since): its full state written beside it
+        (warm.FragmentStates.promote_heads), so that whoever merges it next starts there
+        instead of replaying the merges since its full ancestor. What the syncer does before
+        its memory goes: on SIGTERM, before deferring when idle, at the end of `diloco merge`.
+        Returns the fragments promoted now; a HEAD another merger moved is left."""
+        return self._states.promote_heads(self.fragments, lambda h: self._version(h)[0])
 
     def _quarantine(self, pg_id: str, reason: str, result: MergeResult) -> None:
         self.store.quarantine(pg_id, reason)

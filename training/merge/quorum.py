@@ -58,6 +58,28 @@ def auto_quorum(f: QuorumFacts) -> int:
     return min(f.live, math.ceil(f.live / max(fit, 1)))
 
 
+def round_period(H: int, clock_period_s: float | None, step_s: float) -> float | None:
+    """The round period: the shared round clock's (`clock_period_s`), else H times the
+    candidates' median step time `step_s` (None when no step time is known)."""
+    if clock_period_s is not None:
+        return clock_period_s
+    return H * step_s if step_s > 0 else None
+
+
+def facts_of(
+    heartbeats: Mapping[str, Mapping[str, Any]],
+    active: set[str],
+    now: float,
+    heartbeat_s: float,
+    round_s: float | None,
+    fragments: int,
+) -> QuorumFacts:
+    """The facts of one fragment merge from the islands' heartbeats as the merger read them:
+    the `active` islands live within `live_window`, the slowest one's download time."""
+    live = live_islands(heartbeats, active, now, live_window(heartbeat_s, round_s))
+    return QuorumFacts(len(live), round_s, slowest_download_s(live), fragments)
+
+
 def live_window(heartbeat_s: float, round_s: float | None) -> float:
     """How old a heartbeat may be for its island to count as live."""
     return max(3.0 * heartbeat_s, 2.0 * (round_s or 0.0))

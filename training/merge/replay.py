@@ -32,7 +32,8 @@ import numpy as np
 
 from training.codecs import host as codecs
 from training.config.experiment import ExperimentConfig
-from training.merge import apply, rules
+from training.merge import admit, apply, norm_bounds
+from training.merge.outer import state_from_tensors, state_tensors
 from training.model import definition as model
 from training.model.runtime import fragment_names
 from training.protocol import broadcast
@@ -225,8 +226,8 @@ def _promoted(cfg, store: ExperimentStore, shapes, chain, v: int, full: int) -> 
                 if got != {n: (np.dtype(np.float32), tuple(s)) for n, s in shapes.items()}:
                     raise ValueError(f"promoted {what} do not fit the fragment")
             ms = records.merge_state_of(chain[u][1])
-            rules.state_from_tensors(cfg.outer, shapes, outer, ms.steps, ms.seen)
-            rules.check_outer_state_bound(cfg.outer, outer, ms.norms)
+            state_from_tensors(cfg.outer, shapes, outer, ms.steps, ms.seen)
+            norm_bounds.check_outer_state_bound(cfg.outer, outer, ms.norms)
         except ValueError as err:
             log.warning(
                 "fragment %d version %d: promotion passed over: %s", chain[u][0].fragment, u, err
@@ -364,7 +365,7 @@ def _rederive(cfg, store, shapes, chain, v: int, parent: State) -> State:
         if ref is None:
             raise _Stop(CANNOT, f"contribution {r['id']} was collected")
         island, seq, frag = records.parse_pseudograd_id(r["id"])
-        got = rules.check_manifest(
+        got = admit.check_manifest(
             cfg, r["id"], island, seq, frag, ref.manifest, parent_version, None, ref.error
         )
         if isinstance(got, str):
@@ -381,7 +382,7 @@ def _rederive(cfg, store, shapes, chain, v: int, parent: State) -> State:
     if broadcast.enabled(cfg) and shadow is None:
         shadow = {n: val.copy() for n, val in params.items()}
     ms = records.merge_state_of(chain[parent_version][1])
-    state = rules.state_from_tensors(cfg.outer, shapes, outer_tensors, ms.steps, ms.seen)
+    state = state_from_tensors(cfg.outer, shapes, outer_tensors, ms.steps, ms.seen)
     reanchored = {r["id"]: r.get("reanchored") for r in recs}
 
     def payload(c, max_nbytes, max_header):
@@ -447,7 +448,7 @@ def _rederive(cfg, store, shapes, chain, v: int, parent: State) -> State:
         )
     except CorruptObject as err:
         raise _Stop(DIFFERS, f"its stored payloads do not match its manifest: {err}") from None
-    outer = rules.state_tensors(done.state)
+    outer = state_tensors(done.state)
     if stored is None:
         _compare_sum(params, summed)
     else:

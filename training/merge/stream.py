@@ -8,7 +8,7 @@ into one vote). So a merge touches each contribution's bytes twice (its norm, th
 into the accumulator) and never holds a decoded copy of it.
 
 `sq_norms` computes a vote's squared norms (all tensors, and the RDA body) in one pass and
-checks finiteness on the way; `Combiner` (training/merge/rules.py) folds a vote with them.
+checks finiteness on the way; `Combiner` (training/merge/combine.py) folds a vote with them.
 Chunks come from `codecs.chunk_spans` (about 512 KiB of float32: within a core's L2).
 """
 

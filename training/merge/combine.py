@@ -1,0 +1,125 @@
+"""The combiner: islands' votes folded into one update for a fragment, tensor by tensor, in
+float32 (radial-directional averaging over the non-embedding tensors, the weighted mean for
+embeddings). It holds one fragment-sized accumulator, never every contribution, and never a
+decoded one; votes are folded together chunk by chunk, at the latest once they hold
+`FOLD_BYTES` of payload.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from training.merge import stream as merge_stream
+from training.protocol.fragments import is_embedding
+
+# Votes a Combiner holds before folding them (their payloads' bytes): beyond it they are folded
+# into the accumulators and let go (the same bits, one more pass over the accumulators).
+FOLD_BYTES = 4 * 2**30
+
+
+class Combiner:
+    """Folds weighted votes into one update for a fragment, tensor by tensor, in float32.
+
+    RDA (arXiv 2604.21428) over the non-embedding tensors taken together as one vector:
+    `(sum w |v| / sum w) * unit(sum w unit(v))`; the weighted mean for embedding tensors (and
+    for everything when rda=False). One accumulator per tensor; a vote (a dict of arrays, or a
+    training/merge_stream.Vote read chunk by chunk) is folded in once.
+    """
+
+    def __init__(
+        self,
+        shapes: Mapping[str, tuple[int, ...]],
+        rda: bool,
+        arena: merge_stream.Arena | None = None,
+    ):
+        self.rda = rda
+        self.shapes = dict(shapes)
+        # the accumulators (set by the 1st vote): views of `arena`, reused merge after merge
+        # (no fragment-sized allocation, no page faults), else new arrays
+        arena = arena or merge_stream.Arena()
+        self.acc = arena.tensors(self.shapes)
+        self.body = [n for n in shapes if rda and not is_embedding(n)]
+        self.total_weight = 0.0
+        self.norm_sum = 0.0  # sum w |v_body|
+        self.votes = 0
+        self.scratch = arena.scratch  # one chunk, shared with the merger's reads
+        # votes added but not yet folded: (vote, its coefficient per tensor), folded together
+        # chunk by chunk (`_fold`) when finish() is called or they hold FOLD_BYTES of payload
+        self._pending: list[tuple[merge_stream.Vote, dict[str, np.float32]]] = []
+        self._pending_bytes = 0
+        self._folded = 0  # votes already in the accumulators
+
+    def add(self, vote: Any, weight: float, scale: float = 1.0, body_sq: float | None = None):
+        """Fold one island's vote (scaled by `scale`, e.g. a clip) with `weight`; `body_sq`:
+        the vote's squared body norm if already known (merge_stream.sq_norms). The fold itself
+        waits for the next votes (`_fold`: one pass over the accumulators for all of them)."""
+        if weight <= 0:
+            raise ValueError(f"vote weight must be positive, got {weight}")
+        if not isinstance(vote, merge_stream.Vote):
+            vote = merge_stream.DenseVote(vote)
+        if body_sq is None:
+            body_sq = merge_stream.sq_norms(vote, self.shapes, self.body, self.scratch)[1]
+        body_norm = math.sqrt(body_sq) * scale
+        direction = np.float32(weight * scale / body_norm) if body_norm > 0 else np.float32(0)
+        mean = np.float32(weight * scale)
+        body = set(self.body)
+        self._pending.append((vote, {n: direction if n in body else mean for n in self.shapes}))
+        self._pending_bytes += vote.nbytes
+        if self._pending_bytes > FOLD_BYTES:
+            self._fold(sums=False)
+        self.total_weight += weight
+        self.norm_sum += weight * body_norm
+        self.votes += 1
+
+    def finish(self) -> tuple[dict[str, np.ndarray], dict[str, list[np.float32]]]:
+        """(accumulators, per-tensor gains): the combined update is acc[n] x gains[n]
+        (outer_step_ applies them chunk by chunk; the Combiner is spent)."""
+        if not self.votes:
+            raise ValueError("no votes to combine")
+        inv = np.float32(1.0 / self.total_weight)
+        body = set(self.body)
+        body_sq = self._fold(sums=bool(body))
+        gains = {n: [inv] for n in self.acc if n not in body}
+        if body:
+            # the body accumulators' norm from the sums the last fold took of each chunk
+            direction_norm = math.sqrt(merge_stream.sq_total(body_sq, self.body))
+            target = self.norm_sum / self.total_weight
+            factor = np.float32(target / direction_norm) if direction_norm > 0 else np.float32(0)
+            gains.update({n: [factor] for n in self.body})
+        return self.acc, gains
+
+    def _fold(self, sums: bool) -> dict[str, list[float]]:
+        """Fold the pending votes into the accumulators, tensor by tensor, chunk by chunk, every
+        vote into a chunk before the next chunk (merge_stream.fold_votes): element by element
+        the operations of folding them one after another, in one pass over the accumulators;
+        returns, with `sums`, the body tensors' per-chunk sums of squares after it."""
+        out: dict[str, list[float]] = {}
+        if self._pending:
+            for n in self.shapes:
+                got = merge_stream.fold_votes(
+                    [(vote, coefs[n]) for vote, coefs in self._pending],
+                    n,
+                    self.acc[n].reshape(-1),
+                    self._folded == 0,
+                    self.scratch,
+                    sums and n in self.body,
+                )
+                if got is not None:
+                    out[n] = got
+            self._folded += len(self._pending)
+            self._pending, self._pending_bytes = [], 0
+        elif sums:  # nothing pending (a fold at FOLD_BYTES took the last vote): a pass
+            out = merge_stream.chunk_sq_of(self.acc, self.body)
+        return out
+
+    def result(self) -> dict[str, np.ndarray]:
+        """The combined update (in place in the accumulators: the Combiner is spent)."""
+        acc, gains = self.finish()
+        for n, factors in gains.items():
+            for f in factors:
+                acc[n] *= f
+        return acc
