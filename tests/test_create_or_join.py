@@ -10,9 +10,9 @@ from diloco_airflow.params import config_from_params
 from tests.helpers import small_dag_params
 from training import cli
 from training.config.experiment import ConfigError
-from training.merge.create import create_or_join
 from training.store.experiment import ExperimentStore
 from training.store.registry import open_store
+from training.usecases.create import create_or_join
 
 NAME = "both"
 

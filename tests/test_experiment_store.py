@@ -139,7 +139,7 @@ def test_a_config_json_with_a_retired_field_still_loads_joins_and_rewrites(exp):
     """eval_every_versions (removed from the config, which forbids unknown keys) in a
     config.json stored before: dropped on read, so the experiment loads and can be joined."""
     from training.config.experiment import parse_config
-    from training.merge.create import add_islands
+    from training.usecases.create import add_islands
 
     cfg = json.loads(parse_config({"name": "exp", "data": {"num_shards": 3}}).to_json())
     old = {**cfg, "eval_every_versions": 5, "layout": 2}
@@ -169,8 +169,8 @@ def test_a_store_of_another_layout_is_refused_with_one_line(exp, reader, layout)
 
 def test_the_store_stores_a_join_but_does_not_decide_it():
     """The join rule is the config's (`check_same_settings`, `join_islands`), applied by the
-    caller (training/merge/create.py) through `update_config`: no module of the store names it,
-    and `ExperimentStore` has no join of its own."""
+    caller (training/usecases/create.py) through `update_config`: no module of the store names
+    it, and `ExperimentStore` has no join of its own."""
     import ast
     from pathlib import Path
 

@@ -117,7 +117,7 @@ def test_a_mistyped_config_key_says_what_it_meant(tmp_path, capsys):
 
 
 def test_a_failed_init_after_writing_removes_what_it_wrote(tmp_path, monkeypatch):
-    from training.merge import create
+    from training.usecases import create
 
     def broken_eval(*_):
         raise RuntimeError("the first eval failed")

@@ -10,9 +10,9 @@ import pytest
 from tests.gcs_fixture import BACKENDS, gcs_bucket, open_backend  # noqa: F401
 from tests.helpers import new_store, publish_delta, random_delta, small_config, small_dag_params
 from training.config.experiment import ConfigError, join_islands, parse_config
-from training.merge.create import add_islands
 from training.merge.merger import Merger
 from training.store.experiment import ExperimentStore
+from training.usecases.create import add_islands
 
 
 def _cfg(num_shards=None, islands=("a", "b"), **sections):

@@ -53,6 +53,19 @@ TRAINING_ROLES = {
         "island",
         "merge",
     },
+    # the use cases a command and its Airflow task share (create_or_join)
+    "usecases": {
+        "config",
+        "store",
+        "data",
+        "codecs",
+        "protocol",
+        "model",
+        "faults",
+        "island",
+        "merge",
+        "views",
+    },
 }
 TOP_ROLES = {"cli", "bench"}  # the entry point and the benchmarks
 

@@ -15,9 +15,9 @@ from tests.helpers import small_config
 from training.config.experiment import ConfigError
 from training.data import corpus as data
 from training.data import tokenizer as tk
-from training.merge.create import create_or_join
 from training.store.experiment import ExperimentStore
 from training.store.registry import open_store
+from training.usecases.create import create_or_join
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog. " * 4,

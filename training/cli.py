@@ -73,9 +73,9 @@ def _config_fields_help() -> str:
 
 
 def cmd_init(args) -> int:
-    from training.merge.create import create_or_join
     from training.store.experiment import ExperimentStore
     from training.store.registry import open_store
+    from training.usecases.create import create_or_join
 
     # --name and --store win over the file's (which need not have them)
     names = {"name": args.name, "store_url": args.store}

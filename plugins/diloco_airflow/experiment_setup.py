@@ -96,14 +96,14 @@ def init_experiment(params: dict[str, Any]) -> dict[str, list]:
     syncer's shards (``"shards": [0, ..., S-1]``, one mapped merge task each).
 
     The checks, the create-or-join, version 0 and its first eval are the library's
-    (`training.merge.create.create_or_join`, also `diloco init`), with this DAG's own check that
+    (`training.usecases.create.create_or_join`, also `diloco init`), with this DAG's own check that
     it offers every island's backend. Joining (the experiment exists): every setting but the
     island list must equal the stored config; islands not in it yet are added by
     compare-and-swap on config.json (each needs a free data shard, see docs/STORE.md); islands
     already in it must be asked for with the same settings.
     """
     from diloco_airflow.params import config_from_params
-    from training.merge.create import create_or_join
+    from training.usecases.create import create_or_join
 
     cfg = config_from_params(params)
     warning = budget_warning(cfg)

@@ -302,8 +302,8 @@ def parse_sets(items: list[str]) -> dict[str, Any]:
 
 # -- joining a running experiment: the one rule (docs/STORE.md, "Joining and leaving") ---------
 # 1. every setting but the island list must equal the stored config's (`check_same_settings`);
-# 2. the islands are joined by `join_islands` (`training.merge.create.add_islands` applies it to
-#    config.json by compare-and-swap: the store stores, it does not decide).
+# 2. the islands are joined by `join_islands` (`training.usecases.create.add_islands` applies it
+#    to config.json by compare-and-swap: the store stores, it does not decide).
 
 
 def check_same_settings(existing: dict[str, Any], new: dict[str, Any]) -> None:

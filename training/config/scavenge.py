@@ -140,7 +140,7 @@ def hardware_for(cfg: ScavengeConfig) -> dict[str, Any]:
 
 
 def scavenged_islands(cfg: ScavengeConfig) -> list[dict[str, Any]]:
-    """The island configs a window joins (`training.merge.create.add_islands` / the experiment
+    """The island configs a window joins (`training.usecases.create.add_islands` / the experiment
     form's ``islands``): the slots, with no shard (the join gives each the lowest free one, and
     a slot already in the experiment keeps its own)."""
     hw = hardware_for(cfg)

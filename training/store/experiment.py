@@ -328,7 +328,7 @@ class ExperimentStore(
         is called again on the fresh config when another writer changed it in between. Returns
         the config as written. ObjectNotFound if the experiment has no config. The store
         decides nothing here: a join passes the config's join rule as `change`
-        (`training.merge.create.add_islands`).
+        (`training.usecases.create.add_islands`).
         """
         key = self.object_key(self.CONFIG)
         for attempt in range(attempts):
