@@ -144,8 +144,11 @@ class ExperimentConfig(_Frozen):
         """H for this island: DyLU scales it with the island's step rate,
         `H_m = floor(H * rate_m / max_j rate_j)`, so every island's round takes about the same
         time whatever its hardware and batch (and, with token weighting, an island's vote
-        counts what it trained: tokens = H_m x its batch x seq_len)."""
-        if not self.inner.dylu:
+        counts what it trained: tokens = H_m x its batch x seq_len). The synchronous baseline
+        (`outer.method = "sync"`) ignores DyLU: each of its rounds waits for every island, and
+        every island trains H steps in it. The one rule of an island's H, for the island (its
+        publish cadence) and the syncer (the round clock's period)."""
+        if not self.inner.dylu or self.outer.method == "sync":
             return self.inner.H
         top = max(self.step_rate(i.name) for i in self.islands)
         return max(1, int(self.inner.H * self.step_rate(name) / top))

@@ -235,7 +235,9 @@ class InnerConfig(_Frozen):
     grad_clip: float = Field(1.0, gt=0, description="clip the gradient's global norm to this")
     H: int = Field(20, gt=0, description="inner steps between publishes (the fastest island's)")
     dylu: bool = Field(
-        True, description="DyLU: an island's H scales with its speed relative to the fastest"
+        True,
+        description="DyLU: an island's H scales with its speed relative to the fastest "
+        "(outer.method sync ignores it)",
     )
     tau: int = Field(1, ge=0, description="overlap steps between publish and adopting the merge")
     alpha: float = Field(0.0, ge=0, lt=1, description="blend: theta <- a*theta + (1-a)*global")

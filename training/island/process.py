@@ -145,7 +145,7 @@ class Island:
         self.faults = faults
         self.chaos = chaos
         self.spec = cfg.island(name)
-        self.H = cfg.inner_steps(name) if cfg.outer.method != "sync" else cfg.inner.H
+        self.H = cfg.inner_steps(name)  # H_m (DyLU; sync ignores it: the config's rule)
         self.P = cfg.fragments.count
         self.frags = fragment_names(cfg)
         self.loop = loop_for(cfg, name)
