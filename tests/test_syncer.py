@@ -13,9 +13,9 @@ import pytest
 
 from tests.gcs_fixture import gcs_bucket  # noqa: F401
 from tests.helpers import FakeClock, new_store, publish_delta, small_config
+from training.merge.evaluator import Evaluator
 from training.merge.merger import MergeResult
 from training.merge.syncer import (
-    Evaluator,
     Lease,
     ShardLease,
     ShardSyncer,

@@ -169,7 +169,7 @@ class EvaluatorOperator(BaseOperator):
 
     def _run(self, evaluated: str | None, last_eval_at: float):
         import training.model.evaluate  # noqa: F401 - jax: imported now, not at the first eval
-        from training.merge.syncer import Evaluator
+        from training.merge.evaluator import Evaluator
 
         estore = _open(self.store_url, self.experiment)
         ev = Evaluator(
@@ -313,7 +313,8 @@ class EvalTrigger(PollingTrigger):
         return "evaluator"
 
     def poll(self) -> dict[str, Any] | None:
-        from training.merge.syncer import ShardView, latest_merge
+        from training.merge.evaluator import latest_merge
+        from training.merge.syncer import ShardView
 
         if self._view is None:
             estore = store.open_experiment(self.store_url, self.experiment)

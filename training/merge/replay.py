@@ -19,6 +19,11 @@ again: replay re-applies the recorded decision, and reports what the arithmetic 
 Everything read is untrusted and read through the store's strict readers; a record replay
 needs that is missing or malformed makes that version "CANNOT" (so does a contribution or a
 parent version whose payloads were garbage-collected), never a crash.
+
+Length: past 500 lines, one walk of a fragment's chain: `replay` (the check) and `state_at` (a
+cold start) re-derive a version by the same `_rederive` from the same `State` and chain, and
+their verdicts (`_Stop`) and comparisons are one set; split, each half would import the other's
+privates.
 """
 
 from __future__ import annotations
