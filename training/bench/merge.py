@@ -28,11 +28,12 @@ import os
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import numpy as np
+
+from training.bench import merge_size
 
 COMPUTED = ("1b", "12b")
 WARM_REPEATS = 3  # warm merges timed (the best is reported; the peak is the highest)
@@ -130,7 +131,8 @@ def measure(url: str, preset: str, P: int, M: int, codec: str, fragment: int) ->
         kind = "cold" if round_ == 0 else "warm"
         if round_:
             _publish(store, cfg, fragment, M, codec, round_, round_, np.random.default_rng(round_))
-        seconds, peak, applied = _timed(merger)
+        got = merge_size.timed_merge(merger)
+        seconds, peak, applied = got["seconds"], got["peak_rss_bytes"], got["applied"]
         if applied != M:
             raise RuntimeError(f"{kind} merge applied {applied} of {M} contributions")
         best = out.get(kind, dict(seconds=math.inf, peak_rss_bytes=0))
@@ -139,32 +141,6 @@ def measure(url: str, preset: str, P: int, M: int, codec: str, fragment: int) ->
             peak_rss_bytes=max(best["peak_rss_bytes"], peak),
         )
     return out
-
-
-def _timed(merger) -> tuple[float, int, int]:
-    """(seconds, peak RSS above the baseline, contributions applied) of one merge_once."""
-    baseline = _rss()
-    peak_rss = [baseline]
-    done = threading.Event()
-
-    def sample() -> None:  # RSS every millisecond (ru_maxrss would include start-up peaks)
-        while not done.wait(0.001):
-            peak_rss[0] = max(peak_rss[0], _rss())
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    t = time.perf_counter()
-    r = merger.merge_once()
-    seconds = time.perf_counter() - t
-    done.set()
-    sampler.join()
-    peak = max(peak_rss[0], _rss()) - baseline
-    return seconds, max(0, peak), len(r.applied)
-
-
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def memcpy_seconds(nbytes: int, repeats: int = 3) -> float:
@@ -404,8 +380,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _at_size(ap: argparse.ArgumentParser, args) -> int:
-    from training.bench import merge_size
-
     preset, _, P = args.at_size.partition(":")
     if not P.isdigit() or int(P) < 1:
         ap.error(f"--at-size takes PRESET:P (e.g. 12b:24), got {args.at_size!r}")

@@ -70,19 +70,21 @@ def _largest(cfg) -> tuple[int, dict]:
     return p, frags[p]
 
 
-def _rss() -> int:
+def rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _timed(merger) -> dict:
-    baseline = _rss()
+def timed_merge(merger) -> dict:
+    """One `merger.merge_once()`: its seconds, contributions applied, stages, and peak RSS
+    above the baseline before it (sampled every 2 ms: ru_maxrss would include start-up)."""
+    baseline = rss_bytes()
     peak = [baseline]
     done = threading.Event()
 
     def sample() -> None:
         while not done.wait(0.002):
-            peak[0] = max(peak[0], _rss())
+            peak[0] = max(peak[0], rss_bytes())
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
@@ -95,7 +97,7 @@ def _timed(merger) -> dict:
         seconds=seconds,
         applied=len(result.applied),
         stages=dict(result.stages),
-        peak_rss_bytes=max(0, max(peak[0], _rss()) - baseline),
+        peak_rss_bytes=max(0, max(peak[0], rss_bytes()) - baseline),
     )
 
 
@@ -148,7 +150,7 @@ def measure(preset: str, P: int, K: int, codec: str, repeats: int, threads: int,
 
     def merge(merger, seq: int) -> dict:
         publish(seq, seq)
-        got = _timed(merger)
+        got = timed_merge(merger)
         if got["applied"] != K:
             raise RuntimeError(f"a merge applied {got['applied']} of {K} contributions")
         return got
