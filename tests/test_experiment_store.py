@@ -741,3 +741,17 @@ def test_sha256_manifests_of_older_stores_still_verify(exp):
     exp.store.write(f"exp/{head.dir}/manifest.json", dump_json(legacy))
     loaded = exp.load_fragment(exp.head(0), outer_state=True)
     assert sorted(loaded.params) == sorted(_fragment(0, 0.0))
+
+
+def test_config_is_the_stored_config_parsed_and_checked():
+    from tests.helpers import new_store, small_config
+    from training.config.experiment import ConfigError
+
+    cfg = small_config(name="typed")
+    store = new_store(cfg)
+    assert store.config() == cfg  # the typed config, validated
+    raw = json.loads(store.store.read(store.object_key("config.json")))
+    raw["inner"]["H"] = 0  # no longer a valid config (H >= 1)
+    store.store.write(store.object_key("config.json"), json.dumps(raw).encode())
+    with pytest.raises(ConfigError, match="invalid config"):
+        store.config()

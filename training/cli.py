@@ -60,7 +60,7 @@ def _open(store_url: str, experiment: str, faults=None):
 
 def _load(args, faults=None) -> tuple[ExperimentConfig, object]:
     estore = _open(args.store, args.experiment, faults)
-    return parse_config(estore.read_config()), estore
+    return estore.config(), estore
 
 
 def _config_fields_help() -> str:
@@ -154,7 +154,7 @@ def cmd_merge(args) -> int:
                 print(f"promoted the light HEADs of fragments {promoted}", flush=True)
             return 0
         stop.wait(args.poll)
-        latest = parse_config(estore.read_config())
+        latest = estore.config()
         if latest != cfg:  # islands joined: a new merger sees them
             cfg, merger = latest, Merger(latest, estore)
 

@@ -35,11 +35,10 @@ def run_chaos_monkey(
     Islands of other backends are not killed (logged: unsupported).
     """
     from diloco_airflow.backends import BACKENDS
-    from training.config.experiment import parse_config
     from training.faults.chaos import recorder, start_monkey
 
     estore = store.open_experiment(store_url, experiment)
-    cfg = parse_config(estore.read_config())
+    cfg = estore.config()
     if cfg.chaos.kill_mtbi_s is None:
         log.info("%s: chaos.kill_mtbi_s is not set: no kill monkey", experiment)
         return {"kills": []}

@@ -26,7 +26,6 @@ def merge_experiments(experiments: list[dict[str, Any]]) -> list[dict[str, Any]]
     store's metrics; it repairs the ledger and merges on). An armed kill is in this experiment's
     store only: the next experiment's merge starts from the task's plan again.
     """
-    from training.config.experiment import parse_config
     from training.faults.chaos import for_process
     from training.merge.merger import Merger
 
@@ -34,7 +33,7 @@ def merge_experiments(experiments: list[dict[str, Any]]) -> list[dict[str, Any]]
     faults = knobs.fault_plan()
     for e in experiments:
         estore = store.open_experiment(e["store_url"], e["experiment"], faults)
-        cfg = parse_config(estore.read_config())
+        cfg = estore.config()
         estore = for_process(cfg, estore, "merge")
         versions, applied, quarantined = [], 0, 0
         for r in Merger(cfg, estore).merge_all():
@@ -69,7 +68,6 @@ def finalize_experiment(store_url: str, experiment: str, run_id: str | None = No
     it claims `control/finalized.json` (create-only, `claim_finalize`) before its final eval
     and restore; a finalize of another run (two runs of one experiment ending together, or a
     later run) then evaluates and restores nothing."""
-    from training.config.experiment import parse_config
     from training.merge.replay import arrays_of, params_of
     from training.merge.syncer import claim_finalize
     from training.model.evaluate import (
@@ -81,7 +79,7 @@ def finalize_experiment(store_url: str, experiment: str, run_id: str | None = No
 
     merged = merge_experiments([{"store_url": store_url, "experiment": experiment}])
     estore = store.open_experiment(store_url, experiment)
-    cfg = parse_config(estore.read_config())
+    cfg = estore.config()
     over = {i.name for i in cfg.islands} <= set(estore.done()) and not any(
         estore.pending().values()
     )

@@ -78,6 +78,5 @@ class DilocoStoreHook(BaseHook):  # type: ignore[misc]
             check()
 
     def read_config(self, name: str):
-        from training.config.experiment import parse_config
 
-        return parse_config(self.experiment(name).read_config())
+        return self.experiment(name).config()

@@ -39,11 +39,10 @@ def _open(store_url: str, experiment: str, chaos: bool = False, arm_kill: bool =
     configured."""
     if not chaos:
         return store.open_experiment(store_url, experiment)
-    from training.config.experiment import parse_config
     from training.faults.chaos import arm_merge_kill, chaos_store
 
     estore = store.open_experiment(store_url, experiment, knobs.fault_plan())
-    cfg = parse_config(estore.read_config())
+    cfg = estore.config()
     if arm_kill:  # chaos.kill_merge_at: one merge process, shard 0's (never two at once)
         estore = estore.with_faults(arm_merge_kill(cfg, estore, estore.faults))
     return chaos_store(estore, cfg.chaos)

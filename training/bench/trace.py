@@ -21,7 +21,6 @@ from collections.abc import Callable, Iterable
 
 import numpy as np
 
-from training.config.experiment import parse_config
 from training.merge import replay
 from training.store import merge_records as records
 
@@ -60,7 +59,7 @@ class MergeTracer:
             if records.params_sum(manifest) is None:
                 params = store.load_fragment(head, manifest=manifest).params
             else:  # a light version without params: replayed
-                params = replay.params_at(parse_config(store.read_config()), store, head, manifest)
+                params = replay.params_at(store.config(), store, head, manifest)
             self._prev[head.fragment] = (head.version, params)
 
     def before_merge(self) -> None:
@@ -87,7 +86,7 @@ class MergeTracer:
             g = store.load_fragment(ptr, outer_state=True, manifest=manifest)
             params, outer = g.params, g.outer_state
         else:  # a light version (syncer.full_every > 1): its state replayed, checked
-            cfg = parse_config(store.read_config())
+            cfg = store.config()
             params, outer = replay.arrays_of(cfg, store)(ptr, manifest)
         contribs = []
         for c in manifest.get("contributions", []):
@@ -123,7 +122,7 @@ class MergeTracer:
             eval_loss=None,
         )
         if self.evaluate is not None and version % self.eval_every == 0:
-            cfg = cfg or parse_config(store.read_config())
+            cfg = cfg or store.config()
             row["eval_loss"] = float(
                 self.evaluate(store.load_params(None, replay.params_of(cfg, store)))
             )

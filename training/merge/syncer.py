@@ -47,7 +47,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from training.config.experiment import ExperimentConfig, parse_config
+from training.config.experiment import ExperimentConfig
 from training.store.experiment import ExperimentStore
 from training.store.keys import lease_key, run_marker_key
 from training.store.objectstore import (
@@ -221,7 +221,7 @@ class ShardView:
         self.run_id = run_id
 
     def config(self) -> ExperimentConfig:
-        return parse_config(self.estore.read_config())
+        return self.estore.config()
 
     def fragments(self, cfg: ExperimentConfig) -> list[int]:
         return shard_fragments(cfg.fragments.count, cfg.syncer.shards, self.shard)

@@ -27,7 +27,7 @@ from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
-from training.config.experiment import without_retired_fields
+from training.config.experiment import ExperimentConfig, parse_config, without_retired_fields
 from training.config.names import validate_name
 from training.store import island_records, safejson
 from training.store.commit import Commit, CommitPoints
@@ -318,6 +318,13 @@ class ExperimentStore(
                 f"{LAYOUT_VERSION} only (start a new experiment, or use the release that wrote it)"
             )
         return cfg
+
+    def config(self) -> ExperimentConfig:
+        """config.json read (read_config) and validated (parse_config): the one place a
+        caller gets the experiment's typed config from the store. Read afresh each call
+        (joins add islands to it by compare-and-swap). ConfigError when the stored config no
+        longer validates."""
+        return parse_config(self.read_config())
 
     def update_config(
         self, change: Callable[[dict[str, Any]], dict[str, Any]], attempts: int = 20

@@ -27,7 +27,6 @@ def _iso(t: Any) -> str | None:
 # ------------------------------------------------------------------ list
 def list_rows(store) -> list[dict[str, Any]]:
     """Every experiment in `store`, summarised (an unreadable one says why)."""
-    from training.config.experiment import parse_config
     from training.store.experiment import ExperimentStore
     from training.views.catalog import list_experiments
     from training.views.dashboard import experiment_summary
@@ -36,7 +35,7 @@ def list_rows(store) -> list[dict[str, Any]]:
     for name in list_experiments(store):
         estore = ExperimentStore(store, name)
         try:
-            rows.append(experiment_summary(parse_config(estore.read_config()), estore))
+            rows.append(experiment_summary(estore.config(), estore))
         except Exception as exc:  # one broken experiment must not hide the others
             rows.append(dict(experiment=name, store=store.url, error=str(exc).splitlines()[0]))
     return rows

@@ -67,14 +67,14 @@ def create_app(source: StaticSource | None = None) -> FastAPI:
     def open_known(store: str, experiment: str):
         """(cfg, estore) of a known store's experiment; 404 otherwise, 502 if unreadable."""
         from diloco_airflow.store import open_experiment
-        from training.config.experiment import ConfigError, parse_config
+        from training.config.experiment import ConfigError
         from training.store.objectstore import ObjectNotFound, StoreError
 
         if store not in known_stores():
             raise HTTPException(status.HTTP_404_NOT_FOUND, f"unknown store {store!r}")
         try:
             estore = open_experiment(store, experiment)
-            return parse_config(estore.read_config()), estore
+            return estore.config(), estore
         except (ValueError, ObjectNotFound):
             raise HTTPException(
                 status.HTTP_404_NOT_FOUND, f"no experiment {experiment!r} in {store}"
@@ -94,7 +94,6 @@ def create_app(source: StaticSource | None = None) -> FastAPI:
     @app.get("/api/experiments")
     def experiments(user: Reader, run_id: str | None = Query(None, max_length=250)) -> dict:
         from diloco_airflow.store import open_experiment
-        from training.config.experiment import parse_config
         from training.store.registry import open_store
         from training.views.catalog import list_experiments
 
@@ -108,7 +107,7 @@ def create_app(source: StaticSource | None = None) -> FastAPI:
             for name in names:
                 try:
                     estore = open_experiment(store, name)
-                    cfg = parse_config(estore.read_config())
+                    cfg = estore.config()
                     row = dashboard.experiment_summary(cfg, estore)
                 except Exception as exc:
                     row = dict(experiment=name, store=store, error=str(exc).splitlines()[0][:300])

@@ -19,7 +19,6 @@ import argparse
 import json
 import time
 
-from training.config.experiment import parse_config
 from training.store.experiment import ExperimentStore
 from training.store.registry import open_store
 
@@ -50,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--merges-out", default=None, help="the merger's records, written at exit")
     args = p.parse_args(argv)
     estore = ExperimentStore(open_store(args.store), args.experiment)
-    cfg = parse_config(estore.read_config())
+    cfg = estore.config()
     try:
         return _follow(args, cfg, estore)
     finally:

@@ -22,7 +22,6 @@ import json
 import time
 from pathlib import Path
 
-from training.config.experiment import parse_config
 from training.faults.chaos import IslandChaos
 from training.faults.points import FaultPlan
 from training.island.process import Island
@@ -96,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     faults = FaultPlan.from_env()  # one plan: the island's step and its store's points
     estore = ExperimentStore(open_store(args.store), args.experiment, faults=faults)
-    cfg = parse_config(estore.read_config())
+    cfg = estore.config()
     if args.checkpoints:
         estore = RegionalCheckpoints(
             estore, ExperimentStore(open_store(args.checkpoints), args.experiment)
