@@ -225,35 +225,31 @@ def test_native_chunk_sums_are_each_chunks():
 
 
 @needs_native
-@pytest.mark.parametrize("codec", ["int8", "int4", "int2"])
-@pytest.mark.parametrize("accumulate", [False, True])
-def test_decode_span_is_decode_chunk_per_chunk_with_its_sums(codec, accumulate):
+@pytest.mark.parametrize("init", [False, True])
+def test_votes_folded_in_one_c_loop_are_decode_chunk_vote_after_vote(init, numpy_only):
+    # int8, int4 and int2 votes with their coefficients folded into the scales, over a tensor
+    # of 2 chunks and 1001 elements: the C loop (chunk by chunk, every vote into a chunk) gives
+    # the bits of decoding each vote over the whole tensor in turn, and each chunk's sums
+    from training.merge import stream as merge_stream
+
     x = np.random.default_rng(5).normal(0, 1, 2 * codecs.chunk_step() + 1001).astype(np.float32)
-    payload, _ = codecs.encode({"w": x}, codec)
-    codes = codecs.tensor_codes(payload, "w", codec)
+    codes = [_codes(c, x * (i + 1)) for i, c in enumerate(("int8", "int4", "int2"))]
+    votes = [(merge_stream.PayloadVote({"w": c}), np.float32(0.5 + i)) for i, c in enumerate(codes)]
     base = np.random.default_rng(6).normal(0, 1, x.size).astype(np.float32)
-    want, want_sums = base.copy(), []
-    for s, e in codecs.chunk_spans(x.size):
-        codecs.decode_chunk(codes, s, e, want[s:e], accumulate=accumulate)
-        want_sums.append(_numpy_sq(want[s:e]))
-    got, sums = base.copy(), np.empty(3, np.float64)
-    assert codecs.decode_span(codes, 0, x.size, got, accumulate=accumulate, sums=sums)
-    assert _bits([got]) == _bits([want]) and sums.tolist() == want_sums
 
+    def fold():
+        acc = base.copy()
+        sums = merge_stream.fold_votes(votes, "w", acc, init, merge_stream.scratch(), True)
+        return _bits([acc]), sums
 
-@needs_native
-def test_decode_span_stops_at_the_chunk_with_a_bad_code():
-    x = np.random.default_rng(5).normal(0, 1, 3 * codecs.chunk_step()).astype(np.float32)
-    payload, _ = codecs.encode({"w": x}, "int8")
-    bad_at = codecs.chunk_step() + 5  # in the second chunk: one chunk done before it
-    payload["w"].reshape(-1)[bad_at] = -128
-    codes = codecs.tensor_codes(payload, "w", "int8")
-    sums = np.full(3, -1.0)
-    with pytest.raises(codecs.BadCodes, match="codes outside") as err:
-        codecs.decode_span(
-            codes, 0, x.size, np.empty(codecs.chunk_step(), np.float32), scratch=True, sums=sums
-        )
-    assert err.value.done == 1 and sums[0] >= 0 and sums[1:].tolist() == [-1.0, -1.0]
+    want_acc = base.copy()
+    for k, (vote, coef) in enumerate(votes):
+        folded = vote.codes["w"]._replace(scales=vote.codes["w"].scales * coef)
+        for s, e in codecs.chunk_spans(x.size):
+            first = init and k == 0
+            codecs.decode_chunk(folded, s, e, want_acc[s:e], check=False, accumulate=not first)
+    want_sums = [_numpy_sq(want_acc[s:e]) for s, e in codecs.chunk_spans(x.size)]
+    assert fold() == (_bits([want_acc]), want_sums) == numpy_only(fold)
 
 
 @needs_native
@@ -353,15 +349,13 @@ def test_threads_over_chunks_give_one_threads_bits():
             (merge_stream.PayloadVote({"w": c}), np.float32(0.3 + i)) for i, c in enumerate(codes)
         ]
         out.append(merge_stream.fold_votes(votes, "w", acc, True, merge_stream.scratch(), True))
-        got = np.zeros(x.size, np.float32)
-        codecs.decode_span(codes[0], 0, x.size, got, accumulate=True, sums=np.empty(4))
         params, delta = {"w": x.copy()}, {"w": acc.copy()}
         carried: dict = {}
         state = outer_step_(
             outer, 4, params, init_state(outer, {"w": x.shape}), delta, params_sq=carried
         )
         out += [native.chunk_sumsq(x, kernels.CHUNK).tolist(), carried]
-        return out, _bits([acc, got, params["w"], state.momentum["w"]])
+        return out, _bits([acc, params["w"], state.momentum["w"]])
 
     one = everything()
     for threads in (2, 3):

@@ -271,58 +271,6 @@ def decode_chunk(
         ) from None
 
 
-def decode_span(
-    codes: TensorCodes,
-    s: int,
-    e: int,
-    out: np.ndarray,
-    *,
-    scratch: bool = False,
-    accumulate: bool = False,
-    check: bool = True,
-    sums: np.ndarray | None = None,
-) -> bool:
-    """`decode_chunk` over every chunk of [s, e) (s from `chunk_spans`) in one C call, when the
-    C loops take the codes (quantized codecs): each chunk into `out` at its offset from s (at
-    out[0] with `scratch`: a one-chunk buffer), written or added (`accumulate`), and `sums[k]`
-    (float64, one per chunk, when given) the sum of squares of chunk k as it then stands in
-    `out`, in numpy's order (training/merge/stream.py `_sq`). ValueError as decode_chunk at
-    the first chunk with an invalid code, with `sums` filled for the chunks before it. Returns
-    False (nothing done) when the C loops cannot take it: the caller loops decode_chunk."""
-    if codes.scales is None:
-        return False
-    levels = _LEVELS.get(codes.codec, 0)
-    done = kernels.decode_chunks(
-        codes.codec,
-        codes.data,
-        codes.scales,
-        s,
-        e,
-        codes.block,
-        chunk_step(),
-        out,
-        scratch=scratch,
-        accumulate=accumulate,
-        levels=levels if check else 0,
-        sums=sums,
-    )
-    if done is None:
-        return False
-    if done < len(range(s, e, chunk_step())):
-        raise BadCodes(
-            f"payload tensor {codes.name!r} has codes outside [-{levels}, {levels}]", done
-        )
-    return True
-
-
-class BadCodes(ValueError):
-    """decode_span: a chunk with invalid codes; `.done`: the chunks decoded before it."""
-
-    def __init__(self, message: str, done: int):
-        super().__init__(message)
-        self.done = done
-
-
 def codes_sq(codes: TensorCodes) -> tuple[list[float], str | None]:
     """A quantized tensor's squared norm terms, one per `chunk_spans` chunk, from its codes
     (kernels.codes_sumsq: exact integer sums of the codes' squares per block, times the

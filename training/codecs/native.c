@@ -418,27 +418,6 @@ void sumsq_chunks(const float *x, int64_t n, int64_t step, double *sums) {
         sums[k] = pw_sumsq(x + s, s + step < n ? step : n - s);
 }
 
-/* decode_quantized chunk by chunk over elements [s, e) of a quantized tensor (s a multiple
-   of `step`, step of the block and of the codes per byte): each chunk decoded (accumulate 0)
-   or added (accumulate 1) into out, at out + (c - s) for a chunk starting at c, or always at
-   out[0] when `scratch` (a one-chunk buffer); then, when sums is not NULL, sums[k] = the
-   pw_sumsq of the chunk as it stands in out after it (the decoded values, or the sums). One
-   call per tensor (or per thread's range of its chunks) instead of one per chunk, and the
-   squares while the chunk is in cache instead of a float64 copy. Returns the number of
-   chunks done: fewer than the range holds when a chunk's codes are invalid (check set). */
-int64_t decode_chunks(int kind, const uint8_t *data, const float *scales, int64_t s, int64_t e,
-                      int64_t block, int64_t step, float *out, int scratch, int accumulate,
-                      int check, double *sums) {
-    int64_t k = 0;
-    for (int64_t c = s; c < e; c += step, k++) {
-        int64_t ce = c + step < e ? c + step : e;
-        float *o = scratch ? out : out + (c - s);
-        if (decode_quantized(kind, data, scales, c, ce, block, o, accumulate, check)) return k;
-        if (sums) sums[k] = pw_sumsq(o, ce - c);
-    }
-    return k;
-}
-
 /* outer_step chunk by chunk (element by element the same arithmetic: the same bits), and
    sums[k] = the pw_sumsq of the k-th chunk of `step` elements of the updated p: the new
    parameters' norm terms while they are in cache (the next merge's params norm, carried). */

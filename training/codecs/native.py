@@ -112,8 +112,6 @@ def _load(path: Path):
     lib.outer_step.restype = None
     lib.sumsq_chunks.argtypes = [vp, i64, i64, vp]
     lib.sumsq_chunks.restype = None
-    lib.decode_chunks.argtypes = [cint, vp, vp, i64, i64, i64, i64, vp, cint, cint, cint, vp]
-    lib.decode_chunks.restype = i64
     lib.outer_step_sq.argtypes = lib.outer_step.argtypes + [i64, vp]
     lib.outer_step_sq.restype = None
     lib.codes_sumsq.argtypes = [cint, vp, vp, i64, i64, i64, i64, cint, vp]
