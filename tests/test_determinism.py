@@ -4,7 +4,7 @@ thread and vector settings differ, ends with the same parameters bit for bit.
 Run A: XLA and every BLAS/OpenMP pool on one thread, the merge's C loops (-march=native).
 Run B: XLA's default thread pools, 2 threads elsewhere, the merge's numpy code instead of the C
 loops (DILOCO_NATIVE=0), and numpy's AVX-512 dispatch switched off (NPY_DISABLE_CPU_FEATURES).
-What the bits depend on and what they do not: docs/DESIGN.md, "What the bits depend on".
+What the bits depend on and what they do not: docs/ALGORITHM.md, "What the bits depend on".
 """
 
 from __future__ import annotations

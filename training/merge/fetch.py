@@ -2,7 +2,7 @@
 
 The merge reads its contributions one by one in a fixed order (groups, islands sorted, seqs
 ascending) and sums them in that order: the bits must not depend on which download ends first
-(docs/DESIGN.md, "What the bits depend on"). `Prefetch` starts the downloads of the next
+(docs/ALGORITHM.md, "What the bits depend on"). `Prefetch` starts the downloads of the next
 `syncer.fetch_concurrency` payloads of that order on its own threads while the merge decodes
 and sums the current one, and hands them out in the same order: the arithmetic is that of a
 serial read, only the waiting overlaps. At most `concurrency` payloads are in flight or held

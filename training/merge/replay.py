@@ -1,6 +1,6 @@
 """`diloco replay`: re-derive a fragment's version history from its recorded contributions.
 
-The event tape of a run (docs/DESIGN.md, "Replay"). For each version v >= 1 of a fragment (or
+The event tape of a run (docs/ALGORITHM.md, "Replay"). For each version v >= 1 of a fragment (or
 from `start` on), replay takes version v - 1's state (params, outer state, merge state,
 broadcast shadow: carried from v - 1's replay, loaded when v - 1 is full, else replayed forward
 from its full ancestor: `state_at`, also what a cold merger and a restore of a light version

@@ -193,7 +193,7 @@ def sq(x: np.ndarray) -> float:
     """The squared norm of a float32 chunk, the same bits on every machine and thread count:
     the squares are exact in float64 (24 + 24 mantissa bits < 53; no overflow either) and
     numpy's pairwise float64 sum has a fixed order (no BLAS `sdot`, whose kernel and threads
-    follow the CPU and OPENBLAS/OMP settings). docs/DESIGN.md, "What the bits depend on"."""
+    follow the CPU and OPENBLAS/OMP settings). docs/ALGORITHM.md, "What the bits depend on"."""
     sums = native.chunk_sumsq(x, max(x.size, 1)) if x.ndim == 1 else None
     if sums is not None:  # the C loop, numpy's pairwise order bit for bit
         return float(sums[0]) if sums.size else 0.0
