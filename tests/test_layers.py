@@ -16,6 +16,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -305,3 +306,11 @@ def test_importing_every_plugin_module_and_dag_file_imports_no_jax(tmp_path):
     line = next(x for x in run.stdout.splitlines() if x.startswith("PROBE "))
     probe = json.loads(line.removeprefix("PROBE "))
     assert probe["modules"] > 10 and probe["heavy"] == []
+
+
+def test_the_map_of_the_tests_lists_every_test_file():
+    # tests/README.md: regenerate its rows when a test file is added (area, cost, docstring)
+    listed = set(re.findall(r"`(test_\w+\.py)`", (ROOT / "tests" / "README.md").read_text()))
+    files = {p.name for p in (ROOT / "tests").glob("test_*.py")}
+    assert files - listed == set(), "tests/README.md does not list these"
+    assert listed - files == set(), "tests/README.md lists files that are gone"
