@@ -13,8 +13,7 @@ from tests.helpers import new_store, small_config
 from training.config.experiment import parse_config
 from training.merge import memory
 from training.merge.merger import Merger
-from training.model import definition as model
-from training.model.runtime import fragment_names
+from training.model.runtime import fragment_shapes
 
 GiB = memory.GiB
 DOC = Path(__file__).resolve().parents[1] / "docs" / "AIRFLOW.md"
@@ -50,10 +49,7 @@ def test_a_merger_without_the_memory_for_one_merge_refuses_to_start():
 
 def test_a_merger_that_cannot_hold_every_fragment_warm_says_so(caplog):
     cfg = small_config(fragments={"count": 2, "strategy": "tensors"})
-    shapes = {k: tuple(v.shape) for k, v in model.abstract_params(cfg.model).items()}
-    frags = memory.shard_memory(
-        cfg, [0, 1], [{n: shapes[n] for n in names} for names in fragment_names(cfg)]
-    )
+    frags = memory.shard_memory(cfg, [0, 1], fragment_shapes(cfg))
     # room for one merge of the larger fragment (its state and working set), not both states
     budget = max(f.peak for f in frags) + 1
     cfg = small_config(
@@ -81,8 +77,7 @@ def test_the_docs_table_is_what_the_memory_model_gives():
                 "islands": [{"name": f"i{m}"} for m in range(4)],
             }
         )
-        shapes = {k: tuple(v.shape) for k, v in model.abstract_params(cfg.model).items()}
-        frags = [{n: shapes[n] for n in names} for names in fragment_names(cfg)]
+        frags = fragment_shapes(cfg)
         for S in (1, 2, 4):
             fm = memory.shard_memory(cfg, [p for p in range(24) if p % S == 0], frags)
             warm = (sum(f.state for f in fm) + max(f.working for f in fm)) / GiB

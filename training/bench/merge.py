@@ -89,11 +89,9 @@ def _publish(store, cfg, p: int, M: int, codec: str, seq: int, base: int, rng) -
 
 
 def _fragment_shapes(cfg) -> list[dict]:
-    from training.model import definition as model
-    from training.model.runtime import fragment_names
+    from training.model.runtime import fragment_shapes
 
-    shapes = {k: tuple(v.shape) for k, v in model.abstract_params(cfg.model).items()}
-    return [{n: shapes[n] for n in names} for names in fragment_names(cfg)]
+    return fragment_shapes(cfg)
 
 
 def setup(url: str, preset: str, P: int, M: int, codec: str) -> dict:

@@ -61,11 +61,9 @@ def _cfg(preset: str, P: int, K: int, codec: str, threads: int):
 
 
 def _largest(cfg) -> tuple[int, dict]:
-    from training.model import definition as model
-    from training.model.runtime import fragment_names
+    from training.model.runtime import fragment_shapes
 
-    shapes = {k: tuple(v.shape) for k, v in model.abstract_params(cfg.model).items()}
-    frags = [{n: shapes[n] for n in names} for names in fragment_names(cfg)]
+    frags = fragment_shapes(cfg)
     p = max(range(len(frags)), key=lambda i: sum(math.prod(s) for s in frags[i].values()))
     return p, frags[p]
 

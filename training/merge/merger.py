@@ -53,7 +53,7 @@ from training.merge.promote import BackgroundPromotions
 from training.merge.reads import MergeReads
 from training.merge.warm import FragmentStates
 from training.model import definition as model
-from training.model.runtime import fragment_names
+from training.model.runtime import fragment_names, fragment_shapes
 from training.protocol import broadcast, claims, rounds
 from training.store import merge_records as records
 from training.store.experiment import ExperimentStore, HeadPointer, PseudoGradRef
@@ -127,8 +127,7 @@ class Merger:
         bad = [p for p in self.fragments if not 0 <= p < len(self.frags)]
         if bad:
             raise ValueError(f"fragments {bad} out of range (P = {len(self.frags)})")
-        shapes = {k: tuple(v.shape) for k, v in model.abstract_params(cfg.model).items()}
-        self.shapes = [{n: shapes[n] for n in names} for names in self.frags]
+        self.shapes = fragment_shapes(cfg)
         # the state kept resident between merges (training/merge/memory.py): all of it when
         # the shard's memory holds it, else the most recently merged fragments'
         if warm_bytes is None:

@@ -39,8 +39,7 @@ from training.codecs import host as codecs
 from training.config.experiment import ExperimentConfig
 from training.merge import admit, apply, norm_bounds
 from training.merge.outer import state_from_tensors, state_tensors
-from training.model import definition as model
-from training.model.runtime import fragment_names
+from training.model.runtime import fragment_names, fragment_shapes
 from training.protocol import broadcast
 from training.store import merge_records as records
 from training.store.experiment import ExperimentStore, HeadPointer
@@ -115,9 +114,9 @@ def replay(
         raise ReplayInputError(f"versions are >= 0 (from {start}, to {to})")
     if fragment is not None and not 0 <= fragment < len(names):
         raise ReplayInputError(f"fragment {fragment} out of range (P = {len(names)})")
-    shapes = {k: tuple(v.shape) for k, v in model.abstract_params(cfg.model).items()}
+    shapes = fragment_shapes(cfg)
     for p in range(len(names)) if fragment is None else [fragment]:
-        frag_shapes = {n: shapes[n] for n in names[p]}
+        frag_shapes = shapes[p]
         chain = dict(enumerate(_chain(store, p)))
         last = len(chain) - 1 if to is None else min(to, len(chain) - 1)
         carried: State | None = None
@@ -153,9 +152,7 @@ def state_at(
 
 def _fragment_state(cfg, store, head: HeadPointer, manifest: dict) -> State:
     """state_at with fragment `head.fragment`'s shapes from the config."""
-    names = fragment_names(cfg)[head.fragment]
-    shapes = {k: tuple(v.shape) for k, v in model.abstract_params(cfg.model).items()}
-    return state_at(cfg, store, {n: shapes[n] for n in names}, head, manifest)
+    return state_at(cfg, store, fragment_shapes(cfg)[head.fragment], head, manifest)
 
 
 def params_at(

@@ -32,8 +32,3 @@ class Stages:
             yield
         finally:
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - started
-
-
-def untimed() -> Stages:
-    """Stages for a caller that reads none (the same code path, the numbers dropped)."""
-    return Stages()

@@ -86,3 +86,9 @@ def fragment_names(cfg: ExperimentConfig) -> list[list[str]]:
         ]
 
     return shared(("fragments", cfg.model, cfg.fragments), build)
+
+
+def fragment_shapes(cfg: ExperimentConfig) -> list[dict[str, tuple[int, ...]]]:
+    """Each fragment's {parameter name: shape}, in `fragment_names` order."""
+    shapes = {k: tuple(v.shape) for k, v in model.abstract_params(cfg.model).items()}
+    return [{n: shapes[n] for n in names} for names in fragment_names(cfg)]
