@@ -196,10 +196,6 @@ def set_threads(threads: int) -> None:
         _pool[:] = [threads, None]
 
 
-def threads() -> int:
-    return _pool[0]
-
-
 def over_chunks(n: int, step: int, run: Callable[[int, int, int], None]) -> None:
     """run(s, e, k0) for contiguous ranges [s, e) of whole `step`-element chunks covering
     [0, n) (k0: the index of the range's first chunk), on `threads()` threads."""

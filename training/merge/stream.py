@@ -172,10 +172,6 @@ class Arena:
         self._flat = np.empty(0, np.float32)
         self.scratch = scratch()
 
-    @property
-    def nbytes(self) -> int:
-        return self._flat.nbytes + self.scratch.nbytes
-
     def tensors(self, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
         total = sum(math.prod(s) for s in shapes.values())
         if self._flat.size < total:
