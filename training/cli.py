@@ -117,7 +117,8 @@ def cmd_island(args) -> int:
         chaos=chaos,
     )
     info = island.run(max_steps=args.max_steps)
-    print(json.dumps(info))
+    print(json.dumps(info), flush=True)
+    multihost.finish(group)  # process 0 of several leaves here (os._exit: see its docstring)
     return 0
 
 

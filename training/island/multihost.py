@@ -143,6 +143,43 @@ def initialize(
     return group
 
 
+def finish(group: ProcessGroup) -> None:
+    """End a multi-host island's `jax.distributed` job in an order that cannot crash; call
+    after the island's result is printed. Nothing for a single process.
+
+    Every process shuts its coordination client down (the service holds each shutdown until
+    all processes have asked: a barrier). JAX's own exit hook would then destroy process 0's
+    coordination service, whose gRPC server aborts the process (SIGABRT, `Check failed:
+    queue.Pop() == nullptr` in ~RealRequestMatcher) when a follower's last call is still in
+    flight: a finished island exiting -6 at random (seen in CI). So process 0 never destroys
+    it: after its client is shut down it flushes its output and leaves with `os._exit(0)`,
+    and the operating system closes the server's sockets. A follower whose shutdown call
+    cannot complete because process 0 already left logs one line and exits 0: the island's
+    work was done and written by process 0 before any of this."""
+    if group.single:
+        return
+    import sys
+
+    from jax._src import distributed
+
+    state = distributed.global_state
+    try:
+        if state.preemption_sync_manager is not None:
+            state.preemption_sync_manager.shutdown()
+            state.preemption_sync_manager = None
+        if state.client is not None:
+            client, state.client = state.client, None
+            client.shutdown()
+    except Exception as err:  # noqa: BLE001 - jaxlib's error type is private; one line, exit 0
+        log.warning("island process %d: coordination shutdown: %s", group.index, err)
+    if state.service is None:
+        return
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 WRITES = frozenset(
     {
         "publish_pseudograd",

@@ -138,10 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     from training.data.batches import BatchLoader, shard_tokens
     from training.model import definition as model
 
-    try:
-        from training.model.runtime import corpus_for
-    except ImportError:
-        from training.model.runtime import corpus_for
+    from training.model.runtime import corpus_for
 
     cfg = load_config(args.config)
     mesh = Mesh(np.array(jax.devices()), ("data",))
@@ -204,7 +201,12 @@ def main(argv: list[str] | None = None) -> int:
     record["probes"] = probes
     if lead:
         (out / "steps.json").write_text(json.dumps(record))
-    jax.distributed.shutdown()
+    from jax._src import distributed
+
+    from training.island import multihost  # the shutdown that cannot abort process 0
+
+    client = distributed.global_state.client
+    multihost.finish(multihost.ProcessGroup(jax.process_index(), jax.process_count(), client))
     return 0
 
 
