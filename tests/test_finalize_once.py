@@ -1,5 +1,5 @@
 """Never two finalizes of one experiment (issue 24 item 3): the claim of `control/finalized.json`
-is create-only (training/merge/syncer.claim_finalize); its record is strict."""
+is create-only (ExperimentStore.claim_finalize, training/store/syncer_control.py); its record is strict."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import uuid
 
 import pytest
 
-from training.merge.syncer import claim_finalize
 from training.store.experiment import ExperimentStore
 from training.store.keys import FINALIZED, parse_key
 from training.store.registry import open_store
@@ -21,13 +20,13 @@ def estore():
 
 
 def test_the_first_run_claims_the_finalize_and_a_second_run_is_told_who_did(estore):
-    assert claim_finalize(estore, "scheduled__1") is None
-    assert claim_finalize(estore, "scheduled__2") == "scheduled__1"
+    assert estore.claim_finalize("scheduled__1") is None
+    assert estore.claim_finalize("scheduled__2") == "scheduled__1"
 
 
 def test_a_retry_of_the_claiming_run_goes_on(estore):
-    assert claim_finalize(estore, "manual__1") is None
-    assert claim_finalize(estore, "manual__1") is None
+    assert estore.claim_finalize("manual__1") is None
+    assert estore.claim_finalize("manual__1") is None
 
 
 def test_the_claim_is_a_known_object_name():

@@ -15,7 +15,6 @@ from safetensors.numpy import load_file, save
 from tests.helpers import new_store, small_config
 from training.config.experiment import ConfigError
 from training.data.tokenizer import ByteTokenizer
-from training.merge.syncer import claim_finalize
 from training.model import definition as model
 from training.model.export import WEIGHTS, load_export, write_export
 
@@ -25,7 +24,7 @@ def test_an_oversized_finalize_claim_is_not_read_whole(tmp_path):
     store = new_store(small_config("fin"), f"file://{tmp_path}/store")
     key = store.object_key("control/finalized.json")
     store.store.write(key, b"{" + b" " * (64 * 2**20) + b"}")
-    assert claim_finalize(store, "run-1") == "(an unreadable claim)"
+    assert store.claim_finalize("run-1") == "(an unreadable claim)"
 
 
 @pytest.fixture

@@ -123,7 +123,7 @@ def test_nan_in_a_promotion_is_passed_over_and_the_cold_start_replays(kind, requ
     assert cold.load_promoted(head, cold.fragment_manifest(head)) is None  # passed over
     ticks = []
     fresh = Merger(cfg_b, cold)
-    fresh.store.hit_fault = ticks.append
+    cold.hit_fault = ticks.append
     _round(warm, cfg_a, merger_a, 6)
     _round(cold, cfg_b, fresh, 6)
     assert ticks.count("merge.cold-replay") == 2  # versions 5 and 6 replayed from 4
@@ -211,7 +211,7 @@ def test_a_promoted_outer_state_scaled_1000x_is_passed_over_and_the_cold_start_r
     assert cold.promote_version(head, cold.fragment_manifest(head), params, outer, shadow)
     ticks = []
     fresh = Merger(cfg_b, cold)
-    fresh.store.hit_fault = ticks.append
+    cold.hit_fault = ticks.append
     _round(warm, cfg_a, merger_a, 6)
     _round(cold, cfg_b, fresh, 6)
     assert ticks.count("merge.cold-replay") == 2

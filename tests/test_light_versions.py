@@ -111,7 +111,7 @@ def test_a_cold_merger_replays_5_and_6_from_full_4_and_merges_the_bits_of_a_warm
     assert _params_bits(warm, cfg1) == _params_bits(cold, cfg4)
     ticks = []
     fresh = Merger(cfg4, cold)
-    fresh.store.hit_fault = ticks.append  # the cold replay's fault point, once per version
+    cold.hit_fault = ticks.append  # the cold replay's fault point, once per version
     _round(warm, cfg1, m1, 6)
     _round(cold, cfg4, fresh, 6)
     assert ticks.count("merge.cold-replay") == 2  # versions 5 and 6

@@ -34,7 +34,7 @@ def _cold_merge(store, cfg) -> int:
     """Round 6 merged by a new merger (nothing warm): how many light versions it replayed."""
     ticks = []
     fresh = Merger(cfg, store)
-    fresh.store.hit_fault = ticks.append
+    store.hit_fault = ticks.append
     _round(store, cfg, fresh, 6)
     return ticks.count("merge.cold-replay")
 
@@ -319,7 +319,7 @@ def test_a_failed_background_write_leaves_the_older_ancestor_and_a_later_one_may
 def _cold_merge_at(store, cfg, r: int) -> int:
     ticks = []
     fresh = Merger(cfg, store)
-    fresh.store.hit_fault = ticks.append
+    store.hit_fault = ticks.append
     _round(store, cfg, fresh, r)
     return ticks.count("merge.cold-replay")
 

@@ -21,7 +21,6 @@ from training.merge.syncer import (
     ShardSyncer,
     ShardView,
     lease_action,
-    mark_run_ended,
     shard_fragments,
 )
 
@@ -193,7 +192,7 @@ def test_a_finished_experiment_gets_a_last_drain_and_its_lease_released():
 def test_the_end_of_its_runs_islands_finishes_a_shard():
     cfg = two_fragment_config()
     store, clock = new_store(cfg), FakeClock(1000.0)
-    mark_run_ended(store, "manual__2026-01-01T00:00:00+00:00", ["a", "b"])
+    store.mark_run_ended("manual__2026-01-01T00:00:00+00:00", ["a", "b"])
     syncer, _ = syncer_with(store, [], clock, run_id="manual__2026-01-01T00:00:00+00:00")
     assert syncer.drain().reason == "finished" and clock.t == 1000.0
     other, _ = syncer_with(store, [], FakeClock(1000.0), run_id="manual__other")

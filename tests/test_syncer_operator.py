@@ -10,7 +10,6 @@ from diloco_airflow.syncer import EvalTrigger, EvaluatorOperator, ShardTrigger, 
 
 from tests.helpers import new_store, publish_delta, small_config
 from training.config.experiment import with_overrides
-from training.merge.syncer import mark_run_ended
 
 FAST = {"shards": 2, "idle_s": 0.3, "poll_s": 0.05, "eval_every_s": 0.1}
 
@@ -53,7 +52,7 @@ def test_a_shard_task_merges_then_defers_to_its_trigger_when_idle(exp):
 def test_a_shard_task_returns_after_a_last_drain_once_its_runs_islands_ended(exp):
     url, store, cfg = exp
     pg = _publish(store, cfg, 1)
-    mark_run_ended(store, "run-1", ["a", "b"])
+    store.mark_run_ended("run-1", ["a", "b"])
     out = _shard(url, cfg, shard=1).execute_complete({}, {"status": "finished"})
     assert out == {"shard": 1, "merges": 1, "applied": 1} and pg in store.applied()
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tests.helpers import FakeClock, new_store, small_config
-from training.merge.syncer import ShardLease, ShardView, mark_run_ended, run_ended
+from training.merge.syncer import ShardLease, ShardView
 from training.store import keys
 from training.store.syncer_records import (
     BadLease,
@@ -150,10 +150,10 @@ def test_a_hostile_run_marker_is_refused_with_one_line(data):
 
 def test_a_run_marker_is_written_at_its_name_and_read_back():
     store = new_store(small_config())
-    assert not run_ended(store, RUN)
-    mark_run_ended(store, RUN, ["a", "b"])
-    assert run_ended(store, RUN) and not run_ended(store, "manual__other")
+    assert not store.run_ended(RUN)
+    store.mark_run_ended(RUN, ["a", "b"])
+    assert store.run_ended(RUN) and not store.run_ended("manual__other")
     data = store.store.read(f"{store.experiment}/{keys.run_marker_key(RUN)}")
     assert parse_run_marker(data, RUN).islands == ("a", "b")
     with pytest.raises(ValueError):
-        mark_run_ended(store, "run-1", ["not a name"])
+        store.mark_run_ended("run-1", ["not a name"])

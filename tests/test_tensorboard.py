@@ -27,12 +27,8 @@ def _scalars(run_dir: Path | str) -> dict[str, list[tuple[int, float]]]:
     return {t: [(e.step, e.value) for e in acc.Scalars(t)] for t in acc.Tags()["scalars"]}
 
 
-class _Estore:  # the two things ScalarWriter uses of an ExperimentStore
-    def __init__(self, root: Path):
-        self.store = LocalStore(str(root))
-
-    def object_key(self, relative: str) -> str:
-        return f"exp/{relative}"
+def _Estore(root: Path) -> ExperimentStore:  # experiment "exp" in a local store at root
+    return ExperimentStore(LocalStore(str(root)), "exp")
 
 
 def test_scalars_read_back_exactly_across_two_flushes(tmp_path):
@@ -58,11 +54,11 @@ def test_nonfinite_values_are_dropped_and_counted(tmp_path):
 
 
 def test_a_failed_write_is_counted_never_raised(tmp_path):
-    class Broken(_Estore):
-        def object_key(self, relative):
+    class Broken(ExperimentStore):
+        def write_events(self, run, data):
             raise OSError("bucket gone")
 
-    tb = ScalarWriter(Broken(tmp_path), "merge")
+    tb = ScalarWriter(Broken(LocalStore(str(tmp_path)), "exp"), "merge")
     tb.add("x", 1.0, 0)
     tb.flush()  # must not raise
     assert (tb.failures, tb.written) == (1, 0)

@@ -255,20 +255,18 @@ def test_shard_trigger_leaves_work_to_another_runs_live_lease(sharded):
 
 
 def test_shard_and_eval_triggers_fire_finished_when_the_run_ends(sharded):
-    from training.merge.syncer import mark_run_ended
 
     url, store, cfg = sharded
-    mark_run_ended(store, "run-1", ["a", "b"])
+    store.mark_run_ended("run-1", ["a", "b"])
     assert first_event(shard_trigger(url, cfg, 0)) == {"status": "finished"}
     ev = EvalTrigger(url, cfg.name, run_id="run-1", poll_s=0.05)
     assert first_event(ev) == {"status": "finished"}
 
 
 def test_a_syncer_trigger_fires_no_earlier_than_it_settled(sharded):
-    from training.merge.syncer import mark_run_ended
 
     url, store, cfg = sharded
-    mark_run_ended(store, "run-1", ["a", "b"])
+    store.mark_run_ended("run-1", ["a", "b"])
     t0 = time.time()
     assert first_event(shard_trigger(url, cfg, 0, settle_until=t0 + 0.5))["status"] == "finished"
     assert time.time() - t0 >= 0.5

@@ -51,11 +51,8 @@ def merge_experiments(experiments: list[dict[str, Any]]) -> list[dict[str, Any]]
 def islands_ended(store_url: str, experiment: str, run_id: str, islands: list[str]) -> dict:
     """Mark the island tasks of this DAG run as over (successful or not): its syncer shards and
     evaluator then end (after a last drain), so that `finalize` runs after them."""
-    from training.merge.syncer import mark_run_ended
-
     names = sorted(islands)
-    estore = store.open_experiment(store_url, experiment)
-    mark_run_ended(estore, run_id, names)
+    store.open_experiment(store_url, experiment).mark_run_ended(run_id, names)
     return {"run_id": run_id, "islands": names}
 
 
@@ -65,11 +62,10 @@ def finalize_experiment(store_url: str, experiment: str, run_id: str | None = No
     experiment from the registry once every island of its config is done.
 
     The run that finds every island done and nothing pending ends the experiment once:
-    it claims `control/finalized.json` (create-only, `claim_finalize`) before its final eval
+    it claims `control/finalized.json` (create-only, `ExperimentStore.claim_finalize`) before its final eval
     and restore; a finalize of another run (two runs of one experiment ending together, or a
     later run) then evaluates and restores nothing."""
     from training.merge.replay import arrays_of, params_of
-    from training.merge.syncer import claim_finalize
     from training.model.evaluate import (
         end_of_run_report,
         evaluate_current,
@@ -83,7 +79,7 @@ def finalize_experiment(store_url: str, experiment: str, run_id: str | None = No
     over = {i.name for i in cfg.islands} <= set(estore.done()) and not any(
         estore.pending().values()
     )
-    holder = claim_finalize(estore, run_id) if over and run_id else None
+    holder = estore.claim_finalize(run_id) if over and run_id else None
     if holder is not None:
         log.info("%s: already finalized by run %s: no second eval or restore", experiment, holder)
         return {"merged": merged, "finalized_by": holder, "done": sorted(estore.done())}

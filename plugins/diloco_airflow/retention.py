@@ -37,6 +37,9 @@ def collect(estore, keep_last: int | None = None, dry_run: bool | None = None) -
     """Plan the garbage collection of one experiment and, unless ``dry_run``, carry it out.
 
     Returns the JSON report described in the module docstring."""
+    from training.store.faces import MaintenanceFace
+
+    estore = MaintenanceFace(estore)  # training/store/faces.py
     keep_last = keep_last_default() if keep_last is None else keep_last
     dry_run = dry_run_default() if dry_run is None else dry_run
     plan = estore.plan_gc(keep_last=keep_last)

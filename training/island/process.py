@@ -74,6 +74,7 @@ from training.model.runtime import corpus_for, fragment_names, loop_for, shared
 from training.protocol import broadcast, rounds
 from training.protocol.fragments import fragments_due
 from training.store.experiment import ExperimentStore
+from training.store.faces import IslandFace
 from training.store.layout import pseudograd_id
 
 if TYPE_CHECKING:  # chaos is the entry point's to build and hand over
@@ -140,7 +141,7 @@ class Island:
         self.writer = self.group.writer  # process 0 writes the island's objects
         if not self.writer:
             store = ReadOnlyStore(store)
-        self.store = store
+        self.store = IslandFace(store)  # an island sees only its face (training/store/faces.py)
         self.clock = clock
         self.faults = faults
         self.chaos = chaos

@@ -21,8 +21,7 @@ from training.store.experiment import ExperimentStore
 
 def latest_merge(estore: ExperimentStore) -> str | None:
     """The name of the newest merge record (a listing, no reads): changes with every merge."""
-    keys = estore.store.list(f"{estore.experiment}/metrics/merge/")
-    return keys[-1].rsplit("/", 1)[-1] if keys else None
+    return estore.newest_metric("merge")
 
 
 def eval_due(now: float, last_eval_at: float, evaluated: str | None, latest: str | None, every_s):

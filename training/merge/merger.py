@@ -57,6 +57,7 @@ from training.model.runtime import fragment_names, fragment_shapes
 from training.protocol import broadcast, claims, rounds
 from training.store import merge_records as records
 from training.store.experiment import ExperimentStore, HeadPointer, PseudoGradRef
+from training.store.faces import MergeFace
 from training.store.tensorboard import ScalarWriter, merge_run, merge_scalars
 
 log = logging.getLogger("diloco.merge")
@@ -116,7 +117,7 @@ class Merger:
         self.cfg = cfg
         self._arena = merge_stream.Arena()  # the accumulators, reused merge after merge
         native.set_threads(cfg.syncer.threads)  # the C loops over chunks (the same bits)
-        self.store = store
+        self.store = store = MergeFace(store)  # the merge's face (training/store/faces.py)
         self.clock = clock
         self.frags = fragment_names(cfg)
         self.fragments = sorted(range(len(self.frags)) if fragments is None else set(fragments))

@@ -22,7 +22,7 @@ runs this in mapped tasks of the experiment's own DAG run):
   memory (training/store/promotions.py): the next start, here or on another worker, begins
   at them instead of replaying the merges since their full versions.
 - **Finished** = every island of the config is done (or asked to leave), or the DAG run that
-  started this syncer has marked its islands ended (`mark_run_ended`, ``control/runs/...``: its
+  started this syncer has marked its islands ended (`ExperimentStore.mark_run_ended`, ``control/runs/...``: its
   island tasks are over, successful or not). A STOP alone does not finish: islands publish their
   remainders first.
 - **Housekeeping** (optional, shard 0 on Airflow): a `housekeeping()` callable (garbage
@@ -32,8 +32,9 @@ runs this in mapped tasks of the experiment's own DAG run):
 - **Evaluation** runs beside it, in a process of its own (training/merge/evaluator.py), so it
   never delays a merge.
 
-Pure decisions: `shard_fragments`, `lease_action`, `is_finished`, `housekeeping_due`. The rest is
-thin I/O over `ExperimentStore` (and `training.merge.merger.Merger`, imported lazily: this module is
+Pure decisions: `shard_fragments`, `lease_action`, `is_finished`, `housekeeping_due`. The I/O of
+the leases, run markers and finalize claim is the store's (training/store/syncer_control.py); the
+rest is thin calls on `ExperimentStore` (and `training.merge.merger.Merger`, imported lazily: this module is
 imported by Airflow triggers, which must not import jax).
 """
 
@@ -49,21 +50,17 @@ from typing import Any, Literal
 
 from training.config.experiment import ExperimentConfig
 from training.store.experiment import ExperimentStore
-from training.store.keys import lease_key, run_marker_key
+from training.store.faces import SyncerFace
+from training.store.keys import lease_key
 from training.store.objectstore import (
-    ObjectStore,
     ObjectTooLarge,
     StoreUnreachable,
     TransientStoreError,
 )
-from training.store.safejson import LEASE
 from training.store.syncer_records import (
     MAX_HOLDER,
-    BadLease,
     Lease,
     lease_record,
-    parse_lease,
-    run_marker_record,
 )
 
 log = logging.getLogger("diloco.syncer")
@@ -80,22 +77,6 @@ def shard_fragments(num_fragments: int, shards: int, shard: int) -> list[int]:
 
 
 # -- leases ----------------------------------------------------------------------------------
-def read_lease(store: ObjectStore, key: str) -> tuple[Lease | None, Any]:
-    """(the lease at `key` or None, its generation or None when absent). An object there that
-    `parse_lease` refuses (broken, hostile) counts as a free lease: (None, its generation), so
-    that a syncer takes it over by compare-and-swap. ObjectTooLarge past the lease's size cap
-    (read no further)."""
-    got = store.read_versioned(key, max_bytes=LEASE.max_bytes)
-    if got is None:
-        return None, None
-    data, generation = got
-    try:
-        return parse_lease(data), generation
-    except BadLease as exc:
-        log.warning("%s: %s: counted as a free lease", key, exc)
-        return None, generation
-
-
 def lease_action(current: Lease | None, owner: str, now: float) -> Literal["take", "renew", "wait"]:
     """What `owner` may do with a shard's lease: take a free or expired one, renew its own live
     one, or wait while another owner's lives."""
@@ -115,8 +96,9 @@ class ShardLease:
         lease_s: float,
         clock: Callable[[], float] = time.time,
     ):
-        self.store = estore.store
-        self.key = f"{estore.experiment}/{lease_key(shard)}"
+        self.estore = SyncerFace(estore)
+        self.shard = shard
+        self.key = f"{estore.experiment}/{lease_key(shard)}"  # for log lines
         self.owner = owner
         self.lease_s = float(lease_s)
         self.clock = clock
@@ -125,8 +107,8 @@ class ShardLease:
         self.held_until: float | None = None
 
     def read(self) -> tuple[Lease | None, Any]:
-        """(the lease or None, its generation or None when absent): `read_lease`."""
-        return read_lease(self.store, self.key)
+        """(the lease or None, its generation or None when absent): `ExperimentStore.read_lease`."""
+        return self.estore.read_lease(self.shard)
 
     def acquire(self) -> bool:
         """Take or renew the lease; False while another owner's is live (or on a lost race).
@@ -136,14 +118,14 @@ class ShardLease:
             current, generation = self.read()
         except ObjectTooLarge as exc:
             log.warning("%s: %s: deleted, counted as a free lease", self.key, exc)
-            self.store.delete(self.key)
+            self.estore.drop_lease(self.shard)
             current, generation = None, None
         now = self.clock()
         if lease_action(current, self.owner, now) == "wait":
             self.held_until = None
             return False
         new = Lease(self.owner, now + self.lease_s, self.holder)
-        if self.store.compare_and_swap(self.key, lease_record(new), generation):
+        if self.estore.swap_lease(self.shard, new, generation):
             self.held_until = new.expires_at
             return True
         self.held_until = None
@@ -163,46 +145,11 @@ class ShardLease:
             current, generation = None, None
         if current is not None and current.owner == self.owner:
             gone = Lease(self.owner, 0.0, self.holder)
-            self.store.compare_and_swap(self.key, lease_record(gone), generation)
+            self.estore.swap_lease(self.shard, gone, generation)
         self.held_until = None
 
 
 # -- the end of a run ------------------------------------------------------------------------
-def mark_run_ended(estore: ExperimentStore, run_id: str, islands: Iterable[str]) -> None:
-    """Record that the island tasks of DAG run `run_id` are over (its syncer shards may end):
-    `run_marker_record` at `run_marker_key(run_id)` (overwritten by a repeat)."""
-    data = run_marker_record(run_id, time.time(), islands)
-    estore.store.write(f"{estore.experiment}/{run_marker_key(run_id)}", data)
-
-
-def claim_finalize(estore: ExperimentStore, run_id: str) -> str | None:
-    """Claim the experiment's one finalize for DAG run `run_id`: a create-only write of
-    `control/finalized.json`. None when the claim is this run's (new, or a retry of the same
-    run); else the run id that holds it (its finalize ran: do not evaluate or restore again)."""
-    from training.store.keys import FINALIZED
-    from training.store.objectstore import CorruptObject
-    from training.store.safejson import FINALIZED as CLAIM_LIMITS
-    from training.store.syncer_records import finalized_record, parse_finalized
-
-    key = f"{estore.experiment}/{FINALIZED}"
-    if estore.store.create(key, finalized_record(run_id, time.time())):
-        return None
-    try:  # bounded before it is read: a claim is a run id and a time
-        holder = parse_finalized(estore.store.read(key, max_bytes=CLAIM_LIMITS.max_bytes)).run_id
-    except CorruptObject as err:  # ObjectTooLarge, BadFinalized: held, by whom unknown
-        log.warning("%s: %s: a finalize claim that does not read holds it", key, err)
-        return "(an unreadable claim)"
-    return None if holder == run_id else holder
-
-
-def run_ended(estore: ExperimentStore, run_id: str | None) -> bool:
-    """Whether DAG run `run_id`'s islands ended: its marker exists (its content is for people
-    and tools: `syncer_records.parse_run_marker`)."""
-    if not run_id:
-        return False
-    return estore.store.exists(f"{estore.experiment}/{run_marker_key(run_id)}")
-
-
 def is_finished(islands: Iterable[str], done: Iterable[str], left: Iterable[str], ended: bool):
     """The experiment needs no more merges from this syncer: its run's islands ended, or every
     island of the config is done or has been asked to leave."""
@@ -216,7 +163,7 @@ class ShardView:
     """
 
     def __init__(self, estore: ExperimentStore, shard: int, run_id: str | None = None):
-        self.estore = estore
+        self.estore = SyncerFace(estore)
         self.shard = shard
         self.run_id = run_id
 
@@ -232,7 +179,7 @@ class ShardView:
             islands,
             self.estore.done(),
             self.estore.stopped_islands(),
-            run_ended(self.estore, self.run_id),
+            self.estore.run_ended(self.run_id),
         )
 
     def pending(self, cfg: ExperimentConfig) -> list[str]:
@@ -245,7 +192,7 @@ class ShardView:
         """The shard's lease; None when it is free (absent, or an object that is not a lease)."""
         key = f"{self.estore.experiment}/{lease_key(self.shard)}"
         try:
-            return read_lease(self.estore.store, key)[0]
+            return self.estore.read_lease(self.shard)[0]
         except ObjectTooLarge as exc:
             log.warning("%s: %s: counted as a free lease", key, exc)
             return None

@@ -8,6 +8,7 @@ import time
 from training.config.experiment import ExperimentConfig
 from training.data.batches import eval_batches
 from training.model.runtime import corpus_for, loop_for
+from training.store.faces import EvaluatorFace
 from training.store.layout import Snapshot, iso
 from training.store.objectstore import CorruptObject, ObjectNotFound
 from training.store.tensorboard import ScalarWriter
@@ -45,6 +46,7 @@ def evaluate_snapshot(
     in model order) and `evaluated_at` when it was evaluated. `params_of`: the params of a
     light version that holds none (store.load_params; training/merge/replay.py `params_of`).
     """
+    store = EvaluatorFace(store)  # training/store/faces.py
     snapshot = snapshot or store.current_snapshot()
     if snapshot is None:
         raise RuntimeError(f"experiment {cfg.name!r} has no global version: run init")
@@ -135,6 +137,7 @@ def evaluate_recent_merges(cfg: ExperimentConfig, store, params_of=None) -> list
     either). Returns their eval records, oldest first: the order they are evaluated and
     recorded in, so that the TensorBoard run "eval" (step: the sum of the snapshot's versions)
     never goes back. `params_of`: as evaluate_snapshot's."""
+    store = EvaluatorFace(store)  # training/store/faces.py
     limit = cfg.syncer.final_evals
     if limit == 0:
         return []
@@ -156,6 +159,7 @@ def evaluate_recent_merges(cfg: ExperimentConfig, store, params_of=None) -> list
 def end_of_run_report(store) -> dict:
     """The final eval against the best and the first (version 0) ones, with a warning when the
     run ended worse than its best or than where it started (what `finalize` and `status` say)."""
+    store = EvaluatorFace(store)  # training/store/faces.py
     evals = store.read_metrics("eval")
     if not evals:
         return {"warning": None}
@@ -184,6 +188,7 @@ def finish_at_best(cfg: ExperimentConfig, store, final: dict, state_of=None) -> 
     Call only when no island trains and no merger runs (finalize). Returns {"restored": bool,
     "final": the eval of the model the run ends with, "before": `final`}. `state_of`: the
     params and outer state of a light version (store.restore_snapshot)."""
+    store = EvaluatorFace(store)  # training/store/faces.py
     best = store.best()
     out = {"restored": False, "final": final, "before": final}
     if not best or not best["loss"] < final["loss"] * (1 - RESTORE_MARGIN):

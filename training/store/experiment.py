@@ -11,7 +11,8 @@ at each; a store without one runs no fault code.
 This module holds the I/O helpers and the config; pseudo-gradients, the ledger and the
 quarantine are in training/store/contributions.py, heartbeats, checkpoints, metrics and control
 in island_objects.py, the per-fragment version chains in versions.py, snapshots in snapshots.py,
-promotions of light versions in promotions.py, garbage collection in gc.py, names in keys.py.
+promotions of light versions in promotions.py, garbage collection in gc.py, the syncer's leases,
+run markers and finalize claim in syncer_control.py, names in keys.py.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ from training.store.promotions import Promotions
 from training.store.record_fields import is_int
 from training.store.safejson import JSONLimits
 from training.store.snapshots import Snapshots
+from training.store.syncer_control import SyncerControl
 from training.store.tensors import MAX_HEADER_BYTES, Checksum, decode_tensors
 from training.store.versions import FragmentVersions
 
@@ -90,7 +92,13 @@ class FaultPoints(Protocol):
 
 
 class ExperimentStore(
-    Contributions, FragmentVersions, Snapshots, Promotions, GarbageCollection, IslandObjects
+    Contributions,
+    FragmentVersions,
+    Snapshots,
+    Promotions,
+    GarbageCollection,
+    IslandObjects,
+    SyncerControl,
 ):
     """The objects of one experiment under `<store root>/<experiment>/` (layout: docs/STORE.md).
 

@@ -14,7 +14,7 @@ import numpy as np
 from training.config.names import validate_name
 from training.store import island_records, safejson
 from training.store.commit import CHECKPOINT
-from training.store.keys import ROUNDS, checkpoint_dir
+from training.store.keys import ROUNDS, checkpoint_dir, tb_events_key
 from training.store.layout import (
     dump_json,
     iso,
@@ -243,6 +243,18 @@ class IslandObjects:
         return self.read_records(
             relatives, limit, lambda d, _: island_records.parse_metric(d, kind)
         )
+
+    def newest_metric(self, kind: str) -> str | None:
+        """The name of the newest record of `kind` (a listing, no reads; None when there is
+        none): it changes with every new record (the evaluator's "a merge happened")."""
+        validate_name("metric kind", kind)
+        keys = self.list_keys(f"metrics/{kind}/")
+        return keys[-1].rsplit("/", 1)[-1] if keys else None
+
+    def write_events(self, run: str, data: bytes) -> None:
+        """One new TensorBoard event file of run `run` under tb/ (training/store/tensorboard.py
+        encodes it; a new object per flush, never overwritten)."""
+        self.store.write(self.object_key(tb_events_key(run, unique_time_ns(), new_uuid8())), data)
 
     # control -------------------------------------------------------------------------------
     def _stop_key(self, island: str | None) -> str:

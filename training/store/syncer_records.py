@@ -8,7 +8,8 @@ written, checked by the parser before they are written) and one reader (`parse_l
 `parse_run_marker`: exactly the writer's fields, their types, finite times, bounded sizes;
 `BadLease` / `BadRunMarker` with a one-line reason otherwise). The contract every parser keeps
 and the shared field checks are in training/store/record_fields.py. The I/O (compare-and-swap of
-a lease, what a refused lease means) is training/merge/syncer.py's.
+a lease, what a refused lease means) is training/store/syncer_control.py's; the decisions are
+training/merge/syncer.py's.
 """
 
 from __future__ import annotations

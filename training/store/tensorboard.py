@@ -29,7 +29,6 @@ import time
 from collections.abc import Callable, Mapping
 
 from training.store.keys import tb_events_key
-from training.store.layout import new_uuid8, unique_time_ns
 from training.store.objectstore import one_line
 
 log = logging.getLogger(__name__)
@@ -58,7 +57,7 @@ def encode_events(scalars: list[tuple[str, float, int, float]]) -> bytes:
 
 class ScalarWriter:
     """Buffered scalars of one TensorBoard run of experiment store `estore` (anything with
-    `store.write(key, bytes)` and `object_key(relative)`). Thread-safe; never raises from
+    `write_events(run, bytes)`: `ExperimentStore`'s). Thread-safe; never raises from
     `add`, `flush` or `maybe_flush`."""
 
     def __init__(
@@ -120,8 +119,7 @@ class ScalarWriter:
         if not scalars:
             return
         try:
-            key = self.estore.object_key(tb_events_key(self.run, unique_time_ns(), new_uuid8()))
-            self.estore.store.write(key, encode_events(scalars))
+            self.estore.write_events(self.run, encode_events(scalars))
             self.written += 1
         except Exception as exc:  # noqa: BLE001 (metrics must never fail the caller)
             self.failures += 1

@@ -23,6 +23,7 @@ from training.config.scavenge import METRIC as SCAVENGE_METRIC
 from training.config.scavenge import scavenge_view
 from training.island.goodput import BADPUT, experiment_goodput
 from training.protocol.stall import island_state
+from training.store.faces import ReaderFace
 from training.store.layout import iso
 
 MAX_POINTS = 1500  # per curve sent to the page (evenly thinned, the last point always kept)
@@ -283,6 +284,7 @@ def experiment_view(
 ) -> dict[str, Any]:
     """Everything the page shows about one experiment (the JSON of its API); `stall_after_s` as
     `island_rows`'."""
+    estore = ReaderFace(estore)  # training/store/faces.py
     cache = cache or MetricCache()
     now = time.time() if now is None else now
     skipped_before = estore.skipped.count
@@ -355,6 +357,7 @@ def experiment_view(
 def experiment_summary(cfg: ExperimentConfig, estore, now: float | None = None) -> dict[str, Any]:
     """One line of the experiment list: name, store, versions, tokens against the budget,
     islands done of all, stop requested, best loss (a few small reads)."""
+    estore = ReaderFace(estore)  # training/store/faces.py
     now = time.time() if now is None else now
     snapshot = estore.current_snapshot()
     tokens = snapshot.tokens_merged if snapshot else 0

@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from training.store.faces import ReaderFace
 from training.store.layout import iso
 
 
@@ -64,6 +65,7 @@ def format_list(rows: Sequence[Mapping[str, Any]]) -> str:
 # ------------------------------------------------------------------ history
 def history(cfg, estore) -> dict[str, Any]:
     """{"fragments": {p: [version rows]}, "snapshots": [snapshot rows]}, oldest first."""
+    estore = ReaderFace(estore)  # training/store/faces.py
     evals = estore.read_metrics("eval")
     fragments = {}
     for p in range(cfg.fragments.count):

@@ -10,6 +10,7 @@ from training.config.scavenge import METRIC as SCAVENGE_METRIC
 from training.config.scavenge import scavenge_view
 from training.island.goodput import BADPUT, experiment_goodput
 from training.protocol.stall import island_state
+from training.store.faces import ReaderFace
 
 STATE_NOTE = {
     "finished": "  FINISHED: the token budget is merged",
@@ -51,6 +52,7 @@ def collect_status(cfg: ExperimentConfig, store, now: float | None = None) -> di
     skipped and counted in `skipped` ({"count", "examples"}), never fatal. An island's state is
     the page's word (training/protocol/stall.py `island_state`: the one stall rule), without
     Airflow's task states."""
+    store = ReaderFace(store)  # training/store/faces.py
     from training.model.evaluate import end_of_run_report
 
     now = time.time() if now is None else now

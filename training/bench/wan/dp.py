@@ -137,7 +137,6 @@ def main(argv: list[str] | None = None) -> int:
     from training.config.experiment import load_config
     from training.data.batches import BatchLoader, shard_tokens
     from training.model import definition as model
-
     from training.model.runtime import corpus_for
 
     cfg = load_config(args.config)
