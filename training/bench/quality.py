@@ -74,7 +74,7 @@ LABELS = {
 SPEEDS = (1.0, 1.0, 0.5, 0.25)
 # size -> (model preset, token budget)
 SIZES = {"quick": ("tiny", 800_000), "full": ("tiny", 3_000_000), "small": ("small", 250_000)}
-# Tuned on 0.5M-token runs (docs/BENCHMARKS.md): the DiLoCo methods share inner lr 2e-3 (of 2, 3,
+# Tuned on 0.5M-token runs (docs/bench-history/quality.md): the DiLoCo methods share inner lr 2e-3 (of 2, 3,
 # 5e-3) and outer Nesterov lr 0.5 / momentum 0.8 (of 0.4-1.0 / 0.7-0.9); data-parallel keeps its
 # best inner lr, 3e-3 (of 2, 3, 5e-3). The library defaults stay at the papers' 0.7 / 0.9.
 BENCH_SETTINGS = {"inner.lr": 0.002, "outer.lr": 0.5, "outer.momentum": 0.8}

@@ -3,7 +3,7 @@
 Not a promise: the first measured figure is this machine's, the rest is arithmetic.
 
 - A CPU island (no TPU named in its ``hardware``) of the ``tiny`` preset trains about
-  `CPU_TINY_TOKENS_PER_S` tokens/s: `make demo` (docs/BENCHMARKS.md "The demo") merges 2M tokens
+  `CPU_TINY_TOKENS_PER_S` tokens/s: `make demo` (docs/bench-history/demo.md, 2026-12-02) merges 2M tokens
   on three such islands in 205-219 s from trigger to success on a 2-core machine, about 3,000
   tokens/s per island. Other presets on a CPU scale by the 6 N FLOPs a token costs
   (N = `ModelConfig.param_count`).

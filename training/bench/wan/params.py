@@ -9,7 +9,7 @@ from typing import Any
 
 from training.bench.wan import model12b
 
-# the quality benchmark's tuned settings (docs/BENCHMARKS.md): DiLoCo inner lr 2e-3, outer 0.5 /
+# the quality benchmark's tuned settings (docs/bench-history/quality.md): DiLoCo inner lr 2e-3, outer 0.5 /
 # 0.8; data-parallel its best inner lr, 3e-3
 DILOCO_SETTINGS = {"inner.lr": 0.002, "outer.lr": 0.5, "outer.momentum": 0.8}
 DP_SETTINGS = {"inner.lr": 0.003}
