@@ -1,6 +1,8 @@
 """Every read bounded before it is read (issue 37, item 4): an oversized finalize claim, an
 export whose weights hold an extra tensor, a FIFO where a file should be, a config that claims
-2^40 layers: each refused in one line before its bytes are read or anything is built from it.
+2^40 layers or positions (an export's, a factory model's, a stored one `diloco export`
+reads): each refused in one line
+before its bytes are read or anything is built from it.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import pytest
 from safetensors.numpy import load_file, save
 
 from tests.helpers import new_store, small_config
+from training import cli
 from training.config.experiment import ConfigError
 from training.data.tokenizer import ByteTokenizer
 from training.merge.syncer import claim_finalize
@@ -62,3 +65,68 @@ def test_a_config_claiming_two_to_the_forty_layers_is_refused_before_building(ex
     path.write_text(json.dumps(config))
     with pytest.raises(ConfigError, match="describes"):
         load_export(export_dir)
+
+
+def _export(tmp_path, **model_section):
+    cfg = small_config("exp", model=model_section) if model_section else small_config("exp")
+    params = {k: np.asarray(v) for k, v in model.init_params(cfg.model, 0).items()}
+    out = tmp_path / "export"
+    write_export(out, cfg, params, ByteTokenizer(), {"experiment": "exp"})
+    return out
+
+
+def _claim(out, **sizes):
+    path = out / "config.json"
+    config = json.loads(path.read_text())
+    config["model"].update(sizes)
+    path.write_text(json.dumps(config))
+
+
+def test_a_gemma_export_claiming_two_to_the_forty_positions_is_refused_by_sample(tmp_path, capsys):
+    # a gemma model's parameters do not depend on max_seq_len (rotary positions): the weights
+    # match, and sampling would build a key/value cache of 2^40 positions
+    out = _export(tmp_path, preset="gemma-tiny", compute_dtype="float32")
+    _claim(out, max_seq_len=2**40)
+    assert cli.main(["sample", "--from", str(out), "--prompt", "hi", "--max-tokens", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("config.json: model: max_seq_len 1,099,511,627,776 is over the limit "
+                        "1,048,576") and "\n" not in err  # fmt: skip
+
+
+def test_a_factory_export_claiming_two_to_the_forty_layers_is_refused_before_building(
+    tmp_path, monkeypatch
+):
+    # a factory model's parameter count is its own: no file size to hold it to, so its sizes
+    # are bounded before the factory is called
+    out = _export(tmp_path, factory="tests.byo_model:make")
+    _claim(out, n_layers=2**40)
+    monkeypatch.setattr(model, "definition", lambda cfg: pytest.fail("built"))
+    with pytest.raises(ConfigError, match=r"n_layers 1,099,511,627,776 is over the limit 4,096"):
+        load_export(out)
+
+
+def test_a_factory_exports_extra_tensor_is_refused_from_its_header(tmp_path, monkeypatch):
+    # the weights' header names a tensor the model has not: refused before any tensor is read
+    out = _export(tmp_path, factory="tests.byo_model:make")
+    params = load_file(out / WEIGHTS)
+    params["extra"] = np.zeros(2**20, np.float32)
+    (out / WEIGHTS).write_bytes(save(params))
+    import safetensors.numpy
+
+    monkeypatch.setattr(safetensors.numpy, "load_file", lambda *a: pytest.fail("read whole"))
+    with pytest.raises(ConfigError, match=r"tensors missing \[\], unexpected \['extra'\]"):
+        load_export(out)
+
+
+def test_export_refuses_a_stored_model_section_its_tensors_are_not(tmp_path, capsys):
+    # the store's config.json claims 3 layers where the stored tensors hold 2: the export would
+    # write a config.json its weights are not (and one of 2^40 layers: bounded first)
+    url = f"file://{tmp_path}/store"
+    new_store(small_config("exp"), url)
+    path = tmp_path / "store" / "exp" / "config.json"
+    stored = json.loads(path.read_text())
+    argv = ["export", "--store", url, "--experiment", "exp", "--out", str(tmp_path / "out")]
+    for layers, why in [(3, "tensors missing ['blocks/2/"), (2**40, "over the limit 4,096")]:
+        path.write_text(json.dumps({**stored, "model": {**stored["model"], "n_layers": layers}}))
+        assert cli.main(argv) == 2 and not (tmp_path / "out").exists()
+        assert why in capsys.readouterr().err
