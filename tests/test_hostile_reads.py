@@ -1,7 +1,7 @@
 """Every read bounded before it is read (issue 37, item 4): an oversized finalize claim, an
-export whose weights hold an extra tensor, a FIFO where a file should be, a config that claims
-2^40 layers or positions (an export's, a factory model's, a stored one `diloco export`
-reads): each refused in one line
+export whose weights hold an extra tensor, a FIFO where a file should be (in an export, or at a
+control record of a `file://` store), a config that claims 2^40 layers or positions (an
+export's, a factory model's, a stored one `diloco export` reads): each refused in one line
 before its bytes are read or anything is built from it.
 """
 
@@ -21,6 +21,7 @@ from training.data.tokenizer import ByteTokenizer
 from training.merge.syncer import claim_finalize
 from training.model import definition as model
 from training.model.export import WEIGHTS, load_export, write_export
+from training.store.objectstore import CorruptObject
 
 
 def test_an_oversized_finalize_claim_is_not_read_whole(tmp_path):
@@ -130,3 +131,20 @@ def test_export_refuses_a_stored_model_section_its_tensors_are_not(tmp_path, cap
         path.write_text(json.dumps({**stored, "model": {**stored["model"], "n_layers": layers}}))
         assert cli.main(argv) == 2 and not (tmp_path / "out").exists()
         assert why in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("relative", ["control/finalized.json", "fragments/f000/HEAD.json"])
+def test_a_fifo_at_a_control_record_is_refused_not_read(tmp_path, relative):
+    # file://: a FIFO where a record belongs would block every reader for a writer that never
+    # comes; the open file is checked regular before a byte is read
+    store = new_store(small_config("fifo"), f"file://{tmp_path}/store")
+    path = tmp_path / "store" / "fifo" / relative
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.unlink(missing_ok=True)
+    os.mkfifo(path)
+    key = store.object_key(relative)
+    for read in (store.store.read, store.store.read_versioned, store.store.read_buffer):
+        with pytest.raises(CorruptObject, match=f"{relative} is not a regular file"):
+            read(key, max_bytes=4096)
+    if relative == "control/finalized.json":
+        assert claim_finalize(store, "run-1") == "(an unreadable claim)"
