@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save
 
+from tests.gcs_fixture import BACKENDS, gcs_bucket  # noqa: F401  (fixture)
 from tests.helpers import new_store, small_config
 from training import cli
 from training.config.experiment import ConfigError
@@ -24,11 +25,16 @@ from training.model.export import WEIGHTS, load_export, write_export
 from training.store.objectstore import CorruptObject
 
 
-def test_an_oversized_finalize_claim_is_not_read_whole(tmp_path):
-    # 64 MiB where a 4 KiB claim belongs: bounded before the read, the finalize held
-    store = new_store(small_config("fin"), f"file://{tmp_path}/store")
+@pytest.mark.parametrize("kind", BACKENDS[1:])
+def test_an_oversized_finalize_claim_is_not_read_whole(kind, request, tmp_path):
+    # 8 MiB where a 4 KiB claim belongs: bounded before the read (file: fstat; gs: a ranged
+    # GET of at most 4 KiB + 1), the finalize held
+    url = f"file://{tmp_path}/store"
+    if kind == "gs":
+        url = f"{request.getfixturevalue('gcs_bucket')}/fin-{tmp_path.name}"
+    store = new_store(small_config("fin"), url)
     key = store.object_key("control/finalized.json")
-    store.store.write(key, b"{" + b" " * (64 * 2**20) + b"}")
+    store.store.write(key, b"{" + b" " * (8 * 2**20) + b"}")
     assert claim_finalize(store, "run-1") == "(an unreadable claim)"
 
 
