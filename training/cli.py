@@ -188,6 +188,11 @@ def _at_version(cfg, estore, n: int):
     return estore.snapshot_of({"versions": [n] * count, "dirs": dirs})
 
 
+def _shapes(params) -> dict:
+    """{name: (shape, dtype)} of loaded parameters (export.check_model's argument)."""
+    return {n: (v.shape, v.dtype) for n, v in params.items()}
+
+
 def _pick_snapshot(cfg, estore, which: str):
     """The snapshot `--snapshot` names: None for `head` (every fragment's HEAD, read as one
     consistent snapshot), BEST's recorded snapshot, FINAL's (the model a finished run ends
@@ -218,13 +223,16 @@ def cmd_export(args) -> int:
 
     from training.data.tokenizer import tokenizer_for
     from training.merge import replay
-    from training.model.export import check_out, export_to
+    from training.model.export import check_model, check_out, export_to
 
     out = pathlib.Path(args.out)
     check_out(out, args.overwrite)  # before anything is read
     cfg, estore = _load(args)
     snapshot = _pick_snapshot(cfg, estore, args.snapshot) or estore.current_snapshot()
     params = estore.load_params(snapshot, replay.params_of(cfg, estore))
+    # the model section config.json describes, bounded and held to the tensors read: an
+    # export's config.json never claims a model its weights are not
+    check_model(cfg.model, _shapes(params), f"{estore.url}/config.json")
     record = {"best": estore.best, "final": estore.final}.get(args.snapshot, lambda: None)()
     what = {"snapshot": args.snapshot, "experiment": args.experiment}
     export_to(out, cfg, params, tokenizer_for(cfg), what, args.format, estore.url, snapshot, record)
@@ -239,6 +247,7 @@ def cmd_sample(args) -> int:
     decoded with the experiment's tokenizer (the one the directory holds)."""
     from training.data.tokenizer import tokenizer_for
     from training.merge import replay
+    from training.model.export import check_model
     from training.model.sample import sample
 
     if args.from_dir:
@@ -251,6 +260,7 @@ def cmd_sample(args) -> int:
         cfg, estore = _load(args)
         snapshot = _pick_snapshot(cfg, estore, args.snapshot) or estore.current_snapshot()
         params = estore.load_params(snapshot, replay.params_of(cfg, estore))
+        check_model(cfg.model, _shapes(params), f"{estore.url}/config.json")  # before a build
         mcfg, tok = cfg.model, tokenizer_for(cfg)
         if snapshot is not None and snapshot.tokens_merged == 0:
             print(

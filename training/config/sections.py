@@ -53,6 +53,19 @@ GEMMA_PRESETS: dict[str, tuple[int, int, int, int, int, int, int]] = {
     "gemma-12b": (5120, 38, 40, 8, 15360, 50304, 4096),
 }
 ComputeDtype = Literal["auto", "float32", "bfloat16"]
+# The largest model a reader of an untrusted model section builds (ModelConfig.bounded_dims):
+# far above every preset (12b: d_model 5120, 38 layers, 4096 positions), far below what
+# would hang or exhaust a host before a check of the tensors could refuse it.
+MODEL_LIMITS = {
+    "d_model": 2**16,
+    "n_layers": 2**12,
+    "n_heads": 2**12,
+    "n_kv_heads": 2**12,
+    "d_ff": 2**20,
+    "vocab_size": 2**22,
+    "max_seq_len": 2**20,
+}
+MAX_PARAMS = 2**40
 
 
 class ModelConfig(_Frozen):
@@ -167,6 +180,21 @@ class ModelConfig(_Frozen):
             raise ConfigError(
                 f"model: rotary positions need an even head dimension, got d_model / n_heads "
                 f"= {out['d_model'] // out['n_heads']}"
+            )
+        return out
+
+    def bounded_dims(self) -> dict[str, int]:
+        """`dims()`, once every size is within MODEL_LIMITS and the parameter count within
+        MAX_PARAMS; ConfigError (one line) naming the first that is not. For a reader of a
+        model section it did not write (an export's config.json, a stored config): checked
+        before anything is built from it, so a claimed 2^40 layers is refused, not built."""
+        out = self.dims()
+        for name, limit in MODEL_LIMITS.items():
+            if out[name] > limit:
+                raise ConfigError(f"model: {name} {out[name]:,} is over the limit {limit:,}")
+        if self.param_count() > MAX_PARAMS:
+            raise ConfigError(
+                f"model: {self.param_count():,} parameters, over the limit {MAX_PARAMS:,}"
             )
         return out
 

@@ -164,13 +164,54 @@ def _tokenizer(root: Path, identity: Any) -> Tokenizer:
     return tok
 
 
+def check_model(mcfg: ModelConfig, shapes: dict[str, Any], where: str) -> None:
+    """ConfigError (one line, naming `where`) unless the sizes of the model section `mcfg` are
+    bounded (`ModelConfig.bounded_dims`, checked before anything is built from it) and
+    `shapes` ({name: (shape, dtype)}) are exactly its parameters: the same names, each float32
+    of the shape the section describes. What an export's config.json claims, held to the
+    tensors it ships with (`load_export`, `diloco export`, `diloco sample`)."""
+    from training.model import definition as model
+
+    try:
+        mcfg.bounded_dims()
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+    want = model.abstract_params(mcfg)
+    if sorted(shapes) != sorted(want):
+        missing, extra = sorted(set(want) - set(shapes)), sorted(set(shapes) - set(want))
+        raise ConfigError(f"{where}: tensors missing {missing[:3]}, unexpected {extra[:3]}")
+    for name, spec in want.items():
+        shape, dtype = shapes[name]
+        if tuple(shape) != tuple(spec.shape) or np.dtype(dtype) != np.float32:
+            raise ConfigError(f"{where}: {name} is {np.dtype(dtype)}{list(shape)}")
+
+
+def _weights_header(path: Path, size: int) -> dict[str, Any]:
+    """{name: (shape, dtype)} of the safetensors file `path` of `size` bytes, from its header
+    alone (read bounded: MAX_HEADER_BYTES), once its tensors' data regions cover the file
+    exactly (`tensor_layouts`): an extra tensor is refused here, before any tensor is read."""
+    from training.store.tensors import BadTensors, tensor_layouts
+
+    with open(path, "rb") as f:
+        head = f.read(8)
+        length = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if not 0 <= length <= MAX_HEADER_BYTES or 8 + length > size:
+            raise ConfigError(f"{path}: not a safetensors file of a model this size")
+        data = head + f.read(length)
+    try:
+        layouts = tensor_layouts(data, size)[0]
+    except BadTensors as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+    return {name: (shape, dtype) for name, (dtype, shape, _, _) in layouts.items()}
+
+
 def load_export(root: str | Path) -> tuple[ModelConfig, dict[str, np.ndarray], Tokenizer]:
     """(model section, parameters, tokenizer) of an export directory; ConfigError (one line)
-    for anything that does not fit the model its config.json describes."""
+    for anything that does not fit the model its config.json describes. Nothing is built or
+    read whole before the section's sizes are bounded and held to the weights' file size and
+    safetensors header (`check_model`)."""
     from safetensors import SafetensorError
     from safetensors.numpy import load_file
-
-    from training.model import definition as model
 
     root = Path(root)
     config = _read_config(root)
@@ -197,6 +238,13 @@ def load_export(root: str | Path) -> tuple[ModelConfig, dict[str, np.ndarray], T
             f"{root / WEIGHTS}: {size - 8 - header:,} bytes of tensors, but {CONFIG} describes "
             f"{count:,} float32 parameters ({4 * count:,} bytes)"
         )
+    # every model (a factory's too): bounded sizes, then the header's tensors against them
+    try:
+        mcfg.bounded_dims()
+    except ConfigError as exc:
+        raise ConfigError(f"{root / CONFIG}: {exc}") from None
+    shapes = _weights_header(root / WEIGHTS, size)
+    check_model(mcfg, shapes, str(root / WEIGHTS))
     tok = _tokenizer(root, config.get("tokenizer"))
     if tok.vocab_size > mcfg.dims()["vocab_size"]:
         raise ConfigError(f"{root}: tokenizer vocabulary {tok.vocab_size} > the model's")
@@ -204,16 +252,10 @@ def load_export(root: str | Path) -> tuple[ModelConfig, dict[str, np.ndarray], T
         params = load_file(root / WEIGHTS)
     except (OSError, SafetensorError) as exc:
         raise ConfigError(f"{root / WEIGHTS}: {str(exc).splitlines()[0][:200]}") from None
-    want = model.abstract_params(mcfg)
-    if sorted(params) != sorted(want):
-        missing, extra = sorted(set(want) - set(params)), sorted(set(params) - set(want))
-        raise ConfigError(
-            f"{root / WEIGHTS}: tensors missing {missing[:3]}, unexpected {extra[:3]}"
-        )
-    for name, spec in want.items():
-        got = params[name]
-        if got.shape != tuple(spec.shape) or got.dtype != np.float32:
-            raise ConfigError(f"{root / WEIGHTS}: {name} is {got.dtype}{list(got.shape)}")
+    # the file read is the one checked (not one swapped in since): names, shapes, dtypes again
+    if {n: (v.shape, v.dtype) for n, v in params.items()} != shapes:
+        raise ConfigError(f"{root / WEIGHTS}: changed while it was read")
+    for name, got in params.items():
         if not np.isfinite(got).all():
             raise ConfigError(f"{root / WEIGHTS}: {name} has non-finite values")
     return mcfg, params, tok

@@ -6,11 +6,12 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import stat
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, BinaryIO, TypeVar
 
 import numpy as np
 
@@ -154,10 +155,26 @@ class LocalStore(ObjectStore):
             return int(expected)
         raise ValueError(f"invalid generation {expected!r} for a local store")
 
+    def _open_regular(self, key: str, path: Path, buffering: int = -1) -> BinaryIO:
+        """`path` opened for reading, once the open file (fstat) is a regular file; a FIFO, a
+        device or a socket at an object's name is CorruptObject, refused before a read that
+        would wait for a writer forever or never end. Opened non-blocking (a FIFO's open
+        returns at once), then blocking again for the read."""
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise CorruptObject(f"{self._where(key)} is not a regular file")
+            os.set_blocking(fd, True)
+            return os.fdopen(fd, "rb", buffering)
+        except BaseException:
+            os.close(fd)
+            raise
+
     def _read_file(self, key: str, path: Path, max_bytes: int | None) -> bytes:
         """The file's bytes; the size is checked on the open file (fstat) before reading, and
-        at most max_bytes + 1 bytes are read (a file replaced meanwhile is another inode)."""
-        with open(path, "rb") as f:
+        at most max_bytes + 1 bytes are read (a file replaced meanwhile is another inode); a
+        file that is not regular is refused (`_open_regular`)."""
+        with self._open_regular(key, path) as f:
             size = os.fstat(f.fileno()).st_size
             if max_bytes is None:
                 return f.read()
@@ -250,7 +267,7 @@ class LocalStore(ObjectStore):
 
         def attempt() -> memoryview:
             try:
-                with open(path, "rb", buffering=0) as f:
+                with self._open_regular(key, path, buffering=0) as f:
                     size = os.fstat(f.fileno()).st_size
                     if max_bytes is not None and size > max_bytes:
                         raise _too_large(self._where(key), size, max_bytes)
@@ -285,7 +302,8 @@ class LocalStore(ObjectStore):
 
         def attempt() -> tuple[bytes, Generation] | None:
             try:
-                fd = os.open(self._generation_path(path), os.O_RDONLY)
+                # non-blocking: a FIFO put at a sidecar is refused (pread: ESPIPE), not waited on
+                fd = os.open(self._generation_path(path), os.O_RDONLY | os.O_NONBLOCK)
             except (FileNotFoundError, NotADirectoryError):
                 try:
                     return self._read_file(key, path, max_bytes), 0

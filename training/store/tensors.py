@@ -361,6 +361,30 @@ def _slice(
     return array.copy() if copy else array
 
 
+def tensor_layouts(
+    data: bytes | bytearray | memoryview, size: int, max_header_bytes: int = MAX_HEADER_BYTES
+) -> tuple[dict[str, tuple[np.dtype, tuple[int, ...], int, int]], dict[str, str], int]:
+    """({name: (dtype, shape, begin, end)}, metadata, data start) of a safetensors object of
+    `size` bytes from `data`, its first bytes (the length prefix and header suffice: a reader
+    checks a file's tensors before reading them); BadTensors unless the header is valid
+    (`decode_tensors`' rules) and its data regions cover the `size` bytes exactly."""
+    header, start = _parse_header(data, max_header_bytes)
+    metadata = _metadata(header)
+    layouts = {
+        name: _tensor_layout(name, info) for name, info in header.items() if name != "__metadata__"
+    }
+    position = 0
+    for name, (_, _, begin, end) in sorted(layouts.items(), key=lambda item: item[1][2:]):
+        if begin != position:
+            raise BadTensors(f"tensor {show(name)}: data regions overlap or leave a gap")
+        position = end
+    if start + position != size:
+        raise BadTensors(
+            f"data is {size - start} bytes but the header describes {position} (truncated?)"
+        )
+    return layouts, metadata, start
+
+
 def decode_tensors(
     data: bytes | bytearray | memoryview,
     copy: bool = True,
@@ -378,20 +402,7 @@ def decode_tensors(
     """
     if not isinstance(data, bytes | bytearray | memoryview):
         raise TypeError(f"expected bytes, got {type(data).__name__}")
-    header, start = _parse_header(data, max_header_bytes)
-    metadata = _metadata(header)
-    layouts = {
-        name: _tensor_layout(name, info) for name, info in header.items() if name != "__metadata__"
-    }
-    position = 0
-    for name, (_, _, begin, end) in sorted(layouts.items(), key=lambda item: item[1][2:]):
-        if begin != position:
-            raise BadTensors(f"tensor {show(name)}: data regions overlap or leave a gap")
-        position = end
-    if start + position != len(data):
-        raise BadTensors(
-            f"data is {len(data) - start} bytes but the header describes {position} (truncated?)"
-        )
+    layouts, metadata, start = tensor_layouts(data, len(data), max_header_bytes)
     tensors = {
         name: _slice(data, start, dtype, shape, begin, copy)
         for name, (dtype, shape, begin, _) in layouts.items()
