@@ -14,6 +14,9 @@ project-local AIRFLOW_HOME with the project's dags/ (the package installed, as a
 process group (setsid), so `stop()` ends it and everything it forked (LocalExecutor workers, task
 processes); island processes of the local backend lead their own groups and are stopped by
 `stop_islands()`.
+
+Past 500 lines: one harness (the home and its lock, the four components, health, the REST
+helpers the tests and `make demo` use), kept in one file so that a test reads one module.
 """
 
 from __future__ import annotations

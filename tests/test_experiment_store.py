@@ -1,4 +1,8 @@
-"""The experiment layout and protocol on memory:// and file:// (a subset also on gs://)."""
+"""The experiment layout and protocol on memory:// and file:// (a subset also on gs://).
+
+Past 500 lines: one test per rule of docs/STORE.md's protocol, in the order the doc gives them,
+on the same fixtures; the fault-point, hostile and fuzz cases have files of their own.
+"""
 
 from __future__ import annotations
 

@@ -6,6 +6,8 @@ Inputs: random bytes, mutations of valid objects (fields deleted, replaced by va
 wrong type, huge numbers, deep nesting, unicode; bytes flipped, truncated, spliced), and names
 with other widths and non-ASCII digits. The fast profile runs FAST examples per reader in the
 default suite; the `slow` tests run the same properties with SLOW examples.
+
+Past 500 lines: one property per reader, on one set of strategies (the mutations above).
 """
 
 from __future__ import annotations

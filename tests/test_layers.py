@@ -314,3 +314,25 @@ def test_the_map_of_the_tests_lists_every_test_file():
     files = {p.name for p in (ROOT / "tests").glob("test_*.py")}
     assert files - listed == set(), "tests/README.md does not list these"
     assert listed - files == set(), "tests/README.md lists files that are gone"
+
+
+LONG = 520
+"""About 500 lines: a module past it says why in its docstring ("past 500 lines" / "over 500 lines")."""
+
+
+def test_a_module_past_about_500_lines_says_why_in_its_docstring():
+    import ast
+    import subprocess
+
+    files = subprocess.run(
+        ["git", "ls-files", "*.py"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
+    silent = []
+    for name in files:
+        text = (ROOT / name).read_text()
+        if text.count("\n") <= LONG:
+            continue
+        doc = (ast.get_docstring(ast.parse(text)) or "").lower()
+        if "500 lines" not in doc:
+            silent.append(name)
+    assert not silent, f"past {LONG} lines with no reason in the docstring: {silent}"

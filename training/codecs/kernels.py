@@ -12,6 +12,10 @@ A chunk is CHUNK elements (a multiple of 4 blocks, so packed bytes never straddl
 Where training/codecs/native.py could build its C loops (one pass per chunk instead of about
 seven numpy passes: 3-4x faster encodes), a chunk goes through them; the numpy code below is
 the fallback and the definition (the C file gives the same bits: tests/test_native.py).
+
+Past 500 lines on purpose: it mirrors training/codecs/native.c loop for loop (encode, decode,
+the norms from the codes, the folds of votes), so that each C loop has its numpy definition
+in one file to read beside it.
 """
 
 from __future__ import annotations

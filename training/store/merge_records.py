@@ -3,6 +3,10 @@ version manifests (their typed `MergeState`, applied ids), ledger and quarantine
 
 The contract every parser keeps (bytes or a loaded dict in; the record or its own `BadRecord`
 out, nothing else) and the shared field checks are in training/store/record_fields.py.
+
+Past 500 lines on purpose: one parser per merge-side record kind (five kinds), each the one
+reader of its object, side by side so that their limits and field rules read alike; the
+island's records are training/store/island_records.py, the syncer's syncer_records.py.
 """
 
 from __future__ import annotations
