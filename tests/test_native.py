@@ -38,6 +38,8 @@ def _tensors() -> dict[str, np.ndarray]:
         "tiny": tiny,
         "zeros": zeros,
         "heavy": (rng.standard_t(2, 4099) * 1e3).astype(np.float32),
+        # int4: absmax 7 = levels, so x * inv = x: halves round to even (2.5 -> 2, -0.5 -> -0.0)
+        "ties": np.tile(np.array([7, 2.5, -2.5, 0.5, -0.5, 1.5, -1.5, 6.5], np.float32), 64),
     }
 
 

@@ -9,6 +9,7 @@ tests/test_native.py):
   -ffp-contract=off (no fused multiply-add) and without -ffast-math;
 - rint (round half to even) as (v + 1.5 * 2^23) - 1.5 * 2^23 with v's sign kept (rint(-0.3)
   is -0.0), exact for |v| < 2^22 (here |v| <= levels (1 + 2 eps));
+  the AVX2 loops use roundps to nearest even, which gives the same value and sign;
 - floor as truncation corrected by one (|v| < 2^31 here).
 Status 1: a non-finite input (the caller raises). Status 2 (quantized codecs): a block whose
 levels / absmax overflows, which numpy clips: a quantized chunk is checked whole before
@@ -116,6 +117,65 @@ static void pack_block(int kind, const float *restrict qb, int64_t len, uint8_t 
     }
 }
 
+#if defined(__AVX2__)
+/* encode_quantized for int8 and int4 with `block` a multiple of 8, in 8-wide vectors: x = a (op b)
+   made on the fly in both passes (no scratch copy), the same operations in the same order as
+   the scalar code (one rounding each; rint as roundps to nearest even, which keeps v's sign
+   as rint_even does), so the same bits. A tensor's last, partial block goes the scalar way. */
+static inline __m256 x8(const float *a, const float *b, int op, int64_t i) {
+    __m256 va = _mm256_loadu_ps(a + i);
+    if (op > 0) return _mm256_add_ps(va, _mm256_loadu_ps(b + i));
+    if (op < 0) return _mm256_sub_ps(va, _mm256_loadu_ps(b + i));
+    return va;
+}
+
+static uint32_t absmax8(const float *a, const float *b, int op, int64_t s, int64_t len) {
+    const __m256i mag = _mm256_set1_epi32(0x7FFFFFFF);
+    __m256i m = _mm256_setzero_si256();
+    for (int64_t i = 0; i < len; i += 8)
+        m = _mm256_max_epu32(m, _mm256_and_si256(_mm256_castps_si256(x8(a, b, op, s + i)), mag));
+    __m128i h = _mm_max_epu32(_mm256_castsi256_si128(m), _mm256_extracti128_si256(m, 1));
+    h = _mm_max_epu32(h, _mm_shuffle_epi32(h, 0x4E));
+    h = _mm_max_epu32(h, _mm_shuffle_epi32(h, 0xB1));
+    return (uint32_t)_mm_cvtsi128_si32(h);
+}
+
+static void quant_pack8(int kind, const float *a, const float *b, int op, int64_t s, int64_t len,
+                        float levels, float absmax, uint8_t *restrict d, float *out, int sink) {
+    const __m256 sc = _mm256_set1_ps(absmax / levels);
+    const __m256 inv = _mm256_set1_ps(absmax > 0.0f ? levels / absmax : 0.0f);
+    /* int4: byte 0 and byte 8 of each 128-bit lane (c_even | c_odd << 4 of two 64-bit lanes);
+       int8: byte 0 of each 32-bit lane */
+    const __m256i pick = kind == 4
+        ? _mm256_setr_epi8(0, 8, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                           0, 8, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1)
+        : _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                           0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+    const __m256i eight = _mm256_set1_epi32(8);
+    for (int64_t i = 0; i < len; i += 8) {
+        __m256 x = x8(a, b, op, s + i);
+        __m256 q = _mm256_round_ps(_mm256_mul_ps(x, inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        __m256 deq = _mm256_mul_ps(q, sc);
+        float *o = out + s + i;
+        _mm256_storeu_ps(o, sink ? _mm256_add_ps(_mm256_loadu_ps(o), deq) : _mm256_sub_ps(x, deq));
+        __m256i c = _mm256_cvtps_epi32(q);
+        if (kind == 4) {
+            c = _mm256_add_epi32(c, eight);
+            c = _mm256_or_si256(c, _mm256_srli_epi64(c, 28));
+            __m256i t = _mm256_shuffle_epi8(c, pick);
+            uint16_t lo = (uint16_t)_mm256_extract_epi16(t, 0), hi = (uint16_t)_mm256_extract_epi16(t, 8);
+            memcpy(d + (s + i) / 2, &lo, 2);
+            memcpy(d + (s + i) / 2 + 2, &hi, 2);
+        } else {
+            __m256i t = _mm256_shuffle_epi8(c, pick);
+            uint32_t lo = (uint32_t)_mm256_extract_epi32(t, 0), hi = (uint32_t)_mm256_extract_epi32(t, 4);
+            memcpy(d + s + i, &lo, 4);
+            memcpy(d + s + i + 4, &hi, 4);
+        }
+    }
+}
+#endif
+
 /* Quantize n elements x = a (op b) in blocks of `block` (kind 8: int8 codes; 4: two codes
    q + 8 per byte, low nibble first; 2: four codes 0..3 per byte). Writes codes to `data`,
    scales (absmax / levels) to `scales`, and per element either out = x - dequantized
@@ -132,14 +192,25 @@ int encode_quantized(int kind, float levels, int64_t n, int64_t block, const flo
     float *xb = malloc((size_t)block * 2 * sizeof(float));
     if (!xb) return 3;
     float *qb = xb + block;
+#if defined(__AVX2__)
+    const int vec = kind != 2 && block % 8 == 0; /* full blocks in vectors (quant_pack8) */
+#endif
     for (int64_t k = 0; k < nb; k++) { /* absmax and scales first: nothing else written yet */
         int64_t s = k * block, len = s + block < n ? block : n - s;
-        const float *x = a + s;
-        if (op) {
-            load(a, b, op, s, len, xb);
-            x = xb;
+        uint32_t m;
+#if defined(__AVX2__)
+        if (vec && len == block) {
+            m = absmax8(a, b, op, s, len);
+        } else
+#endif
+        {
+            const float *x = a + s;
+            if (op) {
+                load(a, b, op, s, len, xb);
+                x = xb;
+            }
+            m = absmax_bits(x, len);
         }
-        uint32_t m = absmax_bits(x, len);
         float absmax = float_of(m);
         int overflow = kind != 2 && absmax > 0.0f &&
                        (bits_of(levels / absmax) & 0x7FFFFFFFu) >= 0x7F800000u;
@@ -151,13 +222,19 @@ int encode_quantized(int kind, float levels, int64_t n, int64_t block, const flo
     }
     for (int64_t k = 0; k < nb; k++) {
         int64_t s = k * block, len = s + block < n ? block : n - s;
+        float absmax = scales[k];
+        scales[k] = absmax / levels;
+#if defined(__AVX2__)
+        if (vec && len == block) {
+            quant_pack8(kind, a, b, op, s, len, levels, absmax, data, out, sink);
+            continue;
+        }
+#endif
         const float *x = a + s;
         if (op) {
             load(a, b, op, s, len, xb);
             x = xb;
         }
-        float absmax = scales[k];
-        scales[k] = absmax / levels;
         quant_block(kind, x, len, levels, absmax, qb, out + s, sink);
         pack_block(kind, qb, len, data + s / per);
     }
