@@ -153,7 +153,8 @@ def test_hostile_objects_mid_run_leave_the_loss_within_noise(tmp_path, caplog):
         # written), merges went on past every tampered version (to 16, the next full version,
         # and beyond) and the islands hold HEAD
         assert sorted(run["done"]) == list(ISLANDS)
-        assert all(r["tokens"] == run["done"][n]["tokens"] for n, r in zip(ISLANDS, run["runs"]))
+        for name, info in zip(ISLANDS, run["runs"], strict=True):
+            assert info["tokens"] == run["done"][name]["tokens"]
         assert sum(r["tokens"] for r in run["runs"]) >= BUDGET
         assert run["head"] >= UNPROMOTED_FLIP + 3 and run["bases"] == [run["head"]] * 2
     assert not [m for m in clean_lines if "crc32c" in m or "passed over" in m]
