@@ -1,8 +1,9 @@
 """Every read bounded before it is read (issue 37, item 4): an oversized finalize claim, an
 export whose weights hold an extra tensor, a FIFO where a file should be (in an export, or at a
 control record of a `file://` store), a config that claims 2^40 layers or positions (an
-export's, a factory model's, a stored one `diloco export` reads): each refused in one line
-before its bytes are read or anything is built from it.
+export's, a factory model's, a stored one `diloco export` reads, one given to `diloco init`,
+a stored one an island or merger reads): each refused in one line before its bytes are read or
+anything is built from it.
 """
 
 from __future__ import annotations
@@ -153,3 +154,42 @@ def test_a_fifo_at_a_control_record_is_refused_not_read(tmp_path, relative):
             read(key, max_bytes=4096)
     if relative == "control/finalized.json":
         assert store.claim_finalize("run-1") == "(an unreadable claim)"
+
+
+# -- a model section's sizes bounded where a config enters (ModelConfig.bounded_dims) -----------
+
+HUGE = "n_layers 1,099,511,627,776 is over the limit 4,096"
+
+
+def test_init_refuses_a_model_beyond_the_bounds_in_one_line(tmp_path, capsys):
+    url = f"file://{tmp_path}/store"
+    argv = ["init", "--store", url, "--name", "big", "--set", "model.preset=tiny"]
+    code = cli.main([*argv, "--set", f"model.n_layers={2**40}"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith("diloco init: error: invalid config:") and HUGE in err
+    assert not (tmp_path / "store").exists()  # nothing written
+
+
+@pytest.mark.parametrize("command", ["island", "merge"])
+def test_a_stored_config_beyond_the_bounds_is_refused_before_anything_is_built(
+    command, tmp_path, capsys, monkeypatch
+):
+    # config.json rewritten in the store to claim 2^40 layers: `diloco island` and `diloco
+    # merge` refuse it in one line naming the object, before an island or merger is built
+    from training.island.process import Island
+    from training.merge.merger import Merger
+
+    url = f"file://{tmp_path}/store"
+    new_store(small_config("big"), url)
+    path = tmp_path / "store" / "big" / "config.json"
+    stored = json.loads(path.read_text())
+    path.write_text(json.dumps({**stored, "model": {**stored["model"], "n_layers": 2**40}}))
+    for cls in (Island, Merger):
+        monkeypatch.setattr(cls, "__init__", lambda *a, **k: pytest.fail("built"))
+    argv = {"island": ["--island", "a"], "merge": []}[command]
+    assert cli.main([command, "--store", url, "--experiment", "big", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith(f"diloco {command}: error: {url}/big/config.json: invalid config")
+    assert HUGE in err

@@ -35,6 +35,16 @@ def test_a_budget_under_one_batch_per_island_fails_init_at_once(file_url, tmp_pa
     assert not (tmp_path / "store").exists(), "nothing is created"
 
 
+def test_a_model_beyond_the_bounds_fails_init_at_once(file_url, tmp_path):
+    # ModelConfig.bounded_dims, through the config's own validation (tests/test_hostile_reads.py
+    # has `diloco init` and a stored config)
+    values = _values(file_url)
+    values["overrides"] = {**(values.get("overrides") or {}), "model.n_layers": 2**40}
+    message = _failure(values)
+    assert "n_layers 1,099,511,627,776 is over the limit 4,096" in message and "\n" not in message
+    assert not (tmp_path / "store").exists(), "nothing is created"
+
+
 def test_a_bad_store_scheme_fails_init_at_once(file_url):
     message = _failure(_values("s3://nope/x"))
     assert "s3://nope/x" in message and "\n" not in message

@@ -88,7 +88,9 @@ class ExperimentConfig(_Frozen):
             target = getattr(self.chaos, field_name)
             if target is not None and target not in names:
                 raise ValueError(f"chaos.{field_name}: {target!r} is not an island")
-        dims = self.model.dims()
+        # sizes bounded wherever a config enters (a config file, init's --set, a stored
+        # config.json an island or merger reads): ModelConfig.bounded_dims, the one rule
+        dims = self.model.bounded_dims()
         if self.data.seq_len > dims["max_seq_len"]:
             raise ValueError(
                 f"data.seq_len {self.data.seq_len} exceeds the model's max_seq_len "

@@ -28,7 +28,12 @@ from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
-from training.config.experiment import ExperimentConfig, parse_config, without_retired_fields
+from training.config.experiment import (
+    ConfigError,
+    ExperimentConfig,
+    parse_config,
+    without_retired_fields,
+)
 from training.config.names import validate_name
 from training.store import island_records, safejson
 from training.store.commit import Commit, CommitPoints
@@ -330,9 +335,14 @@ class ExperimentStore(
     def config(self) -> ExperimentConfig:
         """config.json read (read_config) and validated (parse_config): the one place a
         caller gets the experiment's typed config from the store. Read afresh each call
-        (joins add islands to it by compare-and-swap). ConfigError when the stored config no
-        longer validates."""
-        return parse_config(self.read_config())
+        (joins add islands to it by compare-and-swap). ConfigError, one line naming the
+        object, when the stored config does not validate: a model section beyond the sizes
+        any reader builds (ModelConfig.bounded_dims) among them, refused before an island or
+        merger builds anything from it."""
+        try:
+            return parse_config(self.read_config())
+        except ConfigError as exc:
+            raise ConfigError(f"{self.url}/{self.CONFIG}: {exc}") from None
 
     def update_config(
         self, change: Callable[[dict[str, Any]], dict[str, Any]], attempts: int = 20
