@@ -168,7 +168,8 @@ def test_hostile_objects_mid_run_leave_the_loss_within_noise(tmp_path, caplog):
     passed = [m for m in lines if "does not read, passed over" in m]
     assert {m.split(":")[0] for m in passed} == {f"island {n}" for n in ISLANDS}
     assert all("v00000013-" in m and "crc32c" in m for m in passed)
-    assert len(set(passed)) == len(passed)  # each island names each version once
+    # each island names the bad object once (its first version through it; later ones: INFO)
+    assert sorted(m.split(":")[0] for m in passed) == sorted(f"island {n}" for n in ISLANDS), passed
     assert not [m for m in passed if "version 6 " in m]  # version 6 read: nothing passed over
 
     # the loss: within noise of the untampered run, and far below where it started

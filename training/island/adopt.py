@@ -27,6 +27,7 @@ when none does.
 from __future__ import annotations
 
 import logging
+import re
 import time
 from functools import partial
 from typing import Any
@@ -39,10 +40,14 @@ from training.island.state import IslandState, shadow_of
 from training.model.runtime import shared
 from training.protocol import broadcast
 from training.store import merge_records
+from training.store.keys import FRAGMENT_DIR
 from training.store.layout import parent_of
 from training.store.objectstore import CorruptObject
 
 log = logging.getLogger("diloco.island")
+
+BAD_OBJECT = re.compile(FRAGMENT_DIR.pattern + r"/[A-Za-z0-9_.]+")
+"""An object of a fragment version named in a read's error (what a warning blames)."""
 
 
 class Adopter:
@@ -69,6 +74,7 @@ class Adopter:
         self.pending: dict[int, int] = {}
         self.wait: dict[int, tuple[int, int]] = {}
         self.unreadable: dict[str, str] = {}  # version directory -> why it does not read
+        self.named: set[str] = set()  # the objects those warnings named
         self.awaiting: dict[int, str] = {}
         self.fetches: list[Any] = []
 
@@ -122,17 +128,33 @@ class Adopter:
                 pointer = parent
 
     def _unreadable(self, head, err: Exception) -> None:
-        """Log once that `head`'s version does not read, and why; it is passed over."""
-        if head.dir not in self.unreadable:
-            self.unreadable[head.dir] = str(err)
-            log.warning(
-                "island %s: fragment %d version %d does not read, passed over (keeps training on "
-                "what it has): %s",
+        """Log once that `head`'s version does not read, and why; it is passed over. The
+        objects to blame are named once: a later version that fails only on objects already
+        named (its update chain runs through them) gets an INFO line that points back."""
+        if head.dir in self.unreadable:
+            return
+        why = str(err)
+        objects = {m.group(0) for m in BAD_OBJECT.finditer(why)}
+        named = bool(objects) and objects <= self.named
+        self.unreadable[head.dir] = why
+        self.named |= objects
+        if named:
+            log.info(
+                "island %s: fragment %d version %d does not read either (the object named "
+                "above), passed over",
                 self.name,
                 head.fragment,
                 head.version,
-                err,
             )
+            return
+        log.warning(
+            "island %s: fragment %d version %d does not read, passed over (keeps training on "
+            "what it has): %s",
+            self.name,
+            head.fragment,
+            head.version,
+            err,
+        )
 
     def shapes(self, p: int) -> dict[str, tuple[int, ...]]:
         return {n: tuple(self.loop.param_shapes[n]) for n in self.frags[p]}
