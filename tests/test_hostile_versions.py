@@ -11,6 +11,8 @@ light), int4 with update broadcast, nesterov; islands a and b publish every roun
 2. The same byte flipped with no promotion anywhere: no representation of 6 (or of 7, whose
    chain runs through 6) reads; an island starting then takes version 5, one that holds 5 keeps
    it, names version 6 once, and adopts full version 8 when it comes.
+   A cold merger replaying that chain names the update once and merges on (the replay matched
+   the versions' params; the update is the islands' object).
 3. NaN in a promotion whose checksums match (written through the store's own promote): the
    cold merger passes it over, replays from version 4 and merges the bits of a warm merger.
 4. BEST or FINAL naming a copy of HEAD's directory (valid checksums) that no HEAD swap named:
@@ -86,6 +88,28 @@ def test_a_flipped_update_byte_reads_from_the_versions_promotion(kind, request, 
     assert {n: v.tobytes() for n, v in got.tensors.items()} == {
         n: v.tobytes() for n, v in want.items()
     }
+
+
+def test_a_cold_merger_passes_over_an_update_that_does_not_read_and_merges_on(
+    tmp_path, request, caplog
+):
+    # HEAD 6 light (full 4), nothing promoted, one byte of version 5's update flipped: the
+    # cold start replays 5 and 6 from 4, matches their params checksums, names 5's update once
+    # and merges version 7 with the bits of a warm merger (the update is the islands' object)
+    cfg_a, warm, merger_a = _experiment("file", request, tmp_path / "a", 6)
+    cfg_b, cold, _ = _experiment("file", request, tmp_path / "b", 6)
+    _flip_update(cold, 5)
+    _round(warm, cfg_a, merger_a, 6)
+    shapes = merger_a._warm[0][1]  # random_delta takes only the shapes from it
+    for i, island in enumerate(("a", "b")):  # the deltas _round published on `warm`
+        publish_delta(cold, cfg_b, island, 6, random_delta(shapes, 600 + i), base_version=6)
+    with caplog.at_level(logging.WARNING, logger="training.merge.replay"):
+        Merger(cfg_b, cold).merge_once()
+    named = [r.getMessage() for r in caplog.records if "does not read" in r.getMessage()]
+    assert len(named) == 1 and "version 5: its stored update does not read" in named[0]
+    assert "crc32c" in named[0]
+    assert cold.head(0).version == 7
+    assert _params_bits(cold, cfg_b) == _params_bits(warm, cfg_a)
 
 
 @pytest.mark.parametrize("kind", BACKENDS[1:])

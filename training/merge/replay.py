@@ -193,7 +193,7 @@ def _state_at(cfg, store, shapes, chain, v: int, tick=lambda version: None) -> S
     )
     for u in range(state.version + 1, v + 1):
         try:
-            state = _rederive(cfg, store, shapes, chain, u, state)
+            state = _rederive(cfg, store, shapes, chain, u, state, lenient=True)
         except _Stop as stop:
             detail = f"version {u} (light, from full {full_at[0]}): {stop.detail}"
             raise _Stop(stop.status, detail) from None
@@ -354,10 +354,13 @@ def _pointer(store, chain, fragment: int, version: int) -> HeadPointer:
     return store.find_version(fragment, version)
 
 
-def _rederive(cfg, store, shapes, chain, v: int, parent: State) -> State:
+def _rederive(cfg, store, shapes, chain, v: int, parent: State, lenient: bool = False) -> State:
     """Re-apply v's recorded merge to `parent` (v - 1's arrays, consumed) and compare the result
     with what v holds, bit for bit (params; outer state and shadow where v is full; the
-    optimizer's counters; the update): v's State, or _Stop."""
+    optimizer's counters; the update): v's State, or _Stop. `lenient` (a cold start): a stored
+    update or shadow that does not read (checksum, size: rot, not a forgery that reads) is
+    logged and passed over once the replay matched v's params; islands read v another way
+    (training/protocol/broadcast.py). One that reads and differs stops, as always."""
     pointer, manifest = chain[v]
     parent_version = v - 1
     recs = _records(manifest)
@@ -474,7 +477,20 @@ def _rederive(cfg, store, shapes, chain, v: int, parent: State) -> State:
         raise _Stop(DIFFERS, f"payloads {stored_names}, replayed {sorted(payloads or {})}")
     for name, tensors in sorted((payloads or {}).items()):
         limit, header = codecs.payload_limits(shapes, cfg.codec if name == "update" else "fp32")
-        got = store.load_payload(pointer, name, manifest, max_nbytes=limit, max_header=header)
+        try:
+            got = store.load_payload(pointer, name, manifest, max_nbytes=limit, max_header=header)
+        except CorruptObject as err:
+            if not lenient:
+                raise _Stop(DIFFERS, f"its stored {name} does not read: {err}") from None
+            log.warning(
+                "fragment %d version %d: its stored %s does not read (%s); the replay matched "
+                "its params, so the cold start goes on",
+                pointer.fragment,
+                v,
+                name,
+                err,
+            )
+            continue
         _compare(name, tensors, got)
     return State(v, params, outer, shadow)
 
