@@ -200,3 +200,25 @@ def cli_process(*argv: str, **env: str) -> subprocess.Popen:
         stderr=subprocess.STDOUT,
         text=True,
     )
+
+
+def flip_update_byte(store, version: int, fragment: int = 0) -> None:
+    """Flip the last byte of fragment `fragment` version `version`'s update.safetensors (bit rot:
+    its crc32c no longer matches, nothing else changes)."""
+    head = store.find_version(fragment, version)
+    key = store.object_key(f"{head.dir}/update.safetensors")
+    data = bytearray(store.store.read(key))
+    data[-1] ^= 1
+    store.store.write(key, bytes(data))
+
+
+def promote_with_nan(store, merger, part: str = "outer") -> None:
+    """Promote fragment 0's HEAD through the store's own promote (checksums that match) with
+    NaN in the first tensor of `part` ("outer" state or "shadow") of the merger's warm state."""
+    params, outer, shadow = merger._warm[0][1:4]
+    arrays = {"outer": outer, "shadow": shadow}
+    name = sorted(arrays[part])[0]
+    arrays[part] = {**arrays[part], name: np.full_like(arrays[part][name], np.nan)}
+    head = store.head(0)
+    manifest = store.fragment_manifest(head)
+    assert store.promote_version(head, manifest, params, arrays["outer"], arrays["shadow"])

@@ -24,10 +24,9 @@ from __future__ import annotations
 
 import logging
 
-import numpy as np
 import pytest
 
-from tests.helpers import new_store, small_config
+from tests.helpers import flip_update_byte, new_store, promote_with_nan, small_config
 from training.island.process import Island
 from training.merge import replay
 from training.merge.merger import Merger
@@ -53,22 +52,6 @@ def _cfg(name: str, seed: int):
     )
 
 
-def _flip_update(store, version: int) -> None:
-    head = store.find_version(0, version)
-    key = store.object_key(f"{head.dir}/update.safetensors")
-    data = bytearray(store.store.read(key))
-    data[-1] ^= 1
-    store.store.write(key, bytes(data))
-
-
-def _nan_promotion(store, merger) -> None:
-    params, outer, shadow = merger._warm[0][1:4]
-    name = sorted(outer)[0]
-    outer = {**outer, name: np.full_like(outer[name], np.nan)}
-    head = store.head(0)
-    assert store.promote_version(head, store.fragment_manifest(head), params, outer, shadow)
-
-
 def _experiment(tmp_path, seed: int, tampered: bool) -> dict:
     """One run; returns its final eval loss, its initial one, HEAD's version and the islands'
     run() results and done records."""
@@ -86,13 +69,13 @@ def _experiment(tmp_path, seed: int, tampered: bool) -> dict:
         if version == PROMOTED_FLIP:
             assert merger.promote_heads() == [0]
             if tampered:
-                _flip_update(store, version)
+                flip_update_byte(store, version)
         elif version == NAN_PROMOTION:
             if tampered:
-                _nan_promotion(store, merger)
+                promote_with_nan(store, merger)
             merger = Merger(cfg, store, clock=clock)  # the syncer restarts: a cold start
         elif version == UNPROMOTED_FLIP and tampered:
-            _flip_update(store, version)
+            flip_update_byte(store, version)
 
     while not all(island.finished() for island in islands):
         for island in islands:

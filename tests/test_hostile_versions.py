@@ -28,7 +28,14 @@ import numpy as np
 import pytest
 
 from tests.gcs_fixture import BACKENDS, gcs_bucket  # noqa: F401  (fixture)
-from tests.helpers import new_store, publish_delta, random_delta, small_config
+from tests.helpers import (
+    flip_update_byte,
+    new_store,
+    promote_with_nan,
+    publish_delta,
+    random_delta,
+    small_config,
+)
 from tests.test_light_versions import _cfg, _params_bits, _round
 from training.island.process import Island
 from training.merge.merger import Merger
@@ -54,14 +61,6 @@ def _experiment(kind, request, tmp_path, rounds: int, name: str = "hv"):
     return cfg, store, merger
 
 
-def _flip_update(store, version: int) -> None:
-    head = store.find_version(0, version)
-    key = store.object_key(f"{head.dir}/update.safetensors")
-    data = bytearray(store.store.read(key))
-    data[-1] ^= 1
-    store.store.write(key, bytes(data))
-
-
 def _warm_round(store, cfg, merger, r: int) -> None:
     """`_round` from the merger's own params of HEAD (a reader's replay of the tampered chain
     is what is under test, not the islands of this experiment)."""
@@ -80,7 +79,7 @@ def _shapes(merger) -> dict:
 def test_a_flipped_update_byte_reads_from_the_versions_promotion(kind, request, tmp_path):
     cfg, store, merger = _experiment(kind, request, tmp_path, 6)
     assert merger.promote_heads() == [0]
-    _flip_update(store, 6)
+    flip_update_byte(store, 6)
     head = store.head(0)
     got = broadcast.read_full(store, head, store.fragment_manifest(head), _shapes(merger))
     assert (got.how, got.updates) == ("full", 0)  # version 6's promoted shadow, no update
@@ -98,7 +97,7 @@ def test_a_cold_merger_passes_over_an_update_that_does_not_read_and_merges_on(
     # and merges version 7 with the bits of a warm merger (the update is the islands' object)
     cfg_a, warm, merger_a = _experiment("file", request, tmp_path / "a", 6)
     cfg_b, cold, _ = _experiment("file", request, tmp_path / "b", 6)
-    _flip_update(cold, 5)
+    flip_update_byte(cold, 5)
     _round(warm, cfg_a, merger_a, 6)
     shapes = merger_a._warm[0][1]  # random_delta takes only the shapes from it
     for i, island in enumerate(("a", "b")):  # the deltas _round published on `warm`
@@ -117,7 +116,7 @@ def test_a_version_nothing_reads_is_passed_over_and_the_island_trains_on(
     kind, request, tmp_path, caplog
 ):
     cfg, store, merger = _experiment(kind, request, tmp_path, 6)
-    _flip_update(store, 6)
+    flip_update_byte(store, 6)
     with caplog.at_level(logging.INFO, logger="diloco.island"):
         island = Island(cfg, "a", store)  # it starts, adopts and steps (publishes no round)
         island.start()
@@ -146,11 +145,8 @@ def test_a_version_nothing_reads_is_passed_over_and_the_island_trains_on(
 def test_nan_in_a_promotion_is_passed_over_and_the_cold_start_replays(kind, request, tmp_path):
     cfg_a, warm, merger_a = _experiment(kind, request, tmp_path / "a", 6, "hvwarm")
     cfg_b, cold, merger_b = _experiment(kind, request, tmp_path / "b", 6, "hvcold")
-    params, outer, shadow = merger_b._warm[0][1:4]
-    name = sorted(outer)[0]
-    outer = {**outer, name: np.full_like(outer[name], np.nan)}
+    promote_with_nan(cold, merger_b)
     head = cold.head(0)
-    assert cold.promote_version(head, cold.fragment_manifest(head), params, outer, shadow)
     assert cold.load_promoted(head, cold.fragment_manifest(head)) is None  # passed over
     ticks = []
     fresh = Merger(cfg_b, cold)
