@@ -209,10 +209,9 @@ def islands_info(estore) -> dict[str, dict]:
 
 
 def single_process_loss(estore, tokens: int) -> float:
-    from training.config.experiment import parse_config
     from training.model.baseline import single_process_baseline
 
-    return round(single_process_baseline(parse_config(estore.read_config()), tokens), 4)
+    return round(single_process_baseline(estore.config(), tokens), 4)
 
 
 def main() -> int:
