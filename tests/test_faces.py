@@ -83,3 +83,18 @@ def test_a_face_of_a_face_is_narrower_never_wider():
 def test_a_face_cannot_be_written_through():
     with pytest.raises(AttributeError, match="read-only"):
         IslandFace(ExperimentStore(MemoryStore("mem"), "exp")).heads = None
+
+
+def test_an_island_and_a_merger_hand_their_face_to_every_part_they_build(tmp_path):
+    from tests.helpers import new_store, small_config
+    from training.island.process import Island
+    from training.merge.merger import Merger
+
+    cfg = small_config()
+    store = new_store(cfg, f"file://{tmp_path}")
+    island = Island(cfg, "a", store, background=False)
+    assert {type(s) for s in (island.store, island.adopter.store, island.publisher.store)} == {
+        IslandFace
+    }
+    merger = Merger(cfg, store)
+    assert {type(s) for s in (merger.store, merger._reads.store)} == {MergeFace}

@@ -184,6 +184,7 @@ WRITES = frozenset(
     {
         "publish_pseudograd",
         "write_heartbeat",
+        "write_events",
         "mark_done",
         "save_checkpoint",
         "append_metric",

@@ -141,7 +141,8 @@ class Island:
         self.writer = self.group.writer  # process 0 writes the island's objects
         if not self.writer:
             store = ReadOnlyStore(store)
-        self.store = IslandFace(store)  # an island sees only its face (training/store/faces.py)
+        # an island (its adopter and publisher too) sees only its face (training/store/faces.py)
+        self.store = store = IslandFace(store)
         self.clock = clock
         self.faults = faults
         self.chaos = chaos

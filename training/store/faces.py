@@ -80,6 +80,7 @@ class IslandFace(Face):
         "list_pseudograds",
         "publish_pseudograd",
         "write_heartbeat",
+        "write_events",
         "heartbeats",
         "mark_done",
         "done",
@@ -89,10 +90,19 @@ class IslandFace(Face):
         "stop_requested",
         "round_clock",
     }
-    MODULES = (
-        "training/island/adopt.py",
-        "training/island/process.py",
-        "training/island/publish.py",
+    MODULES = tuple(
+        f"training/island/{m}.py"
+        for m in (
+            "adopt",
+            "background",
+            "checkpoint",
+            "encode",
+            "goodput",
+            "multihost",
+            "process",
+            "publish",
+            "state",
+        )
     )
 
 
