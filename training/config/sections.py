@@ -192,10 +192,9 @@ class ModelConfig(_Frozen):
         for name, limit in MODEL_LIMITS.items():
             if out[name] > limit:
                 raise ConfigError(f"model: {name} {out[name]:,} is over the limit {limit:,}")
-        if self.param_count() > MAX_PARAMS:
-            raise ConfigError(
-                f"model: {self.param_count():,} parameters, over the limit {MAX_PARAMS:,}"
-            )
+        count = self.param_count()
+        if count > MAX_PARAMS:
+            raise ConfigError(f"model: {count:,} parameters, over the limit {MAX_PARAMS:,}")
         return out
 
     def param_count(self) -> int:

@@ -22,9 +22,9 @@ runs this in mapped tasks of the experiment's own DAG run):
   memory (training/store/promotions.py): the next start, here or on another worker, begins
   at them instead of replaying the merges since their full versions.
 - **Finished** = every island of the config is done (or asked to leave), or the DAG run that
-  started this syncer has marked its islands ended (`ExperimentStore.mark_run_ended`, ``control/runs/...``: its
-  island tasks are over, successful or not). A STOP alone does not finish: islands publish their
-  remainders first.
+  started this syncer has marked its islands ended (`ExperimentStore.mark_run_ended`,
+  ``control/runs/...``: its island tasks are over, successful or not). A STOP alone does not
+  finish: islands publish their remainders first.
 - **Housekeeping** (optional, shard 0 on Airflow): a `housekeeping()` callable (garbage
   collection of the store, `plugins/diloco_airflow/retention.py`) runs after a merge once
   `housekeeping_every_s` have passed since the last run, so the bucket does not fill up during a
@@ -34,8 +34,8 @@ runs this in mapped tasks of the experiment's own DAG run):
 
 Pure decisions: `shard_fragments`, `lease_action`, `is_finished`, `housekeeping_due`. The I/O of
 the leases, run markers and finalize claim is the store's (training/store/syncer_control.py); the
-rest is thin calls on `ExperimentStore` (and `training.merge.merger.Merger`, imported lazily: this module is
-imported by Airflow triggers, which must not import jax).
+rest is thin calls on `ExperimentStore` (and `training.merge.merger.Merger`, imported lazily: this
+module is imported by Airflow triggers, which must not import jax).
 """
 
 from __future__ import annotations
