@@ -9,6 +9,7 @@ import pytest
 
 from tests.helpers import new_store, publish_delta, random_delta, small_config
 from training.codecs import host as codecs
+from training.codecs import native
 from training.island.process import Island
 from training.merge.merger import Merger
 from training.model import inner
@@ -352,3 +353,24 @@ def test_a_restored_version_has_no_update_and_its_shadow_is_its_params():
     got = _fetch(store, cfg, broadcast.Shadow(3, head.dir, got.tensors))
     assert (got.how, got.updates) == ("updates", 1)
     _assert_bit_equal(got.tensors, _stored_shadow(store))
+
+
+@pytest.mark.skipif(native.library() is None, reason="the C loops are not loaded")
+def test_the_merge_encodes_the_update_in_its_outer_step(monkeypatch):
+    """Every tensor of the version's update is encoded by the outer step's pass (native.c
+    `outer_encode_sq`, one pass instead of two), none after it; and the update is the one the
+    encode after the step gives (a version's update against the shadow it was made from)."""
+    cfg = _cfg("int4")
+    store = new_store(cfg)
+    _merge(cfg, store, 0)
+    fused: list[str] = []
+    done = codecs.PendingStep.done
+    monkeypatch.setattr(
+        codecs.PendingStep, "done", lambda self, n: (fused.append(n), done(self, n))
+    )
+    before = {n: v.copy() for n, v in _stored_shadow(store).items()}
+    _merge(cfg, store, 1)
+    assert sorted(fused) == sorted(_shapes(store))
+    theta = store.load_params()
+    want = codecs.encode_step(theta, before, "int4")
+    _assert_bit_equal(store.load_payload(store.head(0), "update"), want)

@@ -366,3 +366,87 @@ def test_threads_over_chunks_give_one_threads_bits():
             assert everything() == one, threads
         finally:
             native.set_threads(1)
+
+
+def _fused_case(seed: int, tiny_at: int | None = None):
+    """(shapes, params, momentum, delta) for the fused outer step and encode: two tensors, one
+    of three chunks and 77 elements; `tiny_at`: 300 elements of "w" from there with params,
+    momentum and delta zero (the outer step leaves them 0), for a shadow that makes the
+    update's block there 1e-38 (levels / absmax overflows: C refuses that chunk)."""
+    rng = np.random.default_rng(seed)
+    shapes = {"w": (3 * kernels.CHUNK + 77,), "b": (1001,)}
+    made = [{n: rng.normal(0, 1, s).astype(np.float32) for n, s in shapes.items()} for _ in "pmd"]
+    if tiny_at is not None:
+        for t in made:
+            t["w"][tiny_at : tiny_at + 300] = 0.0
+    return shapes, *made
+
+
+def _fused_run(codec: str, fused: bool, seed: int = 5, tiny_at: int | None = None):
+    """The outer step then the update's encode against a shadow near the new params, fused
+    (codecs.PendingStep into outer_step_) or one after the other; everything they write."""
+    from training.config.experiment import OuterConfig
+    from training.merge.outer import init_state, outer_step_
+
+    outer = OuterConfig(method="decoupled", lr=0.7, momentum=0.9)
+    shapes, params, momentum, delta = _fused_case(seed, tiny_at)
+    # the shadow: the new params (as the step writes them, computed on copies) less noise
+    after = {n: v.copy() for n, v in params.items()}
+    state = init_state(outer, shapes)._replace(momentum={n: v.copy() for n, v in momentum.items()})
+    outer_step_(outer, 4, after, state, {n: v.copy() for n, v in delta.items()})
+    noise = np.random.default_rng(seed + 1)
+    shadow = {n: v - noise.normal(0, 1e-2, v.shape).astype(np.float32) for n, v in after.items()}
+    if tiny_at is not None:
+        shadow["w"][tiny_at : tiny_at + 300] = np.float32(-1e-38)
+    state = init_state(outer, shapes)._replace(momentum=momentum)
+    sums: dict = {}
+    if fused:
+        pending = codecs.PendingStep(shadow, codec)
+        outer_step_(outer, 4, params, state, delta, params_sq=sums, encode=pending)
+        payload = pending.payload(params)
+    else:
+        outer_step_(outer, 4, params, state, delta, params_sq=sums)
+        payload = codecs.encode_step(params, shadow, codec)
+    arrays = [*params.values(), *state.momentum.values(), *shadow.values(), *payload.values()]
+    return list(payload), sums, _bits(arrays)
+
+
+@needs_native
+@pytest.mark.parametrize("codec", ["int8", "int4", "int2", "bf16"])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_the_update_encoded_in_the_outer_step_is_the_step_then_the_encode(codec, threads):
+    # bf16: no fused loop (PendingStep.fused declines it): the payload encodes it after
+    native.set_threads(threads)
+    try:
+        assert _fused_run(codec, fused=True) == _fused_run(codec, fused=False)
+    finally:
+        native.set_threads(1)
+
+
+@needs_native
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_chunk_the_fused_loop_refuses_is_finished_as_the_step_then_the_encode(threads):
+    # chunk 1 of "w" holds a block whose update is 1e-38 (7 / 1e-38 overflows float32): C
+    # stops there, the outer step of chunks 2-3 and the encode from chunk 1 on are redone
+    # outside the loop (numpy for the refused chunk); on 2 threads the first range [0, 2) is
+    # the one stopped
+    native.set_threads(threads)
+    try:
+        got = _fused_run("int4", fused=True, tiny_at=kernels.CHUNK + 256)
+        assert got == _fused_run("int4", fused=False, tiny_at=kernels.CHUNK + 256)
+    finally:
+        native.set_threads(1)
+
+
+@needs_native
+def test_a_non_finite_update_in_the_fused_loop_is_refused_by_name():
+    from training.config.experiment import OuterConfig
+    from training.merge.outer import init_state, outer_step_
+
+    outer = OuterConfig(method="decoupled", lr=0.7, momentum=0.9)
+    shapes, params, _, delta = _fused_case(3)
+    shadow = {n: v.copy() for n, v in params.items()}
+    shadow["w"][kernels.CHUNK + 5] = np.inf  # chunk 1: params - inf
+    pending = codecs.PendingStep(shadow, "int8")
+    with pytest.raises(ValueError, match="tensor 'w' has non-finite values"):
+        outer_step_(outer, 4, params, init_state(outer, shapes), delta, encode=pending)

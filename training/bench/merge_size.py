@@ -14,10 +14,11 @@ New contributions are published between merges, untimed (two encoded deltas, reu
 Each warm stage's floor is the bytes it reads and writes at this machine's memcpy speed
 (measured in the same run, bytes read + written per second), for the default method
 (decoupled, Nesterov momentum, the broadcast update): read 2 K b (payloads into memory), norms
-K b, fold K b + 4 N, outer 20 N (params and momentum read and written, the accumulator read),
-encode 12 N + b (params read, shadow read and written, the update written), write 4 N + 2 b
-(the params' checksum of a light version, the update's checksum and write); b one payload's
-bytes, N the fragment's parameters. `bytes_moved` (K payloads in, params and momentum in and
+K b, fold K b + 4 N, outer 28 N + b (params, momentum and shadow read and written, the
+accumulator read, the update written: the update is encoded in the outer step's pass,
+native.c `outer_encode_sq`), encode 0 (what that pass left: the payload's entries), write
+4 N + 2 b (the params' checksum of a light version, the update's checksum and write); b one
+payload's bytes, N the fragment's parameters. `bytes_moved` (K payloads in, params and momentum in and
 out, as the other merge rows count it) and the warm `seconds` make these rows a merge rate for
 `diloco bench wan --merge-json`. The syncer sizing divides the paper's round (island steps of
 1.85 s, H = 24, M = 4 islands, P = 24) by the measured merge times.
@@ -175,8 +176,8 @@ def floors(N: int, K: int, b: int, rate: float) -> dict[str, float]:
         read=2 * K * b,
         norms=K * b,
         fold=K * b + 4 * N,
-        outer=20 * N,
-        encode=12 * N + b,
+        outer=28 * N + b,
+        encode=0,
         write=4 * N + 2 * b,
     )
     return {k: v / rate for k, v in moved.items()}

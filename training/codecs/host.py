@@ -159,6 +159,78 @@ def encode_step(
     return payload
 
 
+class PendingStep:
+    """`encode_step(target, base, codec, block, alloc)` of a target not yet written, for the
+    pass that writes it to encode each chunk while it is in cache (the merge's outer step:
+    training/merge/outer.py, native.c `outer_encode_sq`), and `payload` to encode the tensors
+    that pass did not: the same payload and the same new base, bit for bit, with one pass over
+    the target and the base instead of two.
+
+    `fused(name, target)`: the outputs a fused pass fills for tensor `name`
+    (kernels.Fused), or None where it cannot (not a quantized codec, the C loops not loaded, a
+    layout they do not take); the pass calls `done(name)` once the tensor is encoded whole
+    (`rest` encodes what follows a chunk the C loop refused). Checks as encode_step."""
+
+    def __init__(
+        self,
+        base: dict[str, np.ndarray],
+        codec: str,
+        block: int = DEFAULT_BLOCK,
+        alloc: Callable[[int], memoryview] | None = None,
+    ):
+        _check_codec(codec)
+        self.base, self.codec, self.block, self.alloc = base, codec, block, alloc
+        self._offered: dict[str, kernels.Fused] = {}
+        self._done: set[str] = set()
+
+    def fused(self, name: str, target: np.ndarray) -> kernels.Fused | None:
+        if self.codec not in ("int8", "int4", "int2") or name in self._offered:
+            return None
+        b = self.base.get(name)
+        if (
+            b is None
+            or ".__" in name
+            or b.shape != target.shape
+            or not b.flags.writeable
+            or kernels.chunk_step(self.block) != chunk_step()
+        ):
+            return None  # encode_step judges it (and refuses what it must)
+        levels = {"int2": codec2bit.HALF_RANGE}.get(self.codec, _LEVELS.get(self.codec))
+        got = kernels.fused_step(
+            target.reshape(-1), b.reshape(-1), levels, self.block, self.codec, self.alloc
+        )
+        if got is not None:
+            self._offered[name] = got
+        return got
+
+    def rest(self, name: str, target: np.ndarray, s: int, e: int) -> None:
+        """Encode elements [s, e) of `name` (flat `target`) the fused pass left (kernels.
+        encode_rest); ValueError as encode_step for a non-finite difference."""
+        try:
+            kernels.encode_rest(self._offered[name], target.reshape(-1), s, e)
+        except kernels.NonFinite:
+            raise ValueError(f"tensor {name!r} has non-finite values") from None
+
+    def done(self, name: str) -> None:
+        self._done.add(name)
+
+    def payload(self, target: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """encode_step(target, base, codec, block, alloc)'s payload, in its order: the tensors
+        a fused pass encoded taken as they are, the others encoded now."""
+        if sorted(target) != sorted(self.base):
+            raise ValueError("theta and shadow name different tensors")
+        payload: dict[str, np.ndarray] = {}
+        for name, value in target.items():
+            if name in self._done:
+                f = self._offered[name]
+                payload.update(_quantized_entries(name, value.shape, self.codec, f.data, f.scales))
+            else:
+                payload.update(
+                    encode_step({name: value}, self.base, self.codec, self.block, self.alloc)
+                )
+        return payload
+
+
 def _get(payload: dict[str, np.ndarray], key: str, dtypes: tuple, name: str) -> np.ndarray:
     if key not in payload:
         raise ValueError(f"payload for {name!r} is missing tensor {key!r}")

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Callable
+from typing import NamedTuple
 
 import ml_dtypes
 import numpy as np
@@ -107,6 +108,60 @@ def encode_quantized_step(
     data, scales = _quantized_outputs(target.size, block, kind, alloc)
     _quantize(kind, levels, block, target, base, -1, data, scales, base, 1)
     return data, scales
+
+
+class Fused(NamedTuple):
+    """What a pass that writes an encode step's target writes for one tensor as it goes
+    (native.c `outer_encode_sq`): the quantized codec (`kind` 8 / 4 / 2 and its `levels`,
+    `block`), the flat float32 base it adds the decoded values to (the new shadow) and the
+    codes and scales it fills."""
+
+    codec: str
+    kind: int
+    levels: float
+    block: int
+    base: np.ndarray
+    data: np.ndarray
+    scales: np.ndarray
+
+
+def fused_step(
+    target: np.ndarray,
+    base: np.ndarray,
+    levels: float,
+    block: int,
+    kind: str,
+    alloc: Callable[[int], memoryview] | None = None,
+) -> Fused | None:
+    """The outputs of encode_quantized_step(target, base, ...) for a pass that writes `target`
+    chunk by chunk (chunk_step(block) elements) to encode each chunk as it is written, or None
+    where the C loop cannot take it (then encode_quantized_step does it after)."""
+    if block % 4 or native.library() is None or not native.fits_float32(target, base):
+        return None
+    data, scales = _quantized_outputs(target.size, block, kind, alloc)
+    if not (native.fits(data) and native.fits_float32(scales)):
+        return None
+    return Fused(kind, _KIND[kind], float(levels), block, base, data, scales)
+
+
+def encode_rest(fused: Fused, target: np.ndarray, s: int, e: int) -> None:
+    """Encode elements [s, e) of a fused tensor (flat `target`) that its pass left: s the start
+    of the chunk native.c `outer_encode_sq` refused, e the end of that pass's range (a chunk
+    end or the tensor's). encode_quantized_step's arithmetic on them, numpy where C refuses:
+    the same bits. NonFinite as there."""
+    per, block = _PER[fused.codec], fused.block
+    _quantize(
+        fused.codec,
+        fused.levels,
+        block,
+        target[s:e],
+        fused.base[s:e],
+        -1,
+        fused.data[s // per : -(-e // per)],
+        fused.scales[s // block : -(-e // block)],
+        fused.base[s:e],
+        1,
+    )
 
 
 def _quantize(kind, levels, block, a, b, op, data, scales, out, sink) -> None:

@@ -509,6 +509,65 @@ void outer_step_sq(int64_t n, float *p, float *g, float *m, float *d, const floa
     }
 }
 
+/* One block of encode_quantized (x = a - b, sink 1 into b): the same checks, status and bits,
+   without its scratch for an int8 / int4 block of a multiple of 8 (its vector loops). */
+static int encode_block(int kind, float levels, int64_t len, int64_t block, const float *a,
+                        float *b, uint8_t *data, float *scales) {
+#if defined(__AVX2__)
+    if (kind != 2 && len == block && block % 8 == 0) {
+        uint32_t m = absmax8(a, b, -1, 0, len);
+        float absmax = float_of(m);
+        int overflow = absmax > 0.0f && (bits_of(levels / absmax) & 0x7FFFFFFFu) >= 0x7F800000u;
+        if (m >= 0x7F800000u || overflow) return m >= 0x7F800000u ? 1 : 2;
+        scales[0] = absmax / levels;
+        quant_pack8(kind, a, b, -1, 0, len, levels, absmax, data, b, 1);
+        return 0;
+    }
+#endif
+    return encode_quantized(kind, levels, len, block, a, b, -1, data, scales, b, 1);
+}
+
+/* The merge's outer step with the broadcast update's encode fused in (training/merge/outer.py
+   with a training/codecs/host.PendingStep): block by block, outer_step on the block and then
+   encode_quantized of x = p - sh into `data` and `scales` with sink 1 into sh (the update's
+   codes and the new shadow) while the block is in L1, so memory streams through one pass
+   over params, momentum and shadow (instead of two) with the encode's arithmetic between;
+   sums[k] = the pw_sumsq of chunk k's new params (`step` elements) once the chunk is done.
+   Element by element the operations of outer_step_sq over the tensor and then of the
+   chunked encode (training/codecs/kernels._quantize: block by block, whatever the chunks):
+   the same bits. `data` and `scales` point at the codes and scales of this call's element 0
+   (a chunk start). Returns n, or the element where an encode refused (status 1 non-finite,
+   2 levels / absmax overflow, 3 no scratch; nothing but that block's scale written): that
+   block's outer step is done and its encode not, later blocks untouched, and the sum of its
+   chunk not taken; the caller finishes from there the way kernels._quantize does. */
+#define PF_AHEAD 1024 /* elements: 4 KiB ahead per stream (of 1, 4 and 8 KiB the best here) */
+int64_t outer_encode_sq(int64_t n, float *p, float *g, float *m, float *d, const float *factors,
+                        int nf, int mode, int nesterov, int flush, float lr, float beta,
+                        float inv, int64_t step, double *sums, int kind, float levels,
+                        int64_t block, float *sh, uint8_t *data, float *scales) {
+    int64_t per = kind == 8 ? 1 : (kind == 4 ? 2 : 4);
+    for (int64_t s = 0, k = 0; s < n; s += step, k++) {
+        int64_t end = s + step < n ? s + step : n;
+        for (int64_t b = s; b < end; b += block) {
+            int64_t len = b + block < end ? block : end - b;
+            if (b + PF_AHEAD + block <= n) /* the streams a few blocks ahead, while this */
+                for (int64_t i = 0; i < block; i += 16) { /* one computes (16 floats a line) */
+                    __builtin_prefetch(p + b + PF_AHEAD + i, 1);
+                    __builtin_prefetch(g + b + PF_AHEAD + i, 0);
+                    __builtin_prefetch(sh + b + PF_AHEAD + i, 1);
+                    if (m) __builtin_prefetch(m + b + PF_AHEAD + i, 1);
+                }
+            outer_step(len, p + b, g + b, m ? m + b : m, d ? d + b : d, factors, nf, mode,
+                       nesterov, flush, lr, beta, inv);
+            if (encode_block(kind, levels, len, block, p + b, sh + b, data + b / per,
+                             scales + b / block) != 0)
+                return b;
+        }
+        sums[k] = pw_sumsq(p + s, end - s);
+    }
+    return n;
+}
+
 /* numpy's pairwise sum of a float64 array (pw_sumsq's order, on values already squared). */
 static double pw_sum(const double *a, int64_t n) {
     if (n < 8) {

@@ -114,6 +114,8 @@ def _load(path: Path):
     lib.sumsq_chunks.restype = None
     lib.outer_step_sq.argtypes = lib.outer_step.argtypes + [i64, vp]
     lib.outer_step_sq.restype = None
+    lib.outer_encode_sq.argtypes = lib.outer_step_sq.argtypes + [cint, cfloat, i64, vp, vp, vp]
+    lib.outer_encode_sq.restype = i64
     lib.codes_sumsq.argtypes = [cint, vp, vp, i64, i64, i64, i64, cint, vp]
     lib.codes_sumsq.restype = i64
     lib.fold_votes.argtypes = [cint, vp, vp, vp, i64, i64, i64, i64, vp, cint, vp]

@@ -113,6 +113,7 @@ def apply_groups(
     arena: merge_stream.Arena | None = None,
     params_sq: Mapping[str, Sequence[float]] | None = None,
     stages: timing.Stages | None = None,
+    encode: codecs.PendingStep | None = None,
 ) -> Applied:
     """Apply `groups` (each with its islands' weight caps `caps`) to the fragment version
     `head_version`'s `params` (in place) and outer `state`; `active`: the number of islands
@@ -120,7 +121,9 @@ def apply_groups(
     across merges (merge_stream.Arena); `params_sq`: the params' per-chunk sums of squares
     as the merge that wrote them took them (Applied.params_sq), else a pass computes them (the
     same float either way: merge_stream.sq_total). `stages`: seconds per stage, added to
-    (training/merge/timing.py)."""
+    (training/merge/timing.py). `encode` (broadcast.pending_update of the shadow): handed to
+    the last group's outer step, which writes the params the version keeps, to encode the
+    update as it goes (outer.outer_step_); broadcast.version_payloads makes the rest."""
     arena = arena or merge_stream.Arena()
     stages = stages or timing.Stages()  # numbers nobody reads
     if params_sq is None or set(params_sq) != set(params):
@@ -207,6 +210,7 @@ def apply_groups(
                 gains=gains,
                 share=share,
                 params_sq=(new_sq := {}),
+                encode=encode if index == len(groups) - 1 else None,
             )
         del delta, combiner
         applied += voted

@@ -296,6 +296,7 @@ class Merger:
         )
         del outer_tensors
         self._reads.start(groups)
+        pending = broadcast.pending_update(shadow, self.cfg.codec, self._buffers.take)
         done = apply.apply_groups(
             self.cfg,
             self.shapes[p],
@@ -314,6 +315,7 @@ class Merger:
             self._arena,
             params_sq,
             stages,
+            pending,
         )
         state, details = done.state, done.details
         applied = [c.id for c in done.applied]
@@ -340,7 +342,7 @@ class Merger:
         )
         with stages("encode"):
             payloads, shadow = broadcast.version_payloads(
-                params, shadow, self.cfg.codec, extra, self._buffers.take
+                params, shadow, self.cfg.codec, extra, self._buffers.take, pending
             )
         full_at = self._full_ancestor(head, manifest)
         how = light.plan(

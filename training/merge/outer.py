@@ -68,6 +68,45 @@ def _outer_step_c(lib, n: int, arrays, factors: np.ndarray, flags, scalars) -> l
     return sums.tolist()
 
 
+def _outer_encode_c(
+    lib, n: int, arrays, factors: np.ndarray, flags, scalars, fused, encode, name: str
+) -> list[float]:
+    """native.c `outer_encode_sq` on one tensor: `_outer_step_c` with the broadcast update's
+    encode fused in block by block (codecs.PendingStep), threads over chunks. A range whose
+    encode the C loop refused at a block is finished here: the outer step of the blocks after
+    it, the sums of its chunk and those after, then the encode from that block on
+    (PendingStep.rest: numpy where C refuses): the bits of the outer step, then the encode."""
+    step = codecs.chunk_step()
+    sums = np.empty(-(-n // step), np.float64)
+    bases = [native.address(a) for a in arrays]
+    per = {8: 1, 4: 2, 2: 4}[fused.kind]
+    out = [native.address(a) for a in (fused.base, fused.data, fused.scales)]
+    fixed = (factors.ctypes.data, factors.size, *flags, *scalars)
+    stopped: list[tuple[int, int]] = []  # (the refused block's start, its range's end)
+
+    def run(s: int, e: int, k0: int) -> None:
+        at = [None if a is None else a + 4 * s for a in bases]
+        coded = (fused.kind, fused.levels, fused.block)
+        where = (out[0] + 4 * s, out[1] + s // per, out[2] + 4 * (s // fused.block))
+        done = lib.outer_encode_sq(
+            e - s, *at, *fixed, step, sums.ctypes.data + 8 * k0, *coded, *where
+        )
+        if s + done < e:
+            stopped.append((s + done, e))
+
+    native.over_chunks(n, step, run)
+    flat = arrays[0].reshape(-1)
+    for s, e in sorted(stopped):
+        after = min(e, s + fused.block)
+        if after < e:  # the outer step of the blocks after the refused one
+            at = [None if a is None else a + 4 * after for a in bases]
+            lib.outer_step(e - after, *at, *fixed)
+        first = s // step  # its chunk's sum and those after, as outer_step_sq takes them
+        sums[first : -(-e // step)] = native.chunk_sumsq(flat[first * step : e], step)
+        encode.rest(name, arrays[0], s, e)
+    return sums.tolist()
+
+
 def outer_step_(
     outer: OuterConfig,
     period: int,
@@ -78,6 +117,7 @@ def outer_step_(
     gains: Mapping[str, Sequence[np.float32]] | None = None,
     share: float = 1.0,
     params_sq: dict[str, list[float]] | None = None,
+    encode: codecs.PendingStep | None = None,
 ) -> OuterFragmentState:
     """theta <- outer step(theta, delta), in place on `params` and the state's arrays.
 
@@ -100,6 +140,10 @@ def outer_step_(
     `params_sq` (a dict, filled): per tensor, the float64 sums of squares of the new params'
     chunks, taken while each chunk is in cache (merge_stream.sq_total: the next merge's
     params norm without a pass).
+    `encode` (a codecs.PendingStep of the broadcast update against the shadow): where the C
+    loop takes a tensor, its update is encoded chunk by chunk as its new params are written
+    (native.c `outer_encode_sq`: one pass instead of two, the same bits); `encode.payload`
+    makes the rest after.
     """
     lr, beta = np.float32(outer_lr(outer, state.steps)), np.float32(outer.momentum)
     plain = final or not outer.momentum
@@ -123,7 +167,14 @@ def outer_step_(
         lib = native.library() if not frac and native.fits_float32(*arrays) else None
         if lib is not None:  # one C pass, the numpy loop below bit for bit
             flags = (mode, int(outer.nesterov), int(flush))
-            sums = _outer_step_c(lib, g_all.size, arrays, factors, flags, (lr, beta, inv))
+            fused = None if encode is None else encode.fused(n, params[n])
+            if fused is not None:
+                sums = _outer_encode_c(
+                    lib, g_all.size, arrays, factors, flags, (lr, beta, inv), fused, encode, n
+                )
+                encode.done(n)
+            else:
+                sums = _outer_step_c(lib, g_all.size, arrays, factors, flags, (lr, beta, inv))
             if params_sq is not None:
                 params_sq[n] = sums
             continue

@@ -429,6 +429,7 @@ def _rederive(cfg, store, shapes, chain, v: int, parent: State, lenient: bool = 
         [caps[g] for g in order],
         recs[0]["active"],
         apply.Io(payload, reject, base),
+        encode=(pending := broadcast.pending_update(shadow, cfg.codec)),
     )
     ids = [c.id for c in done.applied]
     if ids != [r["id"] for r in recs]:
@@ -468,7 +469,7 @@ def _rederive(cfg, store, shapes, chain, v: int, parent: State, lenient: bool = 
             f"{done.state.steps}/{done.state.seen}",
         )
     extra: dict = {}
-    payloads, shadow = broadcast.version_payloads(params, shadow, cfg.codec, extra)
+    payloads, shadow = broadcast.version_payloads(params, shadow, cfg.codec, extra, None, pending)
     if payloads is not None and not full:
         payloads = {n: t for n, t in payloads.items() if n != broadcast.SHADOW}
     sizes = manifest.get("nbytes") or {}

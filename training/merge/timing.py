@@ -5,8 +5,9 @@ The stages of a merge, in order: `state` (the fragment's arrays: kept warm, read
 replayed from a promotion or full version), `read` (the contributions' payloads: downloaded,
 checksummed, or waited for when fetched ahead), `norms` (each contribution checked and its
 norms taken from its codes), `fold` (the votes folded into the accumulators, with the
-averaging step's norm), `outer` (the outer step, with the new params' norm), `encode` (the
-version's payloads: the broadcast update and the new shadow), `write` (checksums, payloads,
+averaging step's norm), `outer` (the outer step, with the new params' norm and, where the C loops
+take them, the broadcast update's codes and the new shadow made in the same pass), `encode`
+(the rest of the version's payloads: the update's tensors the outer step did not encode), `write` (checksums, payloads,
 manifest, HEAD and ledger).
 """
 

@@ -91,21 +91,39 @@ def encode_update(
     return codecs.encode_step(theta, shadow, codec, alloc=alloc), shadow
 
 
+def pending_update(
+    shadow: dict[str, np.ndarray] | None,
+    codec: str,
+    alloc: Callable[[int], memoryview] | None = None,
+) -> codecs.PendingStep | None:
+    """The update of the version a merge is about to make, for its outer step to encode as it
+    writes the new parameters (codecs.PendingStep; training/merge/outer.outer_step_), then
+    `version_payloads(..., pending=)`; None when broadcast is off (`shadow` None)."""
+    return None if shadow is None else codecs.PendingStep(shadow, codec, alloc=alloc)
+
+
 def version_payloads(
     theta: Mapping[str, np.ndarray],
     shadow: dict[str, np.ndarray] | None,
     codec: str,
     extra: dict,
     alloc: Callable[[int], memoryview] | None = None,
+    pending: codecs.PendingStep | None = None,
 ) -> tuple[dict | None, dict | None]:
     """The syncer's extra payloads of a new version with parameters `theta` (and its
     manifest's CODEC_FIELD, set in `extra`), from the previous version's shadow (None:
     broadcast off, nothing extra), which becomes the new one in place (encode_update):
     ({"update", "shadow"} or None, the new shadow or None). `alloc`: where the update's codes
-    go (codecs.encode_step)."""
+    go (codecs.encode_step). `pending` (`pending_update` of this shadow, handed to the outer
+    step that wrote `theta`): the tensors it encoded are taken as they are, the same bits."""
     if shadow is None:
         return None, None
-    update, new = encode_update(theta, shadow, codec, alloc)
+    if pending is not None:
+        if pending.base is not shadow or pending.codec != codec:
+            raise ValueError("the pending update is not of this shadow and codec")
+        update, new = pending.payload(theta), shadow
+    else:
+        update, new = encode_update(theta, shadow, codec, alloc)
     extra[CODEC_FIELD] = codec
     return {UPDATE: update, SHADOW: new}, new
 
