@@ -9,8 +9,8 @@ The library has two variables of its own, ``DILOCO_FAULTS`` (fault points of a p
 `training.faults.points`, where it is documented; read by `FaultPlan.from_env` alone, which only
 entry points call: ``diloco island``, ``diloco merge``, and here the tasks that merge in their
 own process, the syncer's shards and ``finalize``, through `fault_plan` below) and
-``DILOCO_NATIVE`` (``0``: the codecs and the outer step never build or load their C loops:
-`training.codecs.native`). The backends *set* a few more for the island
+``DILOCO_NATIVE`` (``0``: the codecs and the outer step never build or load their C loops, nor
+the store its C CRC-32C: `training.store.clib`). The backends *set* a few more for the island
 process (`ISLAND_ENV`, below); an island gets its arguments on the command line, and reads only
 the multi-host three (``DILOCO_NUM_PROCESSES``, ``DILOCO_PROCESS_ID``, ``DILOCO_COORDINATOR``) as
 the defaults of ``diloco island``'s multi-host flags (`training.island.multihost.flag_defaults`); logs

@@ -2,101 +2,27 @@
 
 The loops: the codecs' encode and decode (training/codecs/kernels.py), the merge's outer
 step (training/merge/outer.outer_step_) and the float64 sums of squares of its norms (numpy's
-pairwise order, bit for bit: `chunk_sumsq` here, training/merge/stream.py). `library()` returns the loaded library, or None when
-it cannot be had: no C compiler (`$CC`, else `cc`), a failed build, an unwritable cache, or
-`DILOCO_NATIVE=0`. Then the callers run their numpy code, which gives the same bits (the C
-file's docstring says how; tests/test_native.py compares the two). Nothing else changes: the
-payload format is training/codecs/host.py's either way.
-
-The shared object is cached in `$XDG_CACHE_HOME/diloco`, else `~/.cache/diloco`, under a name made of the hash of the source, the flags and the compiler, so
-an edit, another compiler or another CPU builds anew (it is built for this CPU's vector units,
--march=native, where the compiler knows the flag: the key holds the compiler's expansion of
-it, so a cache shared by machines of different CPUs never loads a foreign build); it is
-written to a temporary name and renamed into place (processes building at once each finish
-with a whole file).
+pairwise order, bit for bit: `chunk_sumsq` here, training/merge/stream.py). `library()`
+returns the loaded library, or None when it cannot be had (training/store/clib.py builds,
+caches and loads this C file as it does the store's: no C compiler, a failed build, an
+unwritable cache, or `DILOCO_NATIVE=0`). Then the callers run their numpy code, which gives
+the same bits (the C file's docstring says how; tests/test_native.py compares the two).
+Nothing else changes: the payload format is training/codecs/host.py's either way.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
-import os
-import shutil
-import subprocess
-import tempfile
-import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 
-log = logging.getLogger("diloco.native")
+from training.store import clib
 
-NATIVE_ENV = "DILOCO_NATIVE"  # "0": never build or load the C loops (the numpy code runs)
+NATIVE_ENV = clib.NATIVE_ENV  # "0": never build or load the C loops (the numpy code runs)
 SOURCE = Path(__file__).with_name("native.c")
-FLAGS = ("-O3", "-shared", "-fPIC", "-ffp-contract=off", "-fno-fast-math", "-std=c99")
-NATIVE = ("-march=native",)  # this CPU's vector units: about 3x the speed of plain x86-64
-_lock = threading.Lock()
-_loaded: list = []  # [library or None] once decided
-
-
-def _cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "diloco"
-
-
-def _target(cc: str, flags: tuple[str, ...]) -> str:
-    """What `cc flags` compiles for, in the compiler's words (-march=native expanded to the
-    CPU's own features), for the cache key."""
-    done = subprocess.run(
-        [cc, *flags, "-E", "-v", "-x", "c", os.devnull],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    return done.stderr if done.returncode == 0 else ""
-
-
-def _build() -> Path | None:
-    cc = os.environ.get("CC") or "cc"
-    if shutil.which(cc) is None:
-        log.info("no C compiler (%s): numpy codecs", cc)
-        return None
-    source = SOURCE.read_bytes()
-    for flags in (FLAGS + NATIVE, FLAGS):
-        target = _target(cc, flags)
-        if not target:
-            continue  # e.g. -march=native unknown to this compiler
-        key = hashlib.sha256(source + repr((flags, target, cc)).encode()).hexdigest()[:16]
-        path = _cache_dir() / f"native-{key}.so"
-        if path.exists() or _compile(cc, flags, path):
-            return path
-    return None
-
-
-def _compile(cc: str, flags: tuple[str, ...], path: Path) -> bool:
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    fd, tmp = tempfile.mkstemp(prefix=".native-", suffix=".so", dir=path.parent)
-    os.close(fd)
-    try:
-        done = subprocess.run(
-            [cc, *flags, "-o", tmp, str(SOURCE)],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=False,
-        )
-        if done.returncode != 0:
-            log.warning("building %s failed:\n%s", SOURCE.name, done.stderr[-2000:])
-            return False
-        os.replace(tmp, path)
-        return True
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def _load(path: Path):
@@ -125,19 +51,10 @@ def _load(path: Path):
 
 def library():
     """The loaded C library, or None (see the module docstring); decided once per process."""
-    if _loaded:
-        return _loaded[0]
-    with _lock:
-        if not _loaded:
-            lib = None
-            if os.environ.get(NATIVE_ENV, "1") != "0":
-                try:
-                    path = _build()
-                    lib = _load(path) if path is not None else None
-                except (OSError, subprocess.SubprocessError) as err:
-                    log.warning("native codecs unavailable (%s): numpy codecs", err)
-            _loaded.append(lib)
-    return _loaded[0]
+    return _library()
+
+
+_library = clib.Library(SOURCE, _load)
 
 
 def fits(*arrays: np.ndarray | None) -> bool:
