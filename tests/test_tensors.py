@@ -9,6 +9,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from training.store import tensors
 from training.store.tensors import (
     CorruptObject,
     checksum,
@@ -173,3 +174,12 @@ def test_checksum_of_parts_is_the_checksum_of_their_concatenation(algorithm):
     assert checksum([bytearray(joined)], algorithm) == checksum([joined], algorithm)
     assert checksum([b"123456789"], "crc32c") == "e3069283"  # the CRC-32C check value
     assert checksum([joined], "sha256") == sha256(joined)
+
+
+@pytest.mark.parametrize("at", [None, 0, tensors.FINITE_STEP - 1, tensors.FINITE_STEP, -1])
+def test_all_finite_finds_a_nan_in_any_chunk(at):
+    # three chunks and 5 elements: a NaN in the first or last element of a chunk, or none
+    x = np.ones(3 * tensors.FINITE_STEP + 5, np.float32)
+    if at is not None:
+        x[at] = np.nan
+    assert tensors.all_finite(x) is (at is None)

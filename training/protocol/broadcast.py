@@ -36,6 +36,7 @@ from training.codecs import host as codecs
 from training.store import merge_records as records
 from training.store.layout import HeadPointer, parent_of
 from training.store.objectstore import CorruptObject, ObjectNotFound
+from training.store.tensors import all_finite
 
 log = logging.getLogger("diloco.broadcast")
 
@@ -140,7 +141,7 @@ def check_update(
     codecs.checked_codes(payload, codec, shapes, fragment)
     decoded = codecs.decode(dict(payload), codec)
     for n, v in decoded.items():
-        if not np.isfinite(v).all():
+        if not all_finite(v):
             raise ValueError(f"update tensor {n!r} has non-finite values")
     return decoded
 
@@ -294,7 +295,7 @@ def _read_whole(
             f"fragment {head.fragment} version {head.version}: {name} does not hold the "
             "fragment's float32 tensors"
         )
-    bad = sorted(n for n, v in tensors.items() if not np.isfinite(v).all())
+    bad = sorted(n for n, v in tensors.items() if not all_finite(v))
     if bad:
         raise CorruptObject(
             f"fragment {head.fragment} version {head.version}: {name} tensor {bad[0]!r} has "

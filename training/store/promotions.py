@@ -49,7 +49,7 @@ from training.store.objectstore import (
     StoreUnreachable,
     TransientStoreError,
 )
-from training.store.tensors import checksum, tensor_parts
+from training.store.tensors import all_finite, checksum, tensor_parts
 
 log = logging.getLogger(__name__)
 
@@ -186,7 +186,7 @@ class Promotions:
                     head, manifest=manifest, max_nbytes=max_nbytes
                 ).params
             for name, tensors in loaded.items():  # checksums say nothing of what was summed
-                bad = sorted(n for n, v in tensors.items() if not np.isfinite(v).all())
+                bad = sorted(n for n, v in tensors.items() if not all_finite(v))
                 if bad:
                     raise CorruptObject(f"{what}: promoted {name} {bad[0]!r} has non-finite values")
         except (TransientStoreError, StoreUnreachable):

@@ -123,6 +123,24 @@ def checksum(parts: Iterable[Any], algorithm: str = "crc32c") -> str:
 # Names
 
 
+FINITE_STEP = 1 << 20  # elements per `all_finite` chunk: a 1 MiB mask, reused
+
+
+def all_finite(array: np.ndarray) -> bool:
+    """Whether every element of a float array is finite, chunk by chunk into one reused 1 MiB
+    mask (np.isfinite(array).all() would make a mask of the array's size: 0.5 GiB for a
+    2 GiB tensor, fresh memory on every check)."""
+    flat = array.reshape(-1)
+    if flat.size <= FINITE_STEP:
+        return bool(np.isfinite(flat).all())
+    mask = np.empty(FINITE_STEP, np.bool_)
+    for s in range(0, flat.size, FINITE_STEP):
+        part = flat[s : s + FINITE_STEP]
+        if not np.isfinite(part, out=mask[: part.size]).all():
+            return False
+    return True
+
+
 def flatten(tree: Mapping[Any, Any]) -> dict[str, np.ndarray]:
     """Nested mappings -> {"a/b/0/c": array}. Keys may be str or int (ints become strings).
 
