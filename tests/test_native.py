@@ -203,17 +203,39 @@ def _numpy_sq(x: np.ndarray) -> float:
     return float(np.add.reduce(np.square(x, dtype=np.float64)))
 
 
+def _wide(rng: np.random.Generator, n: int) -> np.ndarray:
+    """n float32 values whose exponents spread over 2^-12 to 2^12 of a scale from 1e-20 to 1e20:
+    their float64 squares round at most adds, so a sum in another order shows."""
+    scale = 10.0 ** rng.integers(-20, 20)
+    return (rng.standard_t(3, n) * np.exp2(rng.integers(-12, 13, n)) * scale).astype(np.float32)
+
+
 @needs_native
 def test_native_sum_of_squares_is_numpys_on_every_length():
     # numpy's pairwise sum changes its shape at 8 and 128 elements and splits above 128 at
-    # n / 2 rounded down to a multiple of 8: every length to 300 walks each branch, the chunk
-    # lengths (and one past) the ones a merge uses
+    # n / 2 rounded down to a multiple of 8: every length to 600 walks each branch (leaves of
+    # 64 to 128 elements, their rests of 0 to 7), the chunk lengths (and one past) the ones a
+    # merge uses
     rng = np.random.default_rng(11)
-    lengths = [*range(301), 1000, 4097, codecs.chunk_step() - 1, codecs.chunk_step()]
+    lengths = [*range(601), 1000, 4097, codecs.chunk_step() - 1, codecs.chunk_step()]
     for n in lengths:
-        x = (rng.standard_t(3, n) * 10.0 ** rng.integers(-20, 20)).astype(np.float32)
+        x = _wide(rng, n)
         got = native.chunk_sumsq(x, max(n, 1))
         assert got.tolist() == ([_numpy_sq(x)] if n else []), n
+
+
+@needs_native
+@pytest.mark.parametrize("n", [codecs.chunk_step() + 1, 3 * codecs.chunk_step() + 77, 1_000_003])
+def test_native_sum_of_squares_is_numpys_per_chunk_and_whole(n):
+    # several chunks (the last short) and the whole tensor as one tree (leaves of many lengths)
+    x = _wide(np.random.default_rng(n), n)
+    x[:: 1 + n % 97] = np.float32(1e-40)  # subnormals, squared exactly in float64
+    step = codecs.chunk_step()
+    want = [_numpy_sq(x[s : s + step]) for s in range(0, n, step)]
+    assert (native.chunk_sumsq(x, step).tolist(), native.chunk_sumsq(x, n).tolist()) == (
+        want,
+        [_numpy_sq(x)],
+    )
 
 
 @needs_native

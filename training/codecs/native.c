@@ -6,7 +6,9 @@ training/codecs/kernels.py and training/merge/outer.py keep their numpy code). E
 bit-identical to that numpy code, so to the reference (tests/test_codec_golden.py,
 tests/test_native.py):
 - only IEEE float32 add, subtract, multiply and divide, each rounded once: built with
-  -ffp-contract=off (no fused multiply-add) and without -ffast-math;
+  -ffp-contract=off (no fused multiply-add) and without -ffast-math; the float64 sums of
+  squares (pw_sumsq) fuse r + v * v where the CPU can, the square of a float32 being exact
+  in float64 (the add's rounding is the only one either way);
 - rint (round half to even) as (v + 1.5 * 2^23) - 1.5 * 2^23 with v's sign kept (rint(-0.3)
   is -0.0), exact for |v| < 2^22 (here |v| <= levels (1 + 2 eps));
   the AVX2 loops use roundps to nearest even, which gives the same value and sign;
@@ -453,8 +455,66 @@ void outer_step(int64_t n, float *restrict p, float *restrict g, float *restrict
    numpy/_core/src/umath/loops_utils.h.src: below 8 elements one by one; up to 128 eight
    running sums added as ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7)), then the rest one
    by one; above, split at n / 2 rounded down to a multiple of 8), started from 0.0 as numpy's
-   reduction does. Each square is exact (24 + 24 mantissa bits < 53). tests/test_native.py
-   holds it to numpy on every length up to 300 and on chunk sizes. */
+   reduction does. Each square is exact (24 + 24 mantissa bits < 53; float32's exponents
+   square within float64's normal range). tests/test_native.py holds it to numpy on every
+   length up to 600, on chunk sizes and on several chunks. */
+
+#if defined(__AVX2__)
+/* A leaf (8 to 128 elements) with its eight running sums in two vectors of four doubles
+   (r0..r3, r4..r7): lane j adds x[i + j]^2 in the order the scalar leaf's r[j] does, then the
+   same combination and rest, so the same bits, in about half its time (in cache; at the
+   memory's pace once not). r + v * v as one fused multiply-add where the CPU has it (one
+   instruction fewer per 4 elements): the square is exact, so the add's is the only rounding
+   either way. */
+static inline __m256d sq_add4(__m256d r, __m256d v) {
+#if defined(__FMA__)
+    return _mm256_fmadd_pd(v, v, r);
+#else
+    return _mm256_add_pd(r, _mm256_mul_pd(v, v));
+#endif
+}
+
+static double leaf_sumsq(const float *x, int64_t n) {
+    __m256d v0 = _mm256_cvtps_pd(_mm_loadu_ps(x)), v1 = _mm256_cvtps_pd(_mm_loadu_ps(x + 4));
+    __m256d r0 = _mm256_mul_pd(v0, v0), r1 = _mm256_mul_pd(v1, v1);
+    int64_t i;
+    for (i = 8; i < n - (n % 8); i += 8) {
+        r0 = sq_add4(r0, _mm256_cvtps_pd(_mm_loadu_ps(x + i)));
+        r1 = sq_add4(r1, _mm256_cvtps_pd(_mm_loadu_ps(x + i + 4)));
+    }
+    double r[8], res;
+    _mm256_storeu_pd(r, r0);
+    _mm256_storeu_pd(r + 4, r1);
+    res = ((r[0] + r[1]) + (r[2] + r[3])) + ((r[4] + r[5]) + (r[6] + r[7]));
+    for (; i < n; i++) {
+        double v = (double)x[i];
+        res += v * v;
+    }
+    return res;
+}
+#else
+/* A leaf (8 to 128 elements), one by one: the reference the vector leaf above keeps. */
+static double leaf_sumsq(const float *x, int64_t n) {
+    double r[8], res;
+    for (int j = 0; j < 8; j++) {
+        double v = (double)x[j];
+        r[j] = v * v;
+    }
+    int64_t i;
+    for (i = 8; i < n - (n % 8); i += 8)
+        for (int j = 0; j < 8; j++) {
+            double v = (double)x[i + j];
+            r[j] += v * v;
+        }
+    res = ((r[0] + r[1]) + (r[2] + r[3])) + ((r[4] + r[5]) + (r[6] + r[7]));
+    for (; i < n; i++) {
+        double v = (double)x[i];
+        res += v * v;
+    }
+    return res;
+}
+#endif
+
 static double pw_sumsq(const float *x, int64_t n) {
     if (n < 8) {
         double res = 0.0;
@@ -464,25 +524,7 @@ static double pw_sumsq(const float *x, int64_t n) {
         }
         return res;
     }
-    if (n <= 128) {
-        double r[8], res;
-        for (int j = 0; j < 8; j++) {
-            double v = (double)x[j];
-            r[j] = v * v;
-        }
-        int64_t i;
-        for (i = 8; i < n - (n % 8); i += 8)
-            for (int j = 0; j < 8; j++) {
-                double v = (double)x[i + j];
-                r[j] += v * v;
-            }
-        res = ((r[0] + r[1]) + (r[2] + r[3])) + ((r[4] + r[5]) + (r[6] + r[7]));
-        for (; i < n; i++) {
-            double v = (double)x[i];
-            res += v * v;
-        }
-        return res;
-    }
+    if (n <= 128) return leaf_sumsq(x, n);
     int64_t n2 = n / 2;
     n2 -= n2 % 8;
     return pw_sumsq(x, n2) + pw_sumsq(x + n2, n - n2);
