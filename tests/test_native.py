@@ -277,6 +277,41 @@ def test_votes_folded_in_one_c_loop_are_decode_chunk_vote_after_vote(init, numpy
 
 
 @needs_native
+@pytest.mark.parametrize("k", [1, 2, 5, 70])
+@pytest.mark.parametrize("init", [False, True])
+@pytest.mark.parametrize(
+    "size", [5, 300, codecs.chunk_step() + 512, 2 * codecs.chunk_step() + 1001]
+)
+def test_int8_and_int4_votes_folded_group_by_group_are_numpys_vote_after_vote(
+    k, init, size, numpy_only
+):
+    # every vote int4 or int8: the C loop folds groups of elements with every vote added in
+    # registers (70 votes: 64, then the rest); sizes below one leaf of the sum, one block and a
+    # partial one, a chunk and 2 whole blocks, 2 chunks and a partial block: acc and the
+    # chunks' sums are numpy's folding one vote after another over the whole tensor
+    from training.merge import stream as merge_stream
+
+    rng = np.random.default_rng(size + k)
+    kinds = [("int4", "int8", "int4", "int4", "int8")[i % 5] for i in range(k)]
+    codes = [
+        _codes(c, rng.normal(0, 10.0 ** rng.integers(-3, 3), size).astype(np.float32))
+        for c in kinds
+    ]
+    coefs = rng.uniform(-1.5, 1.5, k).astype(np.float32)
+    votes = [
+        (merge_stream.PayloadVote({"w": c}), coef) for c, coef in zip(codes, coefs, strict=True)
+    ]
+    base = rng.normal(0, 1, size).astype(np.float32)
+
+    def fold(sums):
+        acc = base.copy()
+        got = merge_stream.fold_votes(votes, "w", acc, init, merge_stream.scratch(), sums)
+        return acc.tobytes(), got
+
+    assert [fold(False), fold(True)] == [numpy_only(fold, False), numpy_only(fold, True)]
+
+
+@needs_native
 @pytest.mark.parametrize("method", ["decoupled", "delayed_nesterov"])
 def test_outer_step_carries_the_new_params_norm_terms(method, numpy_only):
     from training.config.experiment import OuterConfig
