@@ -203,17 +203,39 @@ def _numpy_sq(x: np.ndarray) -> float:
     return float(np.add.reduce(np.square(x, dtype=np.float64)))
 
 
+def _wide(rng: np.random.Generator, n: int) -> np.ndarray:
+    """n float32 values whose exponents spread over 2^-12 to 2^12 of a scale from 1e-20 to 1e20:
+    their float64 squares round at most adds, so a sum in another order shows."""
+    scale = 10.0 ** rng.integers(-20, 20)
+    return (rng.standard_t(3, n) * np.exp2(rng.integers(-12, 13, n)) * scale).astype(np.float32)
+
+
 @needs_native
 def test_native_sum_of_squares_is_numpys_on_every_length():
     # numpy's pairwise sum changes its shape at 8 and 128 elements and splits above 128 at
-    # n / 2 rounded down to a multiple of 8: every length to 300 walks each branch, the chunk
-    # lengths (and one past) the ones a merge uses
+    # n / 2 rounded down to a multiple of 8: every length to 600 walks each branch (leaves of
+    # 64 to 128 elements, their rests of 0 to 7), the chunk lengths (and one past) the ones a
+    # merge uses
     rng = np.random.default_rng(11)
-    lengths = [*range(301), 1000, 4097, codecs.chunk_step() - 1, codecs.chunk_step()]
+    lengths = [*range(601), 1000, 4097, codecs.chunk_step() - 1, codecs.chunk_step()]
     for n in lengths:
-        x = (rng.standard_t(3, n) * 10.0 ** rng.integers(-20, 20)).astype(np.float32)
+        x = _wide(rng, n)
         got = native.chunk_sumsq(x, max(n, 1))
         assert got.tolist() == ([_numpy_sq(x)] if n else []), n
+
+
+@needs_native
+@pytest.mark.parametrize("n", [codecs.chunk_step() + 1, 3 * codecs.chunk_step() + 77, 1_000_003])
+def test_native_sum_of_squares_is_numpys_per_chunk_and_whole(n):
+    # several chunks (the last short) and the whole tensor as one tree (leaves of many lengths)
+    x = _wide(np.random.default_rng(n), n)
+    x[:: 1 + n % 97] = np.float32(1e-40)  # subnormals, squared exactly in float64
+    step = codecs.chunk_step()
+    want = [_numpy_sq(x[s : s + step]) for s in range(0, n, step)]
+    assert (native.chunk_sumsq(x, step).tolist(), native.chunk_sumsq(x, n).tolist()) == (
+        want,
+        [_numpy_sq(x)],
+    )
 
 
 @needs_native
@@ -252,6 +274,41 @@ def test_votes_folded_in_one_c_loop_are_decode_chunk_vote_after_vote(init, numpy
             codecs.decode_chunk(folded, s, e, want_acc[s:e], check=False, accumulate=not first)
     want_sums = [_numpy_sq(want_acc[s:e]) for s, e in codecs.chunk_spans(x.size)]
     assert fold() == (_bits([want_acc]), want_sums) == numpy_only(fold)
+
+
+@needs_native
+@pytest.mark.parametrize("k", [1, 2, 5, 70])
+@pytest.mark.parametrize("init", [False, True])
+@pytest.mark.parametrize(
+    "size", [5, 300, codecs.chunk_step() + 512, 2 * codecs.chunk_step() + 1001]
+)
+def test_int8_and_int4_votes_folded_group_by_group_are_numpys_vote_after_vote(
+    k, init, size, numpy_only
+):
+    # every vote int4 or int8: the C loop folds groups of elements with every vote added in
+    # registers (70 votes: 64, then the rest); sizes below one leaf of the sum, one block and a
+    # partial one, a chunk and 2 whole blocks, 2 chunks and a partial block: acc and the
+    # chunks' sums are numpy's folding one vote after another over the whole tensor
+    from training.merge import stream as merge_stream
+
+    rng = np.random.default_rng(size + k)
+    kinds = [("int4", "int8", "int4", "int4", "int8")[i % 5] for i in range(k)]
+    codes = [
+        _codes(c, rng.normal(0, 10.0 ** rng.integers(-3, 3), size).astype(np.float32))
+        for c in kinds
+    ]
+    coefs = rng.uniform(-1.5, 1.5, k).astype(np.float32)
+    votes = [
+        (merge_stream.PayloadVote({"w": c}), coef) for c, coef in zip(codes, coefs, strict=True)
+    ]
+    base = rng.normal(0, 1, size).astype(np.float32)
+
+    def fold(sums):
+        acc = base.copy()
+        got = merge_stream.fold_votes(votes, "w", acc, init, merge_stream.scratch(), sums)
+        return acc.tobytes(), got
+
+    assert [fold(False), fold(True)] == [numpy_only(fold, False), numpy_only(fold, True)]
 
 
 @needs_native

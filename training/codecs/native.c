@@ -6,7 +6,9 @@ training/codecs/kernels.py and training/merge/outer.py keep their numpy code). E
 bit-identical to that numpy code, so to the reference (tests/test_codec_golden.py,
 tests/test_native.py):
 - only IEEE float32 add, subtract, multiply and divide, each rounded once: built with
-  -ffp-contract=off (no fused multiply-add) and without -ffast-math;
+  -ffp-contract=off (no fused multiply-add) and without -ffast-math; the float64 sums of
+  squares (pw_sumsq) fuse r + v * v where the CPU can, the square of a float32 being exact
+  in float64 (the add's rounding is the only one either way);
 - rint (round half to even) as (v + 1.5 * 2^23) - 1.5 * 2^23 with v's sign kept (rint(-0.3)
   is -0.0), exact for |v| < 2^22 (here |v| <= levels (1 + 2 eps));
   the AVX2 loops use roundps to nearest even, which gives the same value and sign;
@@ -453,8 +455,66 @@ void outer_step(int64_t n, float *restrict p, float *restrict g, float *restrict
    numpy/_core/src/umath/loops_utils.h.src: below 8 elements one by one; up to 128 eight
    running sums added as ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7)), then the rest one
    by one; above, split at n / 2 rounded down to a multiple of 8), started from 0.0 as numpy's
-   reduction does. Each square is exact (24 + 24 mantissa bits < 53). tests/test_native.py
-   holds it to numpy on every length up to 300 and on chunk sizes. */
+   reduction does. Each square is exact (24 + 24 mantissa bits < 53; float32's exponents
+   square within float64's normal range). tests/test_native.py holds it to numpy on every
+   length up to 600, on chunk sizes and on several chunks. */
+
+#if defined(__AVX2__)
+/* A leaf (8 to 128 elements) with its eight running sums in two vectors of four doubles
+   (r0..r3, r4..r7): lane j adds x[i + j]^2 in the order the scalar leaf's r[j] does, then the
+   same combination and rest, so the same bits, in about half its time (in cache; at the
+   memory's pace once not). r + v * v as one fused multiply-add where the CPU has it (one
+   instruction fewer per 4 elements): the square is exact, so the add's is the only rounding
+   either way. */
+static inline __m256d sq_add4(__m256d r, __m256d v) {
+#if defined(__FMA__)
+    return _mm256_fmadd_pd(v, v, r);
+#else
+    return _mm256_add_pd(r, _mm256_mul_pd(v, v));
+#endif
+}
+
+static double leaf_sumsq(const float *x, int64_t n) {
+    __m256d v0 = _mm256_cvtps_pd(_mm_loadu_ps(x)), v1 = _mm256_cvtps_pd(_mm_loadu_ps(x + 4));
+    __m256d r0 = _mm256_mul_pd(v0, v0), r1 = _mm256_mul_pd(v1, v1);
+    int64_t i;
+    for (i = 8; i < n - (n % 8); i += 8) {
+        r0 = sq_add4(r0, _mm256_cvtps_pd(_mm_loadu_ps(x + i)));
+        r1 = sq_add4(r1, _mm256_cvtps_pd(_mm_loadu_ps(x + i + 4)));
+    }
+    double r[8], res;
+    _mm256_storeu_pd(r, r0);
+    _mm256_storeu_pd(r + 4, r1);
+    res = ((r[0] + r[1]) + (r[2] + r[3])) + ((r[4] + r[5]) + (r[6] + r[7]));
+    for (; i < n; i++) {
+        double v = (double)x[i];
+        res += v * v;
+    }
+    return res;
+}
+#else
+/* A leaf (8 to 128 elements), one by one: the reference the vector leaf above keeps. */
+static double leaf_sumsq(const float *x, int64_t n) {
+    double r[8], res;
+    for (int j = 0; j < 8; j++) {
+        double v = (double)x[j];
+        r[j] = v * v;
+    }
+    int64_t i;
+    for (i = 8; i < n - (n % 8); i += 8)
+        for (int j = 0; j < 8; j++) {
+            double v = (double)x[i + j];
+            r[j] += v * v;
+        }
+    res = ((r[0] + r[1]) + (r[2] + r[3])) + ((r[4] + r[5]) + (r[6] + r[7]));
+    for (; i < n; i++) {
+        double v = (double)x[i];
+        res += v * v;
+    }
+    return res;
+}
+#endif
+
 static double pw_sumsq(const float *x, int64_t n) {
     if (n < 8) {
         double res = 0.0;
@@ -464,25 +524,7 @@ static double pw_sumsq(const float *x, int64_t n) {
         }
         return res;
     }
-    if (n <= 128) {
-        double r[8], res;
-        for (int j = 0; j < 8; j++) {
-            double v = (double)x[j];
-            r[j] = v * v;
-        }
-        int64_t i;
-        for (i = 8; i < n - (n % 8); i += 8)
-            for (int j = 0; j < 8; j++) {
-                double v = (double)x[i + j];
-                r[j] += v * v;
-            }
-        res = ((r[0] + r[1]) + (r[2] + r[3])) + ((r[4] + r[5]) + (r[6] + r[7]));
-        for (; i < n; i++) {
-            double v = (double)x[i];
-            res += v * v;
-        }
-        return res;
-    }
+    if (n <= 128) return leaf_sumsq(x, n);
     int64_t n2 = n / 2;
     n2 -= n2 % 8;
     return pw_sumsq(x, n2) + pw_sumsq(x + n2, n - n2);
@@ -702,19 +744,208 @@ int64_t codes_sumsq(int kind, const uint8_t *data, const float *scales, int64_t 
     return k;
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VBMI__)
+/* fold_blocks' group: 128 elements from element e (in a block whose scale for vote v is
+   sc[v]) at o[0, 128), in 16-wide vectors, 8 of them held in registers while every vote is
+   decoded and added in vote order. int4 codes are not widened and converted but looked up:
+   the block's 16 values (c - 8) x scale, each rounded once as decoding rounds it, in one
+   vector, each element's nibble picked by vpmultishiftqb (from its 8 bytes broadcast, bits
+   4j.. of the qword into lane j's low bits, which alone vpermps reads): about half the
+   instructions. int8: widened, converted, multiplied. */
+enum { FOLD_GROUP = 128 };
+
+static inline void decode128(int kind, const uint8_t *data, int64_t e, float sc, __m512 x[8]) {
+    if (kind == 4) {
+        const __m512 t = _mm512_mul_ps(_mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2,
+                                                      3, 4, 5, 6, 7),
+                                       _mm512_set1_ps(sc));
+        /* lane 2q: byte q's low nibble (bits 8q..), lane 2q + 1: its high one (8q + 4..) */
+        const __m512i pick = _mm512_set_epi64(
+            0x0000003C00000038, 0x0000003400000030, 0x0000002C00000028, 0x0000002400000020,
+            0x0000001C00000018, 0x0000001400000010, 0x0000000C00000008, 0x0000000400000000);
+        const uint8_t *d = data + e / 2;
+        for (int g = 0; g < 8; g++) {
+            int64_t q;
+            memcpy(&q, d + 8 * g, 8);
+            __m512i idx = _mm512_multishift_epi64_epi8(pick, _mm512_set1_epi64(q));
+            x[g] = _mm512_permutexvar_ps(idx, t);
+        }
+    } else {
+        const __m512 s = _mm512_set1_ps(sc);
+        const int8_t *d8 = (const int8_t *)data + e;
+        for (int g = 0; g < 8; g++) {
+            __m512i w = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(d8 + 16 * g)));
+            x[g] = _mm512_mul_ps(_mm512_cvtepi32_ps(w), s);
+        }
+    }
+}
+
+static void fold_group(int k, const int *kinds, const uint8_t *const *data, const float *sc,
+                       int64_t e, float *o, int init) {
+    __m512 a[8], x[8];
+    decode128(kinds[0], data[0], e, sc[0], x);
+    for (int g = 0; g < 8; g++)
+        a[g] = init ? x[g] : _mm512_add_ps(_mm512_loadu_ps(o + 16 * g), x[g]);
+    for (int v = 1; v < k; v++) {
+        decode128(kinds[v], data[v], e, sc[v], x);
+        for (int g = 0; g < 8; g++) a[g] = _mm512_add_ps(a[g], x[g]);
+    }
+    for (int g = 0; g < 8; g++) _mm512_storeu_ps(o + 16 * g, a[g]);
+}
+#elif defined(__AVX2__)
+/* The same with 8-wide vectors, 32 elements (4 of them) at a time; the codes widened,
+   converted (exact) and multiplied (one rounding), as decode_quantized's vector loop does. */
+enum { FOLD_GROUP = 32 };
+
+static inline void decode32(int kind, const uint8_t *data, int64_t e, float sc, __m256 x[4]) {
+    __m256i w[4];
+    if (kind == 8) {
+        const int8_t *d8 = (const int8_t *)data + e;
+        for (int g = 0; g < 4; g++)
+            w[g] = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(d8 + 8 * g)));
+    } else {
+        __m128i b = _mm_loadu_si128((const __m128i *)(data + e / 2));
+        __m128i lo = _mm_and_si128(b, _mm_set1_epi8(0x0F));
+        __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(0x0F));
+        /* the codes in element order as bytes, nibble - 8 (-8..7), then sign-extended */
+        __m128i c0 = _mm_sub_epi8(_mm_unpacklo_epi8(lo, hi), _mm_set1_epi8(8));
+        __m128i c1 = _mm_sub_epi8(_mm_unpackhi_epi8(lo, hi), _mm_set1_epi8(8));
+        w[0] = _mm256_cvtepi8_epi32(c0);
+        w[1] = _mm256_cvtepi8_epi32(_mm_srli_si128(c0, 8));
+        w[2] = _mm256_cvtepi8_epi32(c1);
+        w[3] = _mm256_cvtepi8_epi32(_mm_srli_si128(c1, 8));
+    }
+    __m256 s = _mm256_set1_ps(sc);
+    for (int g = 0; g < 4; g++) x[g] = _mm256_mul_ps(_mm256_cvtepi32_ps(w[g]), s);
+}
+
+static void fold_group(int k, const int *kinds, const uint8_t *const *data, const float *sc,
+                       int64_t e, float *o, int init) {
+    __m256 a[4], x[4];
+    decode32(kinds[0], data[0], e, sc[0], x);
+    for (int g = 0; g < 4; g++)
+        a[g] = init ? x[g] : _mm256_add_ps(_mm256_loadu_ps(o + 8 * g), x[g]);
+    for (int v = 1; v < k; v++) {
+        decode32(kinds[v], data[v], e, sc[v], x);
+        for (int g = 0; g < 4; g++) a[g] = _mm256_add_ps(a[g], x[g]);
+    }
+    for (int g = 0; g < 4; g++) _mm256_storeu_ps(o + 8 * g, a[g]);
+}
+#endif
+
+#if defined(__AVX2__)
+enum { FOLD_AHEAD = 1024 }; /* elements: what is prefetched and folded ahead */
+
+/* fold_votes on whole blocks [c, c + n) (c a multiple of the block, the block of FOLD_GROUP)
+   when every vote is int8 or int4: group by group (fold_group), every vote decoded and added
+   into the group in vote order while it is in registers, acc read (when not init) and written
+   once instead of once per vote. Element by element the same operations in the same order
+   (vote 0 written or added, then votes 1..k-1 added; each decoded value code x scale, rounded
+   once): the same bits. Each group's acc and codes FOLD_AHEAD elements on are prefetched (k + 1
+   streams: the hardware alone keeps fewer of them in flight, about 15% slower). The votes'
+   scales of a block are gathered once (at most 64 votes at a time). */
+static void fold_blocks(int k, const int *kinds, const uint8_t *const *data,
+                        const float *const *scales, int64_t c, int64_t n, int64_t block,
+                        float *o, int init) {
+    enum { MAX_VOTES = 64 };
+    if (k > MAX_VOTES) { /* the first 64 votes, then the rest added (in order: the same bits) */
+        fold_blocks(MAX_VOTES, kinds, data, scales, c, n, block, o, init);
+        fold_blocks(k - MAX_VOTES, kinds + MAX_VOTES, data + MAX_VOTES, scales + MAX_VOTES, c,
+                    n, block, o, 0);
+        return;
+    }
+    float sc[MAX_VOTES];
+    for (int64_t b0 = 0; b0 < n; b0 += block) {
+        int64_t blk = (c + b0) / block;
+        for (int v = 0; v < k; v++) sc[v] = scales[v][blk];
+        for (int64_t i = b0; i < b0 + block; i += FOLD_GROUP) {
+            /* hints (past the end they do nothing): acc's and the codes' lines FOLD_AHEAD on */
+            for (int g = 0; g < FOLD_GROUP; g += 16)
+                _mm_prefetch((const char *)(o + i + FOLD_AHEAD + g), _MM_HINT_T0);
+            for (int v = 0; v < k; v++) {
+                int half = kinds[v] == 4; /* int4: two codes a byte */
+                const char *d = (const char *)data[v] + ((c + i + FOLD_AHEAD) >> half);
+                for (int g = 0; g < FOLD_GROUP >> half; g += 64) _mm_prefetch(d + g, _MM_HINT_T0);
+            }
+            fold_group(k, kinds, data, sc, c + i, o + i, init);
+        }
+    }
+}
+
+/* A chunk's fold done as its sum of squares reads it: fold_blocks on [c, c + whole) from
+   `done` on, called before each leaf of pw_sumsq's tree with the leaf's end, so a leaf reads
+   what was folded a moment before (in L1), and the adds of the sums overlap the fold's loads
+   instead of a second pass over the chunk after it. */
+struct fold_chunk {
+    int k, init;
+    const int *kinds;
+    const uint8_t *const *data;
+    const float *const *scales;
+    int64_t c, block, whole, done;
+    float *o;
+};
+
+static void fold_to(struct fold_chunk *f, int64_t end) {
+    if (end <= f->done || f->done >= f->whole) return;
+    int64_t to = (end + FOLD_AHEAD + f->block - 1) / f->block * f->block;
+    to = to < f->whole ? to : f->whole;
+    fold_blocks(f->k, f->kinds, f->data, f->scales, f->c + f->done, to - f->done, f->block,
+                f->o + f->done, f->init);
+    f->done = to;
+}
+
+/* pw_sumsq of o[at, at + n) (the same tree, the same adds in the same order), each leaf
+   folded first */
+static double pw_sumsq_fold(struct fold_chunk *f, int64_t at, int64_t n) {
+    if (n <= 128) {
+        fold_to(f, at + n);
+        return pw_sumsq(f->o + at, n);
+    }
+    int64_t n2 = n / 2;
+    n2 -= n2 % 8;
+    double left = pw_sumsq_fold(f, at, n2);
+    return left + pw_sumsq_fold(f, at + n2, n - n2);
+}
+#endif
+
 /* k votes folded into one accumulator chunk by chunk: for each chunk of `step` elements of
    [s, e), vote 0 decoded into acc (written when `init`, else added), then votes 1..k-1 added,
    each with its own codes and (coefficient-folded) scales; then, when sums is not NULL,
    sums[chunk] = the pw_sumsq of the chunk of acc. Element by element the same operations in
    the same order as folding the votes one after another over the whole tensor (the same
    bits), with the accumulator's chunk in cache for all k instead of k passes over memory.
-   acc points at element s. Codes are not checked (the norm pass did). */
+   With AVX2, when every vote is int8 or int4 and the block a multiple of FOLD_GROUP, a
+   chunk's whole blocks go group by group (fold_blocks: the group in registers for all k),
+   their sums read as they are folded (pw_sumsq_fold); else vote by vote (decode_quantized)
+   over the chunk, then its sum. acc points at element s. Codes are not checked (the norm
+   pass did). */
 void fold_votes(int k, const int *kinds, const uint8_t *const *data, const float *const *scales,
                 int64_t s, int64_t e, int64_t block, int64_t step, float *acc, int init,
                 double *sums) {
+#if defined(__AVX2__)
+    int fused = k > 0 && block % FOLD_GROUP == 0;
+    for (int v = 0; v < k; v++) fused &= kinds[v] == 8 || kinds[v] == 4;
+#endif
     for (int64_t c = s, j = 0; c < e; c += step, j++) {
         int64_t ce = c + step < e ? c + step : e;
         float *o = acc + (c - s);
+#if defined(__AVX2__)
+        if (fused && c % block == 0) {
+            /* the tensor's last, partial block first, vote by vote (its elements are folded
+               apart from the others either way), then the whole blocks */
+            struct fold_chunk f = {k, init, kinds, data, scales, c, block,
+                                   (ce - c) / block * block, 0, o};
+            if (f.whole < ce - c)
+                for (int v = 0; v < k; v++)
+                    decode_quantized(kinds[v], data[v], scales[v], c + f.whole, ce, block,
+                                     o + f.whole, !(init && v == 0), 0);
+            if (sums) /* its last leaf ends at the chunk's end: every block folded */
+                sums[j] = pw_sumsq_fold(&f, 0, ce - c);
+            else
+                fold_to(&f, f.whole);
+            continue;
+        }
+#endif
         for (int v = 0; v < k; v++)
             decode_quantized(kinds[v], data[v], scales[v], c, ce, block, o, !(init && v == 0), 0);
         if (sums) sums[j] = pw_sumsq(o, ce - c);
