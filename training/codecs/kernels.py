@@ -508,6 +508,68 @@ def fold_votes(
     return True
 
 
+class Folded:
+    """A tensor's update as quantized votes to fold (kind, codes, coefficient-folded scales),
+    never written out: what `fold_votes(votes, n, block, step, acc, init=True)` would leave in
+    `acc`, recomputed by the pass that uses it (native.c `fold_outer_encode_sq`: the outer
+    step folds each stretch of votes in L1), so a merge holds no fragment-sized accumulator and
+    does not write one and read it back. `usable` says whether the C loops take these votes;
+    `sums` are the accumulator's per-chunk sums of squares and `dense` the accumulator itself,
+    the bits of fold_votes either way."""
+
+    def __init__(self, votes: list[tuple[str, np.ndarray, np.ndarray]], n: int, block: int):
+        self.votes, self.size, self.block = votes, n, block
+        k = len(votes)
+        self.k = k
+        self.kinds = (ctypes.c_int * k)(*(_KIND[kind] for kind, _, _ in votes))
+        self.datas = (ctypes.c_void_p * k)(*(d.ctypes.data for _, d, _ in votes))
+        self.scales = (ctypes.c_void_p * k)(*(sc.ctypes.data for _, _, sc in votes))
+
+    @staticmethod
+    def usable(votes, block: int) -> bool:
+        return (
+            native.library() is not None
+            and bool(votes)
+            and block % 256 == 0
+            and all(
+                kind in ("int8", "int4")
+                and d.itemsize == 1
+                and d.flags.c_contiguous
+                and native.fits_float32(sc)
+                for kind, d, sc in votes
+            )
+        )
+
+    def pointers(self) -> tuple:
+        """(k, kinds, codes, scales) as native.c's fold loops take them."""
+        return self.k, self.kinds, self.datas, self.scales
+
+    def sums(self, step: int) -> list[float]:
+        """Per chunk of `step` elements, the sum of squares of the accumulator fold_votes would
+        write (native.c `fold_sums`: each chunk folded into one reused scratch)."""
+        lib = native.library()
+        out = np.empty(-(-self.size // step), np.float64)
+        scratch: dict[int, np.ndarray] = {}
+
+        def run(s: int, e: int, k0: int) -> None:
+            buf = scratch.setdefault(k0, np.empty(step, np.float32))
+            lib.fold_sums(
+                *self.pointers(), s, e, self.block, step, buf.ctypes.data, out.ctypes.data + 8 * k0
+            )
+
+        native.over_chunks(self.size, step, run)
+        return out.tolist()
+
+    def dense(self) -> np.ndarray:
+        """The accumulator itself, in a new array (for a step the fused loop does not take)."""
+        acc = np.empty(self.size, np.float32)
+        if not fold_votes(
+            self.votes, self.size, self.block, chunk_step(self.block), acc, True, None
+        ):
+            raise ValueError("the C loops do not take these votes")
+        return acc
+
+
 def decode_quantized(
     data: np.ndarray, scales: np.ndarray, n: int, block: int, kind: str, levels: int = 127
 ) -> np.ndarray:

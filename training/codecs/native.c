@@ -951,3 +951,62 @@ void fold_votes(int k, const int *kinds, const uint8_t *const *data, const float
         if (sums) sums[j] = pw_sumsq(o, ce - c);
     }
 }
+
+/* fold_votes of [s, e) chunk by chunk into one chunk-sized `scratch` (init: vote 0 written),
+   for sums[j] only: the pw_sumsq of each chunk of the accumulator fold_votes would write, the
+   same bits, without writing it (fold_outer_encode_sq recomputes it where it is used). */
+void fold_sums(int k, const int *kinds, const uint8_t *const *data, const float *const *scales,
+               int64_t s, int64_t e, int64_t block, int64_t step, float *scratch,
+               double *sums) {
+    for (int64_t c = s, j = 0; c < e; c += step, j++) {
+        int64_t ce = c + step < e ? c + step : e;
+        fold_votes(k, kinds, data, scales, c, ce, block, step, scratch, 1, sums + j);
+    }
+}
+
+/* The votes folded, the outer step and the broadcast update's encode in one pass
+   (training/merge/outer.py with a training/codecs/kernels.Folded delta): stretch by stretch of
+   FUSE_SUB elements, the k votes folded into a stretch-sized g in L1 exactly as fold_votes
+   folds them into the accumulator (vote 0 written, the others added in order), then block by
+   block outer_step with g and, when `kind` is not 0, encode_block (outer_encode_sq's encode);
+   sums[j] = the pw_sumsq of chunk j's new params (`step` elements). The accumulator's values
+   are recomputed where they are used instead of written to memory and read back: the same
+   bits as fold_votes and then outer_encode_sq (or outer_step_sq: `kind` 0), with one pass over
+   the fragment's arrays and no fragment-sized accumulator. `s0`: this call's first element in
+   the tensor (a chunk start; the votes' codes and scales are the tensor's); p, m, d, sh, data
+   and scales point at element s0. Returns n, or the element of a block whose encode refused
+   (as outer_encode_sq: its outer step done, later blocks untouched, its chunk's sum not
+   taken). */
+#define FUSE_SUB 4096 /* elements: g is 16 KiB, within L1 */
+int64_t fold_outer_encode_sq(int64_t n, int64_t s0, int k, const int *kinds,
+                             const uint8_t *const *vdata, const float *const *vscales,
+                             int64_t vblock, float *p, float *m, float *d, const float *factors,
+                             int nf, int mode, int nesterov, int flush, float lr, float beta,
+                             float inv, int64_t step, double *sums, int kind, float levels,
+                             int64_t block, float *sh, uint8_t *data, float *scales) {
+    float g[FUSE_SUB];
+    int64_t per = kind == 8 ? 1 : (kind == 4 ? 2 : 4);
+    for (int64_t s = 0, j = 0; s < n; s += step, j++) {
+        int64_t end = s + step < n ? s + step : n;
+        for (int64_t t = s; t < end; t += FUSE_SUB) {
+            int64_t te = t + FUSE_SUB < end ? t + FUSE_SUB : end;
+            fold_votes(k, kinds, vdata, vscales, s0 + t, s0 + te, vblock, FUSE_SUB, g, 1, NULL);
+            for (int64_t b = t; b < te; b += block) {
+                int64_t len = b + block < te ? block : te - b;
+                if (b + PF_AHEAD + block <= n)
+                    for (int64_t i = 0; i < block; i += 16) {
+                        __builtin_prefetch(p + b + PF_AHEAD + i, 1);
+                        if (kind) __builtin_prefetch(sh + b + PF_AHEAD + i, 1);
+                        if (m) __builtin_prefetch(m + b + PF_AHEAD + i, 1);
+                    }
+                outer_step(len, p + b, g + (b - t), m ? m + b : m, d ? d + b : d, factors, nf,
+                           mode, nesterov, flush, lr, beta, inv);
+                if (kind && encode_block(kind, levels, len, block, p + b, sh + b,
+                                         data + b / per, scales + b / block) != 0)
+                    return b;
+            }
+        }
+        sums[j] = pw_sumsq(p + s, end - s);
+    }
+    return n;
+}

@@ -42,6 +42,14 @@ def _load(path: Path):
     lib.outer_step_sq.restype = None
     lib.outer_encode_sq.argtypes = lib.outer_step_sq.argtypes + [cint, cfloat, i64, vp, vp, vp]
     lib.outer_encode_sq.restype = i64
+    lib.fold_sums.argtypes = [cint, vp, vp, vp, i64, i64, i64, i64, vp, vp]
+    lib.fold_sums.restype = None
+    lib.fold_outer_encode_sq.argtypes = (
+        [i64, i64, cint, vp, vp, vp, i64, vp, vp, vp, vp, cint, cint, cint, cint]
+        + [cfloat] * 3
+        + [i64, vp, cint, cfloat, i64, vp, vp, vp]
+    )
+    lib.fold_outer_encode_sq.restype = i64
     lib.codes_sumsq.argtypes = [cint, vp, vp, i64, i64, i64, i64, cint, vp]
     lib.codes_sumsq.restype = i64
     lib.fold_votes.argtypes = [cint, vp, vp, vp, i64, i64, i64, i64, vp, cint, vp]

@@ -192,7 +192,7 @@ def apply_groups(
         if not voted:
             continue
         with stages("fold"):
-            delta, gains = combiner.finish()
+            delta, gains = combiner.finish(lazy=True)
         share = 1.0
         if cfg.outer.method == "decoupled" and cfg.outer.partial_scaling:
             share = min(1.0, len({c.island for c in voted}) / max(active, 1))

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from training.codecs import host as codecs
 from training.merge import stream as merge_stream
 from training.protocol.fragments import is_embedding
 
@@ -38,10 +39,11 @@ class Combiner:
     ):
         self.rda = rda
         self.shapes = dict(shapes)
-        # the accumulators (set by the 1st vote): views of `arena`, reused merge after merge
-        # (no fragment-sized allocation, no page faults), else new arrays
+        # the accumulators (made when a fold first writes them: a lazy finish never does):
+        # views of `arena`, reused merge after merge (no fragment-sized allocation, no page
+        # faults), else new arrays
         arena = arena or merge_stream.Arena()
-        self.acc = arena.tensors(self.shapes)
+        self._arena, self._acc = arena, None
         self.body = [n for n in shapes if rda and not is_embedding(n)]
         self.total_weight = 0.0
         self.norm_sum = 0.0  # sum w |v_body|
@@ -52,6 +54,12 @@ class Combiner:
         self._pending: list[tuple[merge_stream.Vote, dict[str, np.float32]]] = []
         self._pending_bytes = 0
         self._folded = 0  # votes already in the accumulators
+
+    @property
+    def acc(self) -> dict[str, np.ndarray]:
+        if self._acc is None:
+            self._acc = self._arena.tensors(self.shapes)
+        return self._acc
 
     def add(self, vote: Any, weight: float, scale: float = 1.0, body_sq: float | None = None):
         """Fold one island's vote (scaled by `scale`, e.g. a clip) with `weight`; `body_sq`:
@@ -75,22 +83,47 @@ class Combiner:
         self.norm_sum += weight * body_norm
         self.votes += 1
 
-    def finish(self) -> tuple[dict[str, np.ndarray], dict[str, list[np.float32]]]:
+    def finish(self, lazy: bool = False) -> tuple[dict[str, Any], dict[str, list[np.float32]]]:
         """(accumulators, per-tensor gains): the combined update is acc[n] x gains[n]
-        (outer_step_ applies them chunk by chunk; the Combiner is spent)."""
+        (outer_step_ applies them chunk by chunk; the Combiner is spent). `lazy`: where every
+        vote is quantized and none was folded yet, the accumulators are kernels.Folded (the
+        votes to fold, recomputed by the outer step's pass, never written: no fragment-sized
+        accumulator), the body's norm from their per-chunk sums; the same bits."""
         if not self.votes:
             raise ValueError("no votes to combine")
         inv = np.float32(1.0 / self.total_weight)
         body = set(self.body)
-        body_sq = self._fold(sums=bool(body))
-        gains = {n: [inv] for n in self.acc if n not in body}
+        folded = self._lazy() if lazy else None
+        if folded is not None:
+            acc: dict[str, Any] = folded
+            body_sq = {n: folded[n].sums(codecs.chunk_step()) for n in self.body}
+            self._folded += len(self._pending)
+            self._pending, self._pending_bytes = [], 0
+        else:
+            body_sq = self._fold(sums=bool(body))
+            acc = self.acc
+        gains = {n: [inv] for n in self.shapes if n not in body}
         if body:
             # the body accumulators' norm from the sums the last fold took of each chunk
             direction_norm = math.sqrt(merge_stream.sq_total(body_sq, self.body))
             target = self.norm_sum / self.total_weight
             factor = np.float32(target / direction_norm) if direction_norm > 0 else np.float32(0)
             gains.update({n: [factor] for n in self.body})
-        return self.acc, gains
+        return acc, gains
+
+    def _lazy(self) -> dict[str, Any] | None:
+        """Every tensor's pending votes as a kernels.Folded, or None (a vote already folded, or
+        one the C loops do not take: then `_fold` writes the accumulators)."""
+        if self._folded or not self._pending:
+            return None
+        out = {}
+        for n, shape in self.shapes.items():
+            votes = [(vote, coefs[n]) for vote, coefs in self._pending]
+            got = merge_stream.folded(votes, n, math.prod(shape))
+            if got is None:
+                return None
+            out[n] = got
+        return out
 
     def _fold(self, sums: bool) -> dict[str, list[float]]:
         """Fold the pending votes into the accumulators, tensor by tensor, chunk by chunk, every

@@ -17,7 +17,7 @@ from typing import NamedTuple
 import numpy as np
 
 from training.codecs import host as codecs
-from training.codecs import native
+from training.codecs import kernels, native
 from training.config.experiment import OuterConfig
 from training.merge import stream as merge_stream
 
@@ -107,6 +107,63 @@ def _outer_encode_c(
     return sums.tolist()
 
 
+def _fold_outer_c(
+    lib, n: int, arrays, folded, factors: np.ndarray, flags, scalars, fused, encode, name: str
+) -> list[float]:
+    """native.c `fold_outer_encode_sq` on one tensor whose update is a codecs kernels.Folded
+    (the votes, never written out): folded stretch by stretch in L1, the outer step and, with
+    `fused` (codecs.PendingStep), the update's encode, in one pass; threads over chunks. A range
+    whose encode the C loop refused is finished as in `_outer_encode_c` (the blocks after it
+    stepped by the same loop without the encode). The bits of fold_votes into an accumulator,
+    then `_outer_encode_c` (or `_outer_step_c`)."""
+    step = codecs.chunk_step()
+    sums = np.empty(-(-n // step), np.float64)
+    p, _, m, d = (native.address(a) for a in arrays)
+    fixed = (factors.ctypes.data, factors.size, *flags, *scalars)
+    votes = (*folded.pointers(), folded.block)
+    stopped: list[tuple[int, int]] = []  # (the refused block's start, its range's end)
+
+    def where(s: int):
+        if fused is None:
+            return (0, 0.0, codecs.DEFAULT_BLOCK, None, None, None)
+        per = {8: 1, 4: 2, 2: 4}[fused.kind]
+        out = (native.address(a) for a in (fused.base, fused.data, fused.scales))
+        base, data, scales = out
+        return (
+            fused.kind,
+            fused.levels,
+            fused.block,
+            base + 4 * s,
+            data + s // per,
+            scales + 4 * (s // fused.block),
+        )
+
+    def at(s: int):
+        return [None if a is None else a + 4 * s for a in (p, m, d)]
+
+    def run(s: int, e: int, k0: int) -> None:
+        done = lib.fold_outer_encode_sq(
+            e - s, s, *votes, *at(s), *fixed, step, sums.ctypes.data + 8 * k0, *where(s)
+        )
+        if s + done < e:
+            stopped.append((s + done, e))
+
+    native.over_chunks(n, step, run)
+    flat = arrays[0].reshape(-1)
+    for s, e in sorted(stopped):
+        after = min(e, s + fused.block)
+        if after < e:  # the blocks after the refused one: folded and stepped, not encoded
+            spare = np.empty(-(-(e - after) // step), np.float64)  # sums of shifted chunks
+            nothing = (0, 0.0, codecs.DEFAULT_BLOCK, None, None, None)
+            lib.fold_outer_encode_sq(
+                e - after, after, *votes, *at(after), *fixed, step, spare.ctypes.data, *nothing
+            )
+        first = s // step  # its chunk's sum and those after, as outer_step_sq takes them
+        sums[first : -(-e // step)] = native.chunk_sumsq(flat[first * step : e], step)
+        encode.rest(name, arrays[0], s, e)
+    return sums.tolist()
+
+
 def outer_step_(
     outer: OuterConfig,
     period: int,
@@ -158,13 +215,28 @@ def outer_step_(
     keep = np.float32(share) if frac else np.float32(1.0)
     for n, g_all in delta.items():
         factors = np.asarray((gains or {}).get(n, ()), np.float32)
+        folded = g_all if isinstance(g_all, kernels.Folded) else None
         arrays = [
             params[n],
-            g_all,
+            None if folded is not None else g_all,
             state.momentum[n] if mode else None,
             state.buffer[n] if delayed else None,
         ]
         lib = native.library() if not frac and native.fits_float32(*arrays) else None
+        if lib is not None and folded is not None:  # the votes folded in the same pass
+            flags = (mode, int(outer.nesterov), int(flush))
+            fused = None if encode is None else encode.fused(n, params[n])
+            sums = _fold_outer_c(
+                lib, folded.size, arrays, folded, factors, flags, (lr, beta, inv), fused, encode, n
+            )
+            if fused is not None:
+                encode.done(n)
+            if params_sq is not None:
+                params_sq[n] = sums
+            continue
+        if folded is not None:  # a step the C loop does not take: the accumulator made
+            g_all = folded.dense().reshape(params[n].shape)
+            arrays[1] = g_all
         if lib is not None:  # one C pass, the numpy loop below bit for bit
             flags = (mode, int(outer.nesterov), int(flush))
             fused = None if encode is None else encode.fused(n, params[n])

@@ -250,6 +250,20 @@ def fold_votes(
     return terms
 
 
+def folded(votes: Sequence[tuple[Vote, np.float32]], name: str, size: int) -> kernels.Folded | None:
+    """Tensor `name` of the votes' coef x values as a kernels.Folded (what `fold_votes` with
+    `init` writes, recomputed where the outer step uses it, never stored), or None where the
+    C loops do not take them (a vote not quantized, another block size, no C loops)."""
+    quantized = [
+        v.quantized(name, coef) if isinstance(v, PayloadVote) else None for v, coef in votes
+    ]
+    if any(q is None for q in quantized):
+        return None
+    if not kernels.Folded.usable(quantized, codecs.DEFAULT_BLOCK):
+        return None
+    return kernels.Folded(quantized, size, codecs.DEFAULT_BLOCK)
+
+
 def add_votes(
     current: Vote, new: Vote, shapes: Mapping[str, tuple[int, ...]], buf: np.ndarray
 ) -> DenseVote:
