@@ -14,11 +14,14 @@ New contributions are published between merges, untimed (two encoded deltas, reu
 Each warm stage's floor is the bytes it reads and writes at this machine's memcpy speed
 (measured in the same run, bytes read + written per second), for the default method
 (decoupled, Nesterov momentum, the broadcast update): read 2 K b (payloads into memory), norms
-K b, fold K b + 4 N, outer 28 N + b (params, momentum and shadow read and written, the
-accumulator read, the update written: the update is encoded in the outer step's pass,
-native.c `outer_encode_sq`), encode 0 (what that pass left: the payload's entries), write
-4 N + 2 b (the params' checksum of a light version, the update's checksum and write); b one
-payload's bytes, N the fragment's parameters. `bytes_moved` (K payloads in, params and momentum in and
+K b, fold K b (the votes folded chunk by chunk into a scratch for the averaging step's norm:
+the codes read, no accumulator written), outer 24 N + (K + 1) b (params, momentum and shadow
+read and written, the codes read again and folded in L1, the update written: one pass,
+native.c `fold_outer_encode_sq`), encode 0 (what that pass left: the payload's entries),
+write 4 N + 2 b (the params' checksum of a light version, the update's checksum and write);
+b one payload's bytes, N the fragment's parameters. Where a merge holds more than
+combine.FOLD_BYTES of payloads (K = 16 int4 contributions of this fragment) the votes are
+folded into an accumulator as they come instead: fold K b + 4 N, outer 28 N + b. `bytes_moved` (K payloads in, params and momentum in and
 out, as the other merge rows count it) and the warm `seconds` make these rows a merge rate for
 `diloco bench wan --merge-json`. The syncer sizing divides the paper's round (island steps of
 1.85 s, H = 24, M = 4 islands, P = 24) by the measured merge times.
@@ -172,11 +175,14 @@ def measure(preset: str, P: int, K: int, codec: str, repeats: int, threads: int,
 
 def floors(N: int, K: int, b: int, rate: float) -> dict[str, float]:
     """Each warm stage's bytes read + written at `rate` (see the module docstring)."""
+    from training.merge.combine import FOLD_BYTES
+
+    one_pass = K * b <= FOLD_BYTES  # else the votes are folded into an accumulator
     moved = dict(
         read=2 * K * b,
         norms=K * b,
-        fold=K * b + 4 * N,
-        outer=28 * N + b,
+        fold=K * b if one_pass else K * b + 4 * N,
+        outer=24 * N + (K + 1) * b if one_pass else 28 * N + b,
         encode=0,
         write=4 * N + 2 * b,
     )
