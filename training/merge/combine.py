@@ -1,8 +1,11 @@
 """The combiner: islands' votes folded into one update for a fragment, tensor by tensor, in
 float32 (radial-directional averaging over the non-embedding tensors, the weighted mean for
-embeddings). It holds one fragment-sized accumulator, never every contribution, and never a
-decoded one; votes are folded together chunk by chunk, at the latest once they hold
-`FOLD_BYTES` of payload.
+embeddings). It never holds a decoded contribution. Quantized votes (every codec but fp32 and
+bf16) are kept as their codes until the outer step, which folds them stretch by stretch in
+L1 as it goes (`finish(lazy=True)`: kernels.Folded; the averaging step's norm from the same
+fold into one chunk of scratch), so no fragment-sized accumulator is written; other votes,
+and votes past `FOLD_BYTES` of payload, are folded into one accumulator chunk by chunk. The
+same bits either way.
 """
 
 from __future__ import annotations
