@@ -693,6 +693,16 @@ static int64_t block_sq(int kind, const uint8_t *restrict bd, int64_t nbytes) {
     return q;
 }
 
+/* The square of the code of element i of the codes from d (d on a byte; int2: of
+   2 code - 3). */
+static inline int32_t code_sq(int kind, const uint8_t *d, int64_t i) {
+    int32_t v;
+    if (kind == 8) v = (int8_t)d[i];
+    else if (kind == 4) v = (int32_t)((d[i / 2] >> (4 * (i % 2))) & 15u) - 8;
+    else v = 2 * (int32_t)((d[i / 4] >> (2 * (i % 4))) & 3u) - 3;
+    return v * v;
+}
+
 /* The squared norm of a quantized tensor's values from its codes, never decoded
    (training/codecs/host.py `codes_sq`, whose numpy code gives the same bits): per block b,
    Q_b = the sum of its codes' squares, an exact integer (int2: of (2 code - 3)^2, so
@@ -718,18 +728,14 @@ int64_t codes_sumsq(int kind, const uint8_t *data, const float *scales, int64_t 
         int64_t t = 0;
         for (int64_t b0 = 0; b0 < n; b0 += block, t++) {
             int64_t len = b0 + block < n ? block : n - b0;
-            const uint8_t *bd = d + b0 / per;
-            int64_t whole = len / per;
-            int64_t q = block_sq(kind, bd, whole);
-            if (len % per) { /* the tensor's last byte, part padding: its codes one by one */
-                uint8_t last = bd[whole];
-                for (int64_t i = 0; i < len % per; i++) {
-                    int32_t v;
-                    if (kind == 4) v = (int32_t)((last >> (4 * i)) & 15u) - 8;
-                    else v = 2 * (int32_t)((last >> (2 * i)) & 3u) - 3;
-                    q += v * v;
-                }
+            int64_t q = 0, i = 0;
+            if (block % per == 0) { /* the block's whole bytes */
+                q = block_sq(kind, d + b0 / per, len / per);
+                i = len / per * per;
             }
+            /* code by code: a block that does not start on a byte (int4, int2), the tensor's
+               last byte (part padding) */
+            for (; i < len; i++) q += code_sq(kind, d, b0 + i);
             float sc = scales[(c + b0) / block];
             double sc2 = (double)sc * (double)sc;
             double qd = kind == 2 ? (double)q * 0.25 : (double)q;
