@@ -693,6 +693,248 @@ static int64_t block_sq(int kind, const uint8_t *restrict bd, int64_t nbytes) {
     return q;
 }
 
+/* The square of the code of element i of the codes from d (d on a byte; int2: of
+   2 code - 3). */
+static inline int32_t code_sq(int kind, const uint8_t *d, int64_t i) {
+    int32_t v;
+    if (kind == 8) v = (int8_t)d[i];
+    else if (kind == 4) v = (int32_t)((d[i / 2] >> (4 * (i % 2))) & 15u) - 8;
+    else v = 2 * (int32_t)((d[i / 4] >> (2 * (i % 4))) & 3u) - 3;
+    return v * v;
+}
+
+/* The term of a block of codes_sumsq: its Q (the sum of its codes' squares) x its scale
+   squared in float64, +inf when scale x levels is not a finite float32 and the scale not NaN. */
+static inline double block_term(int kind, int64_t q, float sc, float levels) {
+    double sc2 = (double)sc * (double)sc;
+    double qd = kind == 2 ? (double)q * 0.25 : (double)q;
+    if (!isfinite(sc * levels) && !isnan(sc)) /* sc x levels overflows, or sc is inf */
+        return INFINITY;
+    return sc2 * qd;
+}
+
+#if defined(__AVX2__)
+/* codes_sumsq's chunk in one pass over its codes, for whole blocks of a multiple of 32 bytes:
+   the codes squared into int32 lanes of partial sums (exact: integer adds, in any order), a
+   block's vectors added, 8 blocks' lanes reduced together into their 8 Q. The pass assumes
+   valid codes (int8 in [-127, 127], int4 nibbles not 0) and says whether it saw another:
+   then codes_sumsq stops (check) or sums the chunk again block by block, exact for any
+   code. Then the terms 4 at a time with the scalar block_term's operations (the same
+   bits). */
+#define INLINE static inline __attribute__((always_inline))
+/* (nibble - 8)^2 (int4, nibble 0 to 15: 49 at most but for nibble 0's 64); int2: (2 c - 3)^2
+   of the nibble's two codes c (18 at most) */
+#define SQ4 64, 49, 36, 25, 16, 9, 4, 1, 0, 1, 4, 9, 16, 25, 36, 49
+#define SQ2 18, 10, 10, 18, 10, 2, 2, 10, 10, 2, 2, 10, 18, 10, 10, 18
+
+/* int4, int2: the squares of the codes of 32 bytes, a byte's two nibbles' looked up and added
+   (98 at most for valid int4 codes, 36 for int2), into `sum`; `flag` ORs the looked-up
+   squares: its bit 6 is set by nibble 0's 64 alone. */
+INLINE void nib256(int kind, __m256i b, __m256i *sum, __m256i *flag) {
+    const __m256i tab = kind == 4 ? _mm256_setr_epi8(SQ4, SQ4) : _mm256_setr_epi8(SQ2, SQ2);
+    const __m256i m = _mm256_set1_epi8(0x0F);
+    __m256i sl = _mm256_shuffle_epi8(tab, _mm256_and_si256(b, m));
+    __m256i sh = _mm256_shuffle_epi8(tab, _mm256_and_si256(_mm256_srli_epi16(b, 4), m));
+    if (kind == 4) *flag = _mm256_or_si256(*flag, _mm256_or_si256(sl, sh));
+    *sum = _mm256_add_epi8(*sum, _mm256_add_epi8(sl, sh));
+}
+
+/* The squares of the codes of a block's bb bytes from p (bb a multiple of 32) as 8 int32
+   lanes of partial sums. int4, int2: two vectors' bytes added (196 at most for valid codes)
+   before summing 8 bytes at a time into 64-bit lanes (their upper halves 0). int8: widened
+   to 16 bits, squared and paired; `flag` the least code (-128: invalid). */
+INLINE __m256i block256(int kind, const uint8_t *p, int64_t bb, __m256i *flag) {
+    __m256i acc = _mm256_setzero_si256();
+    for (int64_t j = 0; j < bb; j += 64) {
+        __m256i b = _mm256_loadu_si256((const __m256i *)(p + j));
+        __m256i c = j + 32 < bb ? _mm256_loadu_si256((const __m256i *)(p + j + 32))
+                                : _mm256_setzero_si256();
+        if (kind == 8) {
+            *flag = _mm256_min_epi8(*flag, _mm256_min_epi8(b, c));
+            __m256i x0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(b));
+            __m256i x1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(b, 1));
+            __m256i x2 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(c));
+            __m256i x3 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(c, 1));
+            acc = _mm256_add_epi32(acc, _mm256_add_epi32(_mm256_madd_epi16(x0, x0),
+                                                         _mm256_madd_epi16(x1, x1)));
+            acc = _mm256_add_epi32(acc, _mm256_add_epi32(_mm256_madd_epi16(x2, x2),
+                                                         _mm256_madd_epi16(x3, x3)));
+        } else {
+            __m256i sum = _mm256_setzero_si256();
+            nib256(kind, b, &sum, flag);
+            if (j + 32 < bb) nib256(kind, c, &sum, flag);
+            acc = _mm256_add_epi32(acc, _mm256_sad_epu8(sum, _mm256_setzero_si256()));
+        }
+    }
+    return acc;
+}
+
+#if defined(__AVX512BW__)
+/* nib256 on 64 bytes. With VBMI the nibbles are looked up by vpermb, which reads an index's
+   low 6 bits (the table 4 times over: no mask needed). */
+INLINE void nib512(int kind, __m512i b, __m512i *sum, __m512i *flag) {
+    const __m512i tab = _mm512_broadcast_i32x4(kind == 4 ? _mm_setr_epi8(SQ4)
+                                                         : _mm_setr_epi8(SQ2));
+#if defined(__AVX512VBMI__)
+    __m512i sl = _mm512_permutexvar_epi8(b, tab);
+    __m512i sh = _mm512_permutexvar_epi8(_mm512_srli_epi16(b, 4), tab);
+#else
+    const __m512i m = _mm512_set1_epi8(0x0F);
+    __m512i sl = _mm512_shuffle_epi8(tab, _mm512_and_si512(b, m));
+    __m512i sh = _mm512_shuffle_epi8(tab, _mm512_and_si512(_mm512_srli_epi16(b, 4), m));
+#endif
+    if (kind == 4) *flag = _mm512_ternarylogic_epi32(*flag, sl, sh, 0xFE); /* a | b | c */
+    *sum = _mm512_add_epi8(*sum, _mm512_add_epi8(sl, sh));
+}
+
+/* block256 in 64-byte vectors (bb a multiple of 64): 16 lanes. int8 with VNNI: |code| x
+   |code| (unsigned x signed, exact but for -128) summed 4 at a time by vpdpbusd. */
+INLINE __m512i block512(int kind, const uint8_t *p, int64_t bb, __m512i *flag) {
+    __m512i acc = _mm512_setzero_si512();
+    for (int64_t j = 0; j < bb; j += 128) {
+        __m512i b = _mm512_loadu_si512((const void *)(p + j));
+        __m512i c = j + 64 < bb ? _mm512_loadu_si512((const void *)(p + j + 64))
+                                : _mm512_setzero_si512();
+        if (kind == 8) {
+            *flag = _mm512_min_epi8(*flag, _mm512_min_epi8(b, c));
+#if defined(__AVX512VNNI__)
+            __m512i ab = _mm512_abs_epi8(b), ac = _mm512_abs_epi8(c);
+            acc = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc, ab, ab), ac, ac);
+#else
+            __m512i x0 = _mm512_cvtepi8_epi16(_mm512_castsi512_si256(b));
+            __m512i x1 = _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(b, 1));
+            __m512i x2 = _mm512_cvtepi8_epi16(_mm512_castsi512_si256(c));
+            __m512i x3 = _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(c, 1));
+            acc = _mm512_add_epi32(acc, _mm512_add_epi32(_mm512_madd_epi16(x0, x0),
+                                                         _mm512_madd_epi16(x1, x1)));
+            acc = _mm512_add_epi32(acc, _mm512_add_epi32(_mm512_madd_epi16(x2, x2),
+                                                         _mm512_madd_epi16(x3, x3)));
+#endif
+        } else {
+            __m512i sum = _mm512_setzero_si512();
+            nib512(kind, b, &sum, flag);
+            if (j + 64 < bb) nib512(kind, c, &sum, flag);
+            acc = _mm512_add_epi32(acc, _mm512_sad_epu8(sum, _mm512_setzero_si512()));
+        }
+    }
+    return acc;
+}
+#endif
+
+/* terms[0, 4) = block_term of 4 blocks' Q q and scales sc[0, 4): the same float32 product
+   for the overflow test (|sc x levels| = inf: an overflow or an infinite sc, never a NaN sc)
+   and the same float64 products, so the same bits. */
+static inline void terms4(int kind, __m128i q, const float *sc, float levels, double *terms) {
+    const __m128 s = _mm_loadu_ps(sc);
+    const __m128 mag = _mm_castsi128_ps(_mm_set1_epi32(0x7FFFFFFF));
+    __m256d sd = _mm256_cvtps_pd(s), qd = _mm256_cvtepi32_pd(q);
+    if (kind == 2) qd = _mm256_mul_pd(qd, _mm256_set1_pd(0.25));
+    __m256d v = _mm256_mul_pd(_mm256_mul_pd(sd, sd), qd);
+    __m128 over = _mm_cmpeq_ps(_mm_and_ps(_mm_mul_ps(s, _mm_set1_ps(levels)), mag),
+                               _mm_set1_ps(INFINITY));
+    __m256d m = _mm256_castsi256_pd(_mm256_cvtepi32_epi64(_mm_castps_si128(over)));
+    _mm256_storeu_pd(terms, _mm256_blendv_pd(v, _mm256_set1_pd(INFINITY), m));
+}
+
+/* The 8 sums of 8 blocks' lanes a[0..8), in order. */
+static inline __m256i sum8(const __m256i a[8]) {
+    __m256i h01 = _mm256_hadd_epi32(a[0], a[1]), h23 = _mm256_hadd_epi32(a[2], a[3]);
+    __m256i h45 = _mm256_hadd_epi32(a[4], a[5]), h67 = _mm256_hadd_epi32(a[6], a[7]);
+    /* blocks 0-3 (h0) and 4-7 (h1): their lanes 0-3 summed in the low 128 bits, 4-7 high */
+    __m256i h0 = _mm256_hadd_epi32(h01, h23), h1 = _mm256_hadd_epi32(h45, h67);
+    return _mm256_add_epi32(_mm256_permute2x128_si256(h0, h1, 0x20),
+                            _mm256_permute2x128_si256(h0, h1, 0x31));
+}
+
+struct sq_flags { /* the running flags of the codes seen: block256's, block512's */
+    __m256i f;
+#if defined(__AVX512BW__)
+    __m512i f5;
+#endif
+};
+
+/* The terms of blocks g to g + 8 (those before nb) of bb bytes from d into terms[g..], from
+   their Q and their scales sc[g..] (none read past sc[nb - 1]). */
+INLINE void group8(int kind, int wide, const uint8_t *d, int64_t nb, int64_t bb, int64_t g,
+                   const float *sc, float levels, double *terms, struct sq_flags *fl) {
+    (void)wide; /* 0 without AVX-512 */
+    __m256i a[8];
+    for (int i = 0; i < 8; i++) {
+        const uint8_t *p = d + (g + i) * bb;
+        if (g + i >= nb) {
+            a[i] = _mm256_setzero_si256();
+            continue;
+        }
+#if defined(__AVX512BW__)
+        if (wide) {
+            __m512i acc = block512(kind, p, bb, &fl->f5);
+            a[i] = _mm256_add_epi32(_mm512_castsi512_si256(acc),
+                                    _mm512_extracti64x4_epi64(acc, 1));
+            continue;
+        }
+#endif
+        a[i] = block256(kind, p, bb, &fl->f);
+    }
+    __m256i q = sum8(a);
+    if (g + 8 <= nb) {
+        terms4(kind, _mm256_castsi256_si128(q), sc + g, levels, terms + g);
+        terms4(kind, _mm256_extracti128_si256(q, 1), sc + g + 4, levels, terms + g + 4);
+        return;
+    }
+    int32_t qs[8];
+    _mm256_storeu_si256((__m256i *)qs, q);
+    for (int64_t i = 0; g + i < nb; i++) terms[g + i] = block_term(kind, qs[i], sc[g + i], levels);
+}
+
+/* terms[0, nb) of nb whole blocks of bb bytes from d (bb a multiple of 32; of 64 with `wide`:
+   AVX-512's vectors) and their scales sc[0, nb), 8 blocks' as their Q come out, groups of
+   the first and the second half in turn (two streams of codes for the prefetchers); exact
+   when the codes are valid; returns whether one is not. */
+INLINE int blocks_terms_as(int kind, int wide, const uint8_t *d, int64_t nb, int64_t bb,
+                           const float *sc, float levels, double *terms) {
+    struct sq_flags fl;
+    fl.f = _mm256_set1_epi8(kind == 8 ? 127 : 0);
+#if defined(__AVX512BW__)
+    fl.f5 = _mm512_set1_epi8(kind == 8 ? 127 : 0);
+#endif
+    int64_t groups = (nb + 7) / 8, half = groups / 2;
+    for (int64_t j = 0; j < half; j++) {
+        group8(kind, wide, d, nb, bb, 8 * j, sc, levels, terms, &fl);
+        group8(kind, wide, d, nb, bb, 8 * (j + half), sc, levels, terms, &fl);
+    }
+    if (groups % 2) group8(kind, wide, d, nb, bb, 8 * (groups - 1), sc, levels, terms, &fl);
+    __m256i flag = fl.f;
+#if defined(__AVX512BW__)
+    if (wide) {
+        __m256i lo = _mm512_castsi512_si256(fl.f5), hi = _mm512_extracti64x4_epi64(fl.f5, 1);
+        flag = kind == 8 ? _mm256_min_epi8(lo, hi) : _mm256_or_si256(lo, hi);
+    }
+#endif
+    if (kind == 8)
+        return _mm256_movemask_epi8(_mm256_cmpeq_epi8(flag, _mm256_set1_epi8((char)0x80))) != 0;
+    if (kind == 4) /* bit 6 to the sign bit */
+        return _mm256_movemask_epi8(_mm256_slli_epi16(flag, 1)) != 0;
+    return 0;
+}
+
+/* blocks_terms_as with the kind (and the common block sizes) fixed, for the compiler. */
+static int blocks_terms(int kind, const uint8_t *d, int64_t nb, int64_t bb, const float *sc,
+                        float levels, double *terms) {
+#define BT(k, w, b) blocks_terms_as(k, w, d, nb, b, sc, levels, terms)
+#if defined(__AVX512BW__)
+    if (bb % 64 == 0) {
+        if (kind == 4) return bb == 128 ? BT(4, 1, 128) : BT(4, 1, bb);
+        if (kind == 8) return bb == 256 ? BT(8, 1, 256) : BT(8, 1, bb);
+        return bb == 64 ? BT(2, 1, 64) : BT(2, 1, bb);
+    }
+#endif
+    if (kind == 4) return bb == 128 ? BT(4, 0, 128) : BT(4, 0, bb);
+    if (kind == 8) return bb == 256 ? BT(8, 0, 256) : BT(8, 0, bb);
+    return bb == 64 ? BT(2, 0, 64) : BT(2, 0, bb);
+#undef BT
+}
+#endif
+
 /* The squared norm of a quantized tensor's values from its codes, never decoded
    (training/codecs/host.py `codes_sq`, whose numpy code gives the same bits): per block b,
    Q_b = the sum of its codes' squares, an exact integer (int2: of (2 code - 3)^2, so
@@ -714,29 +956,32 @@ int64_t codes_sumsq(int kind, const uint8_t *data, const float *scales, int64_t 
         int64_t ce = c + step < e ? c + step : e;
         int64_t n = ce - c;
         const uint8_t *d = data + c / per;
-        if (check && bad_codes(kind, d, n)) break;
         int64_t t = 0;
-        for (int64_t b0 = 0; b0 < n; b0 += block, t++) {
+        int vec = 0;
+#if defined(__AVX2__)
+        /* whole blocks of a multiple of 32 bytes in one vector pass (their sums far from
+           int32's end); the rest, a tensor's last partial block, below */
+        vec = block % per == 0 && (block / per) % 32 == 0 && block <= 65536;
+        if (vec) {
+            int64_t whole = n / block;
+            int bad = blocks_terms(kind, d, whole, block / per, scales + c / block, levels, terms);
+            if (check && (bad || bad_codes(kind, d + whole * (block / per), n - whole * block)))
+                break;
+            t = bad ? 0 : whole; /* bad: the chunk block by block below, exact for any code */
+        }
+#endif
+        if (!vec && check && bad_codes(kind, d, n)) break;
+        for (int64_t b0 = t * block; b0 < n; b0 += block, t++) {
             int64_t len = b0 + block < n ? block : n - b0;
-            const uint8_t *bd = d + b0 / per;
-            int64_t whole = len / per;
-            int64_t q = block_sq(kind, bd, whole);
-            if (len % per) { /* the tensor's last byte, part padding: its codes one by one */
-                uint8_t last = bd[whole];
-                for (int64_t i = 0; i < len % per; i++) {
-                    int32_t v;
-                    if (kind == 4) v = (int32_t)((last >> (4 * i)) & 15u) - 8;
-                    else v = 2 * (int32_t)((last >> (2 * i)) & 3u) - 3;
-                    q += v * v;
-                }
+            int64_t q = 0, i = 0;
+            if (block % per == 0) { /* the block's whole bytes */
+                q = block_sq(kind, d + b0 / per, len / per);
+                i = len / per * per;
             }
-            float sc = scales[(c + b0) / block];
-            double sc2 = (double)sc * (double)sc;
-            double qd = kind == 2 ? (double)q * 0.25 : (double)q;
-            if (!isfinite(sc * levels) && !isnan(sc)) /* sc x levels overflows, or sc is inf */
-                terms[t] = INFINITY;
-            else
-                terms[t] = sc2 * qd;
+            /* code by code: a block that does not start on a byte (int4, int2), the tensor's
+               last byte (part padding) */
+            for (; i < len; i++) q += code_sq(kind, d, b0 + i);
+            terms[t] = block_term(kind, q, scales[(c + b0) / block], levels);
         }
         sums[k] = pw_sum(terms, t);
     }
