@@ -71,20 +71,3 @@ def test_a_file_system_refusing_direct_io_gets_the_same_object_buffered(
     assert small_stretches == [False]
     assert bytes(store.read_buffer("a/big.bin")) == b"".join(bytes(p) for p in _parts())
     assert sorted(os.listdir(tmp_path / "a")) == [".big.bin.gen", "big.bin"]
-
-
-def test_a_full_device_is_the_error_the_write_met(tmp_path, small_stretches, monkeypatch):
-    # ENOSPC from a direct write reaches the caller as itself (the stretch's mmap still held
-    # by the failed write's traceback does not mask it) and no temp file is left
-    real_write = os.write
-
-    def full(fd, data):
-        if os.get_blocking(fd) and len(data) >= 4096:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return real_write(fd, data)
-
-    monkeypatch.setattr(os, "write", full)
-    store = LocalStore(tmp_path)
-    with pytest.raises(Exception, match="No space left on device"):
-        store.write_parts("a/big.bin", _parts())
-    assert [n for n in os.listdir(tmp_path / "a") if ".tmp-" in n] == []

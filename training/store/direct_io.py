@@ -13,7 +13,6 @@ and nothing left behind, and the caller writes the file buffered.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import mmap
 import os
@@ -53,9 +52,7 @@ class _DirectBuffer:
 
     def __exit__(self, *exc) -> None:
         self._view.release()
-        # a slice still held by a failed write's traceback: the map goes with it
-        with contextlib.suppress(BufferError):
-            self._map.close()
+        self._map.close()
 
     @property
     def full(self) -> bool:
