@@ -15,7 +15,6 @@ from typing import Any, BinaryIO, TypeVar
 
 import numpy as np
 
-from training.store import direct_io
 from training.store.objectstore import (
     Chunk,
     Consume,
@@ -117,14 +116,6 @@ class LocalStore(ObjectStore):
         return temp
 
     @staticmethod
-    def _write_temp_direct(path: Path, parts: Sequence[Any]) -> Path | None:
-        """`_write_temp` of a large payload with O_DIRECT (training/store/direct_io.py), or
-        None where the file system refuses it (the caller writes it buffered)."""
-        path.parent.mkdir(parents=True, exist_ok=True)
-        temp = path.with_name(f"{_hidden(path.name)}.tmp-{uuid.uuid4().hex}")
-        return temp if direct_io.write_file(temp, parts) else None
-
-    @staticmethod
     def _fsync_dir(directory: Path) -> None:
         fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
         try:
@@ -215,21 +206,14 @@ class LocalStore(ObjectStore):
 
     def write_parts(self, key: str, parts: Sequence[Any]) -> None:
         parts = list(parts)
-        direct = sum(memoryview(p).nbytes for p in parts) >= direct_io.DIRECT_MIN_BYTES
-        self._replace_with(key, lambda: parts, direct)
+        self._replace_with(key, lambda: parts)
 
-    def _replace_with(
-        self, key: str, data: Callable[[], bytes | Iterable[Chunk]], direct: bool = False
-    ) -> None:
-        """Write `data()` (fresh on every attempt) to a temp file, then replace the object;
-        `direct` (a payload of direct_io.DIRECT_MIN_BYTES or more): with O_DIRECT where the file system
-        takes it (`_write_temp_direct`)."""
+    def _replace_with(self, key: str, data: Callable[[], bytes | Iterable[Chunk]]) -> None:
+        """Write `data()` (fresh on every attempt) to a temp file, then replace the object."""
         path = self._path(key)
 
         def attempt() -> None:
-            temp = (direct and self._write_temp_direct(path, data())) or self._write_temp(
-                path, data()
-            )
+            temp = self._write_temp(path, data())
             try:
                 with self._locked_generation(path) as fd:
                     self._write_counter(fd, self._read_counter(fd) + 1)
