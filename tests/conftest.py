@@ -35,3 +35,27 @@ def file_url(tmp_path) -> str:
 def small_store():
     """A fresh memory:// store of `small_config()`, initialized at version 0."""
     return new_store(small_config())
+
+
+@pytest.fixture
+def numpy_only(monkeypatch):
+    """run(fn, *args): fn called with the C loops unloaded (training/codecs/native.py
+    `library()` None), so it takes its numpy path: the definition the C loops match."""
+    from training.codecs import native
+
+    def run(fn, *args):
+        with monkeypatch.context() as m:
+            m.setattr(native, "library", lambda: None)
+            return fn(*args)
+
+    return run
+
+
+@pytest.fixture
+def chunk_threads():
+    """set(n): the C loops run over chunks on n threads (training/codecs/native.set_threads)
+    for the rest of the test, one thread again after it."""
+    from training.codecs import native
+
+    yield native.set_threads
+    native.set_threads(1)

@@ -71,26 +71,24 @@ def _run(folded: bool, encode: bool, seed: int = 3, zero_at=None) -> tuple:
 @needs_native
 @pytest.mark.parametrize("encode", [False, True])
 @pytest.mark.parametrize("threads", [1, 3])
-def test_an_update_folded_in_the_outer_steps_pass_is_the_accumulators_step(encode, threads):
-    native.set_threads(threads)
-    try:
-        assert _run(folded=True, encode=encode) == _run(folded=False, encode=encode)
-    finally:
-        native.set_threads(1)
+def test_an_update_folded_in_the_outer_steps_pass_is_the_accumulators_step(
+    encode, threads, chunk_threads
+):
+    chunk_threads(threads)
+    assert _run(folded=True, encode=encode) == _run(folded=False, encode=encode)
 
 
 @needs_native
 @pytest.mark.parametrize("threads", [1, 2])
-def test_past_a_block_the_encode_refuses_the_folded_pass_is_the_accumulators(threads):
+def test_past_a_block_the_encode_refuses_the_folded_pass_is_the_accumulators(
+    threads, chunk_threads
+):
     # chunk 1 of "w" holds a block whose update is 1e-38 (7 / 1e-38 overflows float32): the
     # C loop stops there; the blocks after it are folded and stepped without the encode, the
     # encode from the refused block on redone outside it
-    native.set_threads(threads)
-    try:
-        at = kernels.CHUNK + 256
-        assert _run(True, True, zero_at=at) == _run(False, True, zero_at=at)
-    finally:
-        native.set_threads(1)
+    chunk_threads(threads)
+    at = kernels.CHUNK + 256
+    assert _run(True, True, zero_at=at) == _run(False, True, zero_at=at)
 
 
 @needs_native

@@ -15,16 +15,6 @@ needs_native = pytest.mark.skipif(
 )
 
 
-@pytest.fixture
-def numpy_only(monkeypatch):
-    def run(fn, *args):
-        with monkeypatch.context() as m:
-            m.setattr(native, "library", lambda: None)
-            return fn(*args)
-
-    return run
-
-
 def _tensors() -> dict[str, np.ndarray]:
     rng = np.random.default_rng(7)
     tiny = np.full(300, 1e-38, np.float32)  # levels / absmax overflows: the chunk goes to numpy
@@ -471,28 +461,26 @@ def _fused_run(codec: str, fused: bool, seed: int = 5, tiny_at: int | None = Non
 @needs_native
 @pytest.mark.parametrize("codec", ["int8", "int4", "int2", "bf16"])
 @pytest.mark.parametrize("threads", [1, 3])
-def test_the_update_encoded_in_the_outer_step_is_the_step_then_the_encode(codec, threads):
+def test_the_update_encoded_in_the_outer_step_is_the_step_then_the_encode(
+    codec, threads, chunk_threads
+):
     # bf16: no fused loop (PendingStep.fused declines it): the payload encodes it after
-    native.set_threads(threads)
-    try:
-        assert _fused_run(codec, fused=True) == _fused_run(codec, fused=False)
-    finally:
-        native.set_threads(1)
+    chunk_threads(threads)
+    assert _fused_run(codec, fused=True) == _fused_run(codec, fused=False)
 
 
 @needs_native
 @pytest.mark.parametrize("threads", [1, 2])
-def test_a_chunk_the_fused_loop_refuses_is_finished_as_the_step_then_the_encode(threads):
+def test_a_chunk_the_fused_loop_refuses_is_finished_as_the_step_then_the_encode(
+    threads, chunk_threads
+):
     # chunk 1 of "w" holds a block whose update is 1e-38 (7 / 1e-38 overflows float32): C
     # stops there, the outer step of chunks 2-3 and the encode from chunk 1 on are redone
     # outside the loop (numpy for the refused chunk); on 2 threads the first range [0, 2) is
     # the one stopped
-    native.set_threads(threads)
-    try:
-        got = _fused_run("int4", fused=True, tiny_at=kernels.CHUNK + 256)
-        assert got == _fused_run("int4", fused=False, tiny_at=kernels.CHUNK + 256)
-    finally:
-        native.set_threads(1)
+    chunk_threads(threads)
+    got = _fused_run("int4", fused=True, tiny_at=kernels.CHUNK + 256)
+    assert got == _fused_run("int4", fused=False, tiny_at=kernels.CHUNK + 256)
 
 
 @needs_native

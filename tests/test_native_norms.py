@@ -21,16 +21,6 @@ needs_native = pytest.mark.skipif(
 pytestmark = needs_native
 
 
-@pytest.fixture
-def numpy_only(monkeypatch):
-    def run(fn, *args):
-        with monkeypatch.context() as m:
-            m.setattr(native, "library", lambda: None)
-            return fn(*args)
-
-    return run
-
-
 def _codes(kind: str, n: int, seed: int, valid: bool = True) -> np.ndarray:
     """n random codes' bytes; `valid`: no int8 -128 and no int4 nibble 0 (the pad nibble too)."""
     raw = np.random.default_rng(seed).integers(0, 256, -(-n // PER[kind]), dtype=np.uint8)
