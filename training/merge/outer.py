@@ -68,83 +68,50 @@ def _outer_step_c(lib, n: int, arrays, factors: np.ndarray, flags, scalars) -> l
     return sums.tolist()
 
 
-def _outer_encode_c(
-    lib, n: int, arrays, factors: np.ndarray, flags, scalars, fused, encode, name: str
-) -> list[float]:
-    """native.c `outer_encode_sq` on one tensor: `_outer_step_c` with the broadcast update's
-    encode fused in block by block (codecs.PendingStep), threads over chunks. A range whose
-    encode the C loop refused at a block is finished here: the outer step of the blocks after
-    it, the sums of its chunk and those after, then the encode from that block on
-    (PendingStep.rest: numpy where C refuses): the bits of the outer step, then the encode."""
-    step = codecs.chunk_step()
-    sums = np.empty(-(-n // step), np.float64)
-    bases = [native.address(a) for a in arrays]
-    per = {8: 1, 4: 2, 2: 4}[fused.kind]
-    out = [native.address(a) for a in (fused.base, fused.data, fused.scales)]
-    fixed = (factors.ctypes.data, factors.size, *flags, *scalars)
-    stopped: list[tuple[int, int]] = []  # (the refused block's start, its range's end)
-
-    def run(s: int, e: int, k0: int) -> None:
-        at = [None if a is None else a + 4 * s for a in bases]
-        coded = (fused.kind, fused.levels, fused.block)
-        where = (out[0] + 4 * s, out[1] + s // per, out[2] + 4 * (s // fused.block))
-        done = lib.outer_encode_sq(
-            e - s, *at, *fixed, step, sums.ctypes.data + 8 * k0, *coded, *where
-        )
-        if s + done < e:
-            stopped.append((s + done, e))
-
-    native.over_chunks(n, step, run)
-    flat = arrays[0].reshape(-1)
-    for s, e in sorted(stopped):
-        after = min(e, s + fused.block)
-        if after < e:  # the outer step of the blocks after the refused one
-            at = [None if a is None else a + 4 * after for a in bases]
-            lib.outer_step(e - after, *at, *fixed)
-        first = s // step  # its chunk's sum and those after, as outer_step_sq takes them
-        sums[first : -(-e // step)] = native.chunk_sumsq(flat[first * step : e], step)
-        encode.rest(name, arrays[0], s, e)
-    return sums.tolist()
-
-
-def _fold_outer_c(
+def _fused_c(
     lib, n: int, arrays, folded, factors: np.ndarray, flags, scalars, fused, encode, name: str
 ) -> list[float]:
-    """native.c `fold_outer_encode_sq` on one tensor whose update is a codecs kernels.Folded
-    (the votes, never written out): folded stretch by stretch in L1, the outer step and, with
-    `fused` (codecs.PendingStep), the update's encode, in one pass; threads over chunks. A range
-    whose encode the C loop refused is finished as in `_outer_encode_c` (the blocks after it
-    stepped by the same loop without the encode). The bits of fold_votes into an accumulator,
-    then `_outer_encode_c` (or `_outer_step_c`)."""
+    """One C pass over one tensor, threads over chunks: the outer step with the broadcast
+    update's encode fused in block by block (`fused`: codecs.PendingStep's outputs; native.c
+    `outer_encode_sq`), the update read from `arrays[1]`; or, with `folded` (a kernels.Folded:
+    the votes, never written out), folded stretch by stretch in L1 first (`fold_outer_encode_sq`,
+    the encode when `fused` is given). Returns the new params' per-chunk sums of squares. A
+    range whose encode the C loop refused at a block is finished here: the blocks after it
+    stepped by the same loop without the encode, the sums of its chunk and those after, then
+    the encode from that block on (PendingStep.rest: numpy where C refuses). The bits of the
+    fold, then the outer step, then the encode."""
     step = codecs.chunk_step()
     sums = np.empty(-(-n // step), np.float64)
-    p, _, m, d = (native.address(a) for a in arrays)
+    p, g, m, d = (native.address(a) for a in arrays)
     fixed = (factors.ctypes.data, factors.size, *flags, *scalars)
-    votes = (*folded.pointers(), folded.block)
+    nothing = (0, 0.0, codecs.DEFAULT_BLOCK, None, None, None)  # no encode
     stopped: list[tuple[int, int]] = []  # (the refused block's start, its range's end)
 
-    def where(s: int):
-        if fused is None:
-            return (0, 0.0, codecs.DEFAULT_BLOCK, None, None, None)
-        per = {8: 1, 4: 2, 2: 4}[fused.kind]
-        out = (native.address(a) for a in (fused.base, fused.data, fused.scales))
-        base, data, scales = out
-        return (
-            fused.kind,
-            fused.levels,
-            fused.block,
-            base + 4 * s,
-            data + s // per,
-            scales + 4 * (s // fused.block),
-        )
+    def at(s: int, arrays):
+        return [None if a is None else a + 4 * s for a in arrays]
 
-    def at(s: int):
-        return [None if a is None else a + 4 * s for a in (p, m, d)]
+    def coded(s: int):
+        if fused is None:
+            return nothing
+        per = {8: 1, 4: 2, 2: 4}[fused.kind]
+        base, data, scales = (native.address(a) for a in (fused.base, fused.data, fused.scales))
+        where = (base + 4 * s, data + s // per, scales + 4 * (s // fused.block))
+        return (fused.kind, fused.levels, fused.block, *where)
+
+    def step_from(s: int, e: int, out: int, encoded) -> int:
+        """The C pass over [s, e) (sums into `out`): the elements done."""
+        if folded is not None:
+            votes = (*folded.pointers(), folded.block)
+            return lib.fold_outer_encode_sq(
+                e - s, s, *votes, *at(s, (p, m, d)), *fixed, step, out, *encoded
+            )
+        if encoded is nothing:
+            lib.outer_step(e - s, *at(s, (p, g, m, d)), *fixed)
+            return e - s
+        return lib.outer_encode_sq(e - s, *at(s, (p, g, m, d)), *fixed, step, out, *encoded)
 
     def run(s: int, e: int, k0: int) -> None:
-        done = lib.fold_outer_encode_sq(
-            e - s, s, *votes, *at(s), *fixed, step, sums.ctypes.data + 8 * k0, *where(s)
-        )
+        done = step_from(s, e, sums.ctypes.data + 8 * k0, coded(s))
         if s + done < e:
             stopped.append((s + done, e))
 
@@ -152,12 +119,9 @@ def _fold_outer_c(
     flat = arrays[0].reshape(-1)
     for s, e in sorted(stopped):
         after = min(e, s + fused.block)
-        if after < e:  # the blocks after the refused one: folded and stepped, not encoded
+        if after < e:  # the blocks after the refused one, stepped without the encode
             spare = np.empty(-(-(e - after) // step), np.float64)  # sums of shifted chunks
-            nothing = (0, 0.0, codecs.DEFAULT_BLOCK, None, None, None)
-            lib.fold_outer_encode_sq(
-                e - after, after, *votes, *at(after), *fixed, step, spare.ctypes.data, *nothing
-            )
+            step_from(after, e, spare.ctypes.data, nothing)
         first = s // step  # its chunk's sum and those after, as outer_step_sq takes them
         sums[first : -(-e // step)] = native.chunk_sumsq(flat[first * step : e], step)
         encode.rest(name, arrays[0], s, e)
@@ -226,7 +190,7 @@ def outer_step_(
         if lib is not None and folded is not None:  # the votes folded in the same pass
             flags = (mode, int(outer.nesterov), int(flush))
             fused = None if encode is None else encode.fused(n, params[n])
-            sums = _fold_outer_c(
+            sums = _fused_c(
                 lib, folded.size, arrays, folded, factors, flags, (lr, beta, inv), fused, encode, n
             )
             if fused is not None:
@@ -241,8 +205,8 @@ def outer_step_(
             flags = (mode, int(outer.nesterov), int(flush))
             fused = None if encode is None else encode.fused(n, params[n])
             if fused is not None:
-                sums = _outer_encode_c(
-                    lib, g_all.size, arrays, factors, flags, (lr, beta, inv), fused, encode, n
+                sums = _fused_c(
+                    lib, g_all.size, arrays, None, factors, flags, (lr, beta, inv), fused, encode, n
                 )
                 encode.done(n)
             else:
