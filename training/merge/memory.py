@@ -4,7 +4,9 @@ A merger holds, for each fragment it owns, the state of the version it published
 (params, outer state and the broadcast shadow: `state_bytes`) so that its next merge of that
 fragment reads nothing back and replays nothing ("warm"). One merge needs beside that state a
 working set (`working_bytes`): the float32 accumulator (kept from merge to merge:
-merge_stream.Arena), the contribution payloads held for one fold (one per island, up to
+merge_stream.Arena; made only when a merge's votes are not all quantized codes or pass
+FOLD_BYTES, else the outer step folds them as it goes: counted all the same, the bound holds
+for every merge), the contribution payloads held for one fold (one per island, up to
 combine.FOLD_BYTES) and fetched ahead, one
 fragment-sized float32 array (an island's summed vote, or the shadow made from params) and
 the update it encodes. So a shard with memory M keeps warm at most M - working_bytes of
