@@ -14,8 +14,9 @@ seven numpy passes: 3-4x faster encodes), a chunk goes through them; the numpy c
 the fallback and the definition (the C file gives the same bits: tests/test_native.py).
 
 Past 500 lines on purpose: it mirrors training/codecs/native.c loop for loop (encode, decode,
-the norms from the codes, the folds of votes), so that each C loop has its numpy definition
-in one file to read beside it.
+the norms from the codes, the folds of votes, and the inputs of its fused merge pass:
+`Fused`, `Folded`), so that each C loop has its numpy definition or its caller in one file to
+read beside it.
 """
 
 from __future__ import annotations
@@ -112,17 +113,26 @@ def encode_quantized_step(
 
 class Fused(NamedTuple):
     """What a pass that writes an encode step's target writes for one tensor as it goes
-    (native.c `outer_encode_sq`): the quantized codec (`kind` 8 / 4 / 2 and its `levels`,
-    `block`), the flat float32 base it adds the decoded values to (the new shadow) and the
-    codes and scales it fills."""
+    (native.c `outer_encode_sq`): the quantized codec (its `levels`, `block`), the flat
+    float32 base it adds the decoded values to (the new shadow) and the codes and scales it
+    fills."""
 
     codec: str
-    kind: int
     levels: float
     block: int
     base: np.ndarray
     data: np.ndarray
     scales: np.ndarray
+
+    @property
+    def kind(self) -> int:
+        """The codec as native.c names it (8, 4, 2)."""
+        return _KIND[self.codec]
+
+    @property
+    def per(self) -> int:
+        """Codes per byte."""
+        return _PER[self.codec]
 
 
 def fused_step(
@@ -141,7 +151,7 @@ def fused_step(
     data, scales = _quantized_outputs(target.size, block, kind, alloc)
     if not (native.fits(data) and native.fits_float32(scales)):
         return None
-    return Fused(kind, _KIND[kind], float(levels), block, base, data, scales)
+    return Fused(kind, float(levels), block, base, data, scales)
 
 
 def encode_rest(fused: Fused, target: np.ndarray, s: int, e: int) -> None:
@@ -149,7 +159,7 @@ def encode_rest(fused: Fused, target: np.ndarray, s: int, e: int) -> None:
     of the chunk native.c `outer_encode_sq` refused, e the end of that pass's range (a chunk
     end or the tensor's). encode_quantized_step's arithmetic on them, numpy where C refuses:
     the same bits. NonFinite as there."""
-    per, block = _PER[fused.codec], fused.block
+    per, block = fused.per, fused.block
     _quantize(
         fused.codec,
         fused.levels,
@@ -456,6 +466,28 @@ def codes_sumsq(
     return sums, chunks
 
 
+def _foldable(votes: list[tuple[str, np.ndarray, np.ndarray]]) -> bool:
+    """Whether native.c's fold loops take these votes (kind, codes, scales): loaded, at least
+    one, one-byte contiguous codes and float32 scales."""
+    return (
+        native.library() is not None
+        and bool(votes)
+        and all(
+            d.itemsize == 1 and d.flags.c_contiguous and native.fits_float32(sc)
+            for _, d, sc in votes
+        )
+    )
+
+
+def _vote_pointers(votes: list[tuple[str, np.ndarray, np.ndarray]]) -> tuple:
+    """(k, kinds, codes, scales) of the votes as native.c's fold loops take them."""
+    k = len(votes)
+    kinds = (ctypes.c_int * k)(*(_KIND[kind] for kind, _, _ in votes))
+    datas = (ctypes.c_void_p * k)(*(d.ctypes.data for _, d, _ in votes))
+    scales = (ctypes.c_void_p * k)(*(sc.ctypes.data for _, _, sc in votes))
+    return k, kinds, datas, scales
+
+
 def fold_votes(
     votes: list[tuple[str, np.ndarray, np.ndarray]],
     n: int,
@@ -472,21 +504,13 @@ def fold_votes(
     (the caller folds vote by vote)."""
     lib = native.library()
     if (
-        lib is None
-        or not votes
+        not _foldable(votes)
         or step % chunk_step(block)
         or not native.fits_float32(acc)
         or acc.size != n
-        or any(
-            d.itemsize != 1 or not d.flags.c_contiguous or not native.fits_float32(sc)
-            for _, d, sc in votes
-        )
     ):
         return False
-    k = len(votes)
-    kinds = (ctypes.c_int * k)(*(_KIND[kind] for kind, _, _ in votes))
-    datas = (ctypes.c_void_p * k)(*(d.ctypes.data for _, d, _ in votes))
-    scales = (ctypes.c_void_p * k)(*(sc.ctypes.data for _, _, sc in votes))
+    k, kinds, datas, scales = _vote_pointers(votes)
 
     def run(s: int, e: int, k0: int) -> None:
         chunk_sums = None if sums is None else sums.ctypes.data + 8 * k0
@@ -519,30 +543,19 @@ class Folded:
 
     def __init__(self, votes: list[tuple[str, np.ndarray, np.ndarray]], n: int, block: int):
         self.votes, self.size, self.block = votes, n, block
-        k = len(votes)
-        self.k = k
-        self.kinds = (ctypes.c_int * k)(*(_KIND[kind] for kind, _, _ in votes))
-        self.datas = (ctypes.c_void_p * k)(*(d.ctypes.data for _, d, _ in votes))
-        self.scales = (ctypes.c_void_p * k)(*(sc.ctypes.data for _, _, sc in votes))
+        self._pointers = _vote_pointers(votes)
 
     @staticmethod
     def usable(votes, block: int) -> bool:
+        """int8 / int4 votes the fold loops take, in blocks that tile the fused loop's
+        4096-element stretches."""
         return (
-            native.library() is not None
-            and bool(votes)
-            and block % 256 == 0
-            and all(
-                kind in ("int8", "int4")
-                and d.itemsize == 1
-                and d.flags.c_contiguous
-                and native.fits_float32(sc)
-                for kind, d, sc in votes
-            )
+            block % 256 == 0 and _foldable(votes) and all(v[0] in ("int8", "int4") for v in votes)
         )
 
     def pointers(self) -> tuple:
         """(k, kinds, codes, scales) as native.c's fold loops take them."""
-        return self.k, self.kinds, self.datas, self.scales
+        return self._pointers
 
     def sums(self, step: int) -> list[float]:
         """Per chunk of `step` elements, the sum of squares of the accumulator fold_votes would

@@ -93,9 +93,8 @@ def _fused_c(
     def coded(s: int):
         if fused is None:
             return nothing
-        per = {8: 1, 4: 2, 2: 4}[fused.kind]
         base, data, scales = (native.address(a) for a in (fused.base, fused.data, fused.scales))
-        where = (base + 4 * s, data + s // per, scales + 4 * (s // fused.block))
+        where = (base + 4 * s, data + s // fused.per, scales + 4 * (s // fused.block))
         return (fused.kind, fused.levels, fused.block, *where)
 
     def step_from(s: int, e: int, out: int, encoded) -> int:

@@ -10,7 +10,7 @@ crc32c_extend(crc32c_extend(c, A), B) = crc32c_extend(c, A + B).
 
 Why faster: on buffers past a few hundred KiB google_crc32c runs at about the speed of one
 chain of the SSE4.2 crc32 instruction, each step waiting for the last (3 cycles of latency, 1
-of throughput): 8 bytes every 3 cycles, 5-7 GB/s (docs/BENCHMARKS.md, "Payload checksum").
+of throughput): 8 bytes every 3 cycles, 5-7 GB/s (training/store/crc.py, MIN_BYTES).
 Here three chains run at once over three adjacent stretches of `block` bytes (A, B, C), 24
 bytes every 3 cycles, and are joined after each stretch. Inside, the register s is updated without the inversions
 (the raw CRC), which is linear over GF(2): with |X| bytes of X,
